@@ -1,0 +1,14 @@
+"""autopar: a declarative compiler from a single-device PyTorch model to a distributed training program.
+
+`autopar.plan(model, "dp=2,tp=2", strategies=[...], example_inputs=...)` plans in one process;
+`autopar.parallelize(...)` does the same under an initialised process group and returns the
+rank's trainable module. Strategies live in `autopar.strategies`, passes in `autopar.passes`.
+"""
+from autopar.api import ParallelModule, Plan, parallelize, plan
+from autopar.errors import PlanError
+from autopar.mesh import Mesh
+from autopar.strategies.data_parallel import data_parallel
+from autopar.strategies.tensor_parallel import sequence_parallel, tensor_parallel
+
+__all__ = ["Mesh", "ParallelModule", "Plan", "PlanError", "data_parallel", "parallelize", "plan",
+           "sequence_parallel", "tensor_parallel"]

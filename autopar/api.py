@@ -1,0 +1,35 @@
+"""The public entry points: `plan` (single process, no process group) and `parallelize`
+(under torchrun or any initialised process group: returns the rank's `ParallelModule`)."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from autopar.mesh import Mesh
+from autopar.plan import Plan, plan
+from autopar.runtime.module import ParallelModule
+
+
+def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, strategies: Sequence[Any],
+                example_inputs: Sequence[Any], example_kwargs: dict | None = None,
+                ranks_per_node: int | None = None, bucket_cap_mb: float = 25.0) -> ParallelModule:
+    """Compile `model` for `mesh` and return this rank's module. `example_inputs` is a global batch."""
+    if not dist.is_initialized():
+        raise RuntimeError("autopar.parallelize needs an initialised process group (run under torchrun, or call "
+                           "torch.distributed.init_process_group first); use autopar.plan to plan without one")
+    mesh = Mesh.parse(mesh, ranks_per_node=ranks_per_node) if not isinstance(mesh, Mesh) else mesh
+    mesh.check_world_size(dist.get_world_size())
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device_mesh = mesh.device_mesh(device_type=device_type)
+    groups = {axis: device_mesh.get_group(axis).group_name for axis in mesh.names}
+    the_plan = plan(model, mesh, strategies=strategies, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                    bucket_cap_mb=bucket_cap_mb)
+    state = dict(model.named_parameters())
+    state.update(the_plan.traced.state)
+    state.update({name: p for name, p in model.named_parameters()})
+    return ParallelModule(the_plan, rank=dist.get_rank(), groups=groups, state=state)
+
+
+__all__ = ["Plan", "ParallelModule", "parallelize", "plan"]

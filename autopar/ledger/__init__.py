@@ -1,0 +1,1 @@
+"""Ledgers derived from the emitted program: communication per step (`comm.py`)."""

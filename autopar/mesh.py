@@ -1,0 +1,124 @@
+"""The user-declared device mesh: named axes, outermost first, and the node hierarchy.
+
+`Mesh(dp=2, tp=2)` or `Mesh.parse("dp=2,tp=2")` declares the axes; `ranks_per_node` says how
+many consecutive ranks share a node, so each axis knows whether its groups stay inside a node
+(`intra`) or cross nodes (`inter`). `device_mesh()` builds the matching torch DeviceMesh: a
+real one under an initialised process group, or a plan-only one (no backend) for planning.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.errors import PlanError
+
+KNOWN_AXES = ("pp", "dp", "dp_rep", "dp_shard", "cp", "ep", "tp")
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Named mesh axes (outermost first) and how many ranks share one node."""
+
+    axes: tuple[tuple[str, int], ...]
+    ranks_per_node: int | None = None
+    _sizes: dict[str, int] = field(init=False, repr=False, compare=False)
+
+    def __init__(self, axes: dict[str, int] | None = None, *, ranks_per_node: int | None = None, **sizes: int) -> None:
+        declared = dict(axes or {}, **sizes)
+        if not declared:
+            raise PlanError("a mesh needs at least one axis, e.g. Mesh(dp=2) or 'dp=2,tp=2'")
+        for name, size in declared.items():
+            if not name.isidentifier():
+                raise PlanError(f"mesh axis name {name!r} is not an identifier; use names like dp, tp, pp")
+            if not isinstance(size, int) or size < 1:
+                raise PlanError(f"mesh axis {name!r} has size {size!r}; every axis needs a positive integer size")
+        world = math.prod(declared.values())
+        if ranks_per_node is not None and (ranks_per_node < 1 or (world % ranks_per_node and ranks_per_node < world)):
+            raise PlanError(f"ranks_per_node={ranks_per_node} does not divide the world size {world}")
+        object.__setattr__(self, "axes", tuple(declared.items()))
+        object.__setattr__(self, "ranks_per_node", ranks_per_node)
+        object.__setattr__(self, "_sizes", dict(declared))
+
+    @classmethod
+    def parse(cls, spec: "str | Mesh | dict[str, int]", *, ranks_per_node: int | None = None) -> "Mesh":
+        """Accept a Mesh, a dict, or the string form "dp=2,tp=2" (optionally ";node=4")."""
+        if isinstance(spec, Mesh):
+            return spec
+        if isinstance(spec, dict):
+            return cls(spec, ranks_per_node=ranks_per_node)
+        axes: dict[str, int] = {}
+        text, _, node_part = spec.partition(";")
+        if node_part:
+            key, _, value = node_part.partition("=")
+            if key.strip() != "node" or not value.strip().isdigit():
+                raise PlanError(f"cannot read {node_part!r} in mesh {spec!r}; write e.g. 'dp=2,tp=4;node=4'")
+            ranks_per_node = int(value)
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, eq, value = part.partition("=")
+            if not eq or not value.strip().lstrip("-").isdigit():
+                raise PlanError(f"cannot read {part!r} in mesh {spec!r}; write axes as name=size, e.g. 'dp=2,tp=2'")
+            if name.strip() in axes:
+                raise PlanError(f"mesh axis {name.strip()!r} is declared twice in {spec!r}")
+            axes[name.strip()] = int(value)
+        return cls(axes, ranks_per_node=ranks_per_node)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.axes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(size for _, size in self.axes)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
+
+    def size(self, axis: str) -> int:
+        self.require_axis(axis)
+        return self._sizes[axis]
+
+    def require_axis(self, axis: str, *, wanted_by: str = "") -> None:
+        if axis not in self._sizes:
+            who = f" (named by {wanted_by})" if wanted_by else ""
+            raise PlanError(f"unknown mesh axis {axis!r}{who}; the mesh has axes {list(self.names)}. "
+                            f"Declare it, e.g. Mesh({axis}=2, ...), or drop it from the strategy")
+
+    def coordinate(self, rank: int, axis: str) -> int:
+        """This rank's index along `axis` (row-major, outermost axis first)."""
+        index = self.names.index(axis)
+        stride = math.prod(self.shape[index + 1:])
+        return (rank // stride) % self.shape[index]
+
+    def link(self, axis: str) -> str:
+        """'intra' if every group along `axis` stays inside one node, else 'inter'."""
+        per_node = self.ranks_per_node or self.world_size
+        index = self.names.index(axis)
+        stride = math.prod(self.shape[index + 1:])
+        for rank in range(self.world_size):
+            first = rank - self.coordinate(rank, axis) * stride
+            last = first + (self.shape[index] - 1) * stride
+            if first // per_node != last // per_node:
+                return "inter"
+        return "intra"
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise PlanError(f"mesh {self} has {self.world_size} ranks but the job has world size {world_size}; "
+                            f"make the product of the axis sizes equal the number of processes")
+
+    def device_mesh(self, *, device_type: str = "cpu", plan_rank: int | None = None) -> DeviceMesh:
+        """A torch DeviceMesh over these axes. With `plan_rank` no process group is needed."""
+        ranks = torch.arange(self.world_size).reshape(self.shape)
+        if plan_rank is not None:
+            return DeviceMesh(device_type, ranks, mesh_dim_names=self.names, _init_backend=False, _rank=plan_rank)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, self.shape, mesh_dim_names=self.names)
+
+    def __str__(self) -> str:
+        text = ",".join(f"{name}={size}" for name, size in self.axes)
+        return f"{text};node={self.ranks_per_node}" if self.ranks_per_node else text

@@ -1,0 +1,202 @@
+"""autopar's own sharding rules, for ops DTensor has no rule for or shards in a way we cannot use.
+
+DTensor's registry (`DTensor._op_dispatcher.sharding_propagator`) answers for most aten ops; the
+propagation pass asks it first unless a rule here is registered for the op. A rule sees the
+node and the placements its tensor arguments arrive with, and returns a `RuleResult`: output
+spec(s), the spec each tensor argument must have, optionally a local kernel to run instead of the
+aten op (`autopar.runtime.local_ops`) and the collectives that kernel issues, for the ledger.
+A rule may return None to hand the op back to DTensor.
+
+Rules: scaled_dot_product_attention (batch- or head-sharded; DTensor has no rule for the CPU
+kernel), embedding (vocabulary-parallel), _log_softmax and nll_loss_forward (vocabulary- and
+batch-sharded cross-entropy that never gathers the logits). Register one with `@register(op)`;
+registering an op twice is an error.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import sympy
+import torch
+import torch.fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import Placement
+
+from autopar.ir import hint, sym_size
+from autopar.runtime import local_ops
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class InternalCollective:
+    """A collective a local kernel issues: kind, axis, phase and logical bytes (sympy)."""
+
+    kind: str
+    axis: str
+    phase: str
+    logical_bytes: sympy.Expr
+    dtype: torch.dtype
+    why: str
+
+
+@dataclass
+class RuleResult:
+    output: Any
+    required: list[DTensorSpec | None]
+    local_kernel: Callable[..., Any] | None = None
+    kernel_kwargs: dict[str, tuple[str, str]] = field(default_factory=dict)
+    internal: list[InternalCollective] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RuleContext:
+    mesh_names: tuple[str, ...]
+    mesh_shape: tuple[int, ...]
+
+
+_RULES: dict[Any, Callable[..., RuleResult | None]] = {}
+
+
+def register(op: Any) -> Callable[[Callable[..., RuleResult | None]], Callable[..., RuleResult | None]]:
+    def decorate(rule: Callable[..., RuleResult | None]) -> Callable[..., RuleResult | None]:
+        if op in _RULES:
+            raise ValueError(f"a sharding rule for {op} is already registered ({_RULES[op].__name__})")
+        _RULES[op] = rule
+        return rule
+
+    return decorate
+
+
+def lookup(op: Any) -> Callable[..., RuleResult | None] | None:
+    return _RULES.get(op)
+
+
+def _spec_like(spec: DTensorSpec, placements: tuple[Placement, ...], value: torch.Tensor | None = None) -> DTensorSpec:
+    meta = spec.tensor_meta if value is None else TensorMeta(torch.Size(hint(tuple(value.shape))),
+                                                             hint(tuple(value.stride())), value.dtype)
+    return DTensorSpec(spec.mesh, placements, meta)
+
+
+def _numel(value: torch.Tensor) -> sympy.Expr:
+    total = sympy.Integer(1)
+    for size in value.shape:
+        total *= sym_size(size)
+    return total
+
+
+@register(aten.scaled_dot_product_attention.default)
+def sdpa_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext) -> RuleResult:
+    """q, k, v sharded alike on batch (0) or heads (1) keep that sharding; anything else replicates."""
+    q, k, v = specs[:3]
+    mask = specs[3] if len(specs) > 3 else None
+    chosen = []
+    for axis_index in range(len(ctx.mesh_names)):
+        placement = q.placements[axis_index]
+        same = all(s.placements[axis_index] == placement for s in (k, v))
+        keep = isinstance(placement, Shard) and placement.dim in (0, 1) and same
+        chosen.append(placement if keep else Replicate())
+    chosen_t = tuple(chosen)
+    required: list[DTensorSpec | None] = [_spec_like(s, chosen_t) for s in (q, k, v)]
+    if mask is not None:
+        mask_val = node.args[3].meta["val"]
+        mask_placements = tuple(p if isinstance(p, Shard) and hint(mask_val.shape[p.dim]) > 1 else Replicate()
+                                for p in chosen_t)
+        required.append(_spec_like(mask, mask_placements))
+    required += [None] * (len(specs) - len(required))
+    return RuleResult(output=_spec_like(q, chosen_t, node.meta["val"]), required=required)
+
+
+@register(aten.embedding.default)
+def embedding_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext) -> RuleResult | None:
+    """Vocabulary-sharded weight (Shard(0)) with replicated ids gives a Partial output."""
+    weight, ids = specs[:2]
+    vocab_axes = [i for i, p in enumerate(weight.placements) if p == Shard(0)]
+    if not vocab_axes:
+        return None
+    if len(vocab_axes) > 1 or any(not isinstance(p, (Replicate, Shard)) or p == Shard(1) for p in weight.placements):
+        return None
+    axis_index = vocab_axes[0]
+    ids_placements = list(ids.placements)
+    ids_placements[axis_index] = Replicate()
+    out = []
+    for i, p in enumerate(ids_placements):
+        out.append(Partial() if i == axis_index else p)
+    return RuleResult(
+        output=_spec_like(weight, tuple(out), node.meta["val"]),
+        required=[weight, _spec_like(ids, tuple(ids_placements))] + [None] * (len(specs) - 2),
+        local_kernel=local_ops.vocab_parallel_embedding,
+        kernel_kwargs={"index": ("index", ctx.mesh_names[axis_index])},
+    )
+
+
+@register(aten._log_softmax.default)
+def log_softmax_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext) -> RuleResult | None:
+    """Sharded on the softmax dimension: run `sharded_log_softmax` (three all-reduces of one value per row)."""
+    x = specs[0]
+    value = node.args[0].meta["val"]
+    dim = node.args[1] % value.dim()
+    sharded = [i for i, p in enumerate(x.placements) if p == Shard(dim)]
+    if not sharded:
+        return None
+    if len(sharded) > 1 or any(isinstance(p, Partial) for p in x.placements):
+        return None
+    axis_index = sharded[0]
+    axis = ctx.mesh_names[axis_index]
+    rows = _numel(value) / sym_size(value.shape[dim])
+    for i, p in enumerate(x.placements):
+        if isinstance(p, Shard) and i != axis_index:
+            rows = rows / ctx.mesh_shape[i]
+    nbytes = rows * value.dtype.itemsize
+    internal = [InternalCollective("all_reduce", axis, "forward", nbytes, value.dtype, "vocab-parallel softmax: row max"),
+                InternalCollective("all_reduce", axis, "forward", nbytes, value.dtype, "vocab-parallel softmax: row sum(exp)"),
+                InternalCollective("all_reduce", axis, "backward", nbytes, value.dtype, "vocab-parallel softmax: row sum(grad)")]
+    return RuleResult(output=_spec_like(x, x.placements, node.meta["val"]), required=[x, None, None],
+                      local_kernel=local_ops.sharded_log_softmax, kernel_kwargs={"group": ("group", axis)},
+                      internal=internal)
+
+
+@register(aten.nll_loss_forward.default)
+def nll_loss_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext) -> RuleResult | None:
+    """[N, C] log-probs sharded on classes (dim 1) and/or batch (dim 0, with the target)."""
+    log_probs, target = specs[:2]
+    value = node.args[0].meta["val"]
+    if value.dim() != 2 or (len(node.args) > 2 and node.args[2] is not None):
+        return None
+    reduction = node.args[3] if len(node.args) > 3 else 1
+    class_axis = None
+    batch_axes = []
+    lp_required, target_required, out, total = [], [], [], []
+    for i, p in enumerate(log_probs.placements):
+        t = target.placements[i]
+        if p == Shard(1):
+            if class_axis is not None:
+                return None
+            class_axis = i
+            lp_required.append(p); target_required.append(Replicate())
+            out.append(Partial()); total.append(Replicate())
+        elif p == Shard(0) or (isinstance(p, Replicate) and t == Shard(0)):
+            batch_axes.append(i)
+            lp_required.append(Shard(0)); target_required.append(Shard(0))
+            out.append(Shard(0) if reduction == 0 else Partial()); total.append(Replicate())
+        elif isinstance(p, Replicate) and isinstance(t, Replicate):
+            lp_required.append(p); target_required.append(t); out.append(p); total.append(p)
+        else:
+            return None
+    if class_axis is None and not batch_axes:
+        return None
+    out_val, total_val = node.meta["val"]
+    internal = [InternalCollective("all_reduce", ctx.mesh_names[i], "forward", sympy.Integer(total_val.dtype.itemsize),
+                                   total_val.dtype, "mean over batch shards: count of targets") for i in batch_axes]
+    kwargs: dict[str, tuple[str, str]] = {"batch_groups": ("groups", ",".join(ctx.mesh_names[i] for i in batch_axes))}
+    if class_axis is not None:
+        kwargs["class_index"] = ("index", ctx.mesh_names[class_axis])
+    else:
+        kwargs["class_index"] = ("none", "")
+    return RuleResult(
+        output=(_spec_like(log_probs, tuple(out), out_val), _spec_like(log_probs, tuple(total), total_val)),
+        required=[_spec_like(log_probs, tuple(lp_required)), _spec_like(target, tuple(target_required))]
+        + [None] * (len(specs) - 2),
+        local_kernel=local_ops.sharded_nll_loss, kernel_kwargs=kwargs, internal=internal)

@@ -1,0 +1,130 @@
+"""`plan()`: trace, run the passes, and collect what they decided into a `Plan`.
+
+A Plan needs no process group: it holds the planned graph (placements on every node, inserted
+collectives), the gradient buckets, the communication ledger, and can emit any rank's graph
+(`rank_graph`), shard a parameter or a global batch for a rank (`shard`, `local_inputs`), and
+print the placement table and ledger (`report`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+from tabulate import tabulate
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import Placement
+
+from autopar.context import CompileContext
+from autopar.errors import PlanError
+from autopar.ir import SPEC, describe, module_path
+from autopar.ledger.comm import CommLedger, build_comm_ledger
+from autopar.mesh import Mesh
+from autopar.passes import PassRecord, default_passes, run_passes
+from autopar.passes.emit_rank_graph import emit_rank_graph
+from autopar.passes.insert_grad_reductions import GRAD_SYNC
+from autopar.runtime.grad_sync import Bucket, plan_buckets
+from autopar.strategies import ResolvedStrategy, resolve_strategies
+from autopar.trace import TracedProgram, trace_model
+
+
+def shard(tensor: torch.Tensor, placements: Sequence[Placement], mesh: Mesh, rank: int) -> torch.Tensor:
+    """The piece of a global tensor that `rank` holds under `placements` (outermost axis first)."""
+    for axis, placement in zip(mesh.names, placements):
+        if isinstance(placement, Shard):
+            tensor = torch.chunk(tensor, mesh.size(axis), dim=placement.dim)[mesh.coordinate(rank, axis)]
+    return tensor.contiguous()
+
+
+@dataclass
+class Plan:
+    mesh: Mesh
+    strategy: ResolvedStrategy
+    traced: TracedProgram
+    graph_module: torch.fx.GraphModule
+    context: CompileContext
+    pass_records: list[PassRecord]
+    buckets: list[Bucket]
+    comm: CommLedger
+
+    def rank_graph(self, rank: int, groups: dict[str, str] | None = None) -> torch.fx.GraphModule:
+        return emit_rank_graph(self.graph_module, self.context, rank=rank, groups=groups)
+
+    def placeholder_nodes(self, kind: str) -> list[torch.fx.Node]:
+        return [n for n in self.graph_module.graph.nodes
+                if n.op == "placeholder" and self.context.placeholders[n.name].kind == kind]
+
+    def parameter_placements(self) -> dict[str, tuple[Placement, ...]]:
+        return {self.context.placeholders[n.name].target: n.meta[SPEC].placements
+                for n in self.placeholder_nodes("parameter")}
+
+    def grad_sync_axes(self) -> dict[str, tuple[str, ...]]:
+        return {self.context.placeholders[n.name].target: tuple(n.meta.get(GRAD_SYNC, ()))
+                for n in self.placeholder_nodes("parameter")}
+
+    def local_inputs(self, inputs: Sequence[Any], rank: int) -> list[Any]:
+        """A rank's slice of a global batch (flattened user inputs, in order)."""
+        nodes = self.placeholder_nodes("input")
+        if len(inputs) != len(nodes):
+            raise PlanError(f"expected {len(nodes)} inputs (as traced), got {len(inputs)}")
+        return [shard(value, node.meta[SPEC].placements, self.mesh, rank) if isinstance(value, torch.Tensor) else value
+                for value, node in zip(inputs, nodes)]
+
+    def placement_table(self, *, activations: bool = True) -> str:
+        rows = []
+        for node in self.graph_module.graph.nodes:
+            spec = node.meta.get(SPEC)
+            if not isinstance(spec, DTensorSpec) or (node.op == "call_function" and not activations):
+                continue
+            if node.op == "call_function" and "getitem" in str(node.target):
+                continue
+            info = self.context.placeholders.get(node.name)
+            what = f"{info.kind} {info.target}" if info else str(node.target).replace("aten.", "")
+            shape = tuple(spec.tensor_meta.shape) if spec.tensor_meta else ()
+            local = list(shape)
+            for axis_index, placement in enumerate(spec.placements):
+                if isinstance(placement, Shard):
+                    local[placement.dim] //= self.mesh.shape[axis_index]
+            rows.append([node.name, what, module_path(node), "x".join(map(str, shape)),
+                         describe(spec.placements), "x".join(map(str, local))])
+        return tabulate(rows, headers=["node", "op / tensor", "module", "global", f"placement ({','.join(self.mesh.names)})",
+                                       "local"], tablefmt="simple")
+
+    def report(self, *, activations: bool = True) -> str:
+        passes = tabulate([[r.name, f"{r.seconds * 1000:.0f} ms", r.nodes_before, r.nodes_after]
+                           for r in self.pass_records], headers=["pass", "time", "nodes in", "nodes out"])
+        return (f"mesh {self.mesh}  ({self.mesh.world_size} ranks; "
+                + ", ".join(f"{a}: {self.mesh.link(a)}" for a in self.mesh.names) + ")\n"
+                + "strategies: " + ", ".join(f"{s.name} on {s.axis}" for s in self.strategy.strategies) + "\n\n"
+                + passes + "\n\n" + self.placement_table(activations=activations)
+                + "\n\nCommunication per step, per rank\n" + self.comm.table())
+
+
+def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, strategies: Sequence[Any],
+         example_inputs: Sequence[Any], example_kwargs: dict | None = None, dynamic_dims: dict[str, int] | None = None,
+         ranks_per_node: int | None = None, bucket_cap_mb: float = 25.0) -> Plan:
+    """Plan `model` for `mesh` in this process; no process group is needed. See module docstring."""
+    mesh = Mesh.parse(mesh, ranks_per_node=ranks_per_node) if not isinstance(mesh, Mesh) else mesh
+    traced = trace_model(model, tuple(example_inputs), example_kwargs, dynamic_dims=dynamic_dims)
+    param_names = [i.target for i in traced.placeholders.values() if i.kind == "parameter"]
+    strategy = resolve_strategies(mesh, list(strategies), param_names)
+    context = CompileContext(mesh=mesh, device_mesh=mesh.device_mesh(plan_rank=0), strategy=strategy,
+                             placeholders=traced.placeholders, symbols=traced.symbols)
+    graph_module, records = run_passes(traced.graph_module, context, default_passes())
+    params = []
+    for node in graph_module.graph.nodes:
+        info = context.placeholders.get(node.name)
+        if node.op == "placeholder" and info.kind == "parameter":
+            spec = node.meta[SPEC]
+            numel = spec.tensor_meta.shape.numel()
+            for axis_index, placement in enumerate(spec.placements):
+                if isinstance(placement, Shard):
+                    numel //= mesh.shape[axis_index]
+            params.append((info.target, numel, spec.tensor_meta.dtype, tuple(node.meta.get(GRAD_SYNC, ()))))
+    buckets = plan_buckets(params, cap_bytes=int(bucket_cap_mb * 2**20))
+    comm = build_comm_ledger(graph_module.graph, mesh, buckets, {p[0]: p[2] for p in params},
+                             traced.symbols, traced.symbol_values)
+    return Plan(mesh=mesh, strategy=strategy, traced=traced, graph_module=graph_module, context=context,
+                pass_records=records, buckets=buckets, comm=comm)

@@ -1,0 +1,101 @@
+"""Bucketed gradient synchronisation for parameters whose gradients come out Partial.
+
+`plan_buckets` groups parameters (in reverse graph order, roughly the order backward produces
+their gradients) by the axes they reduce over and by dtype, up to `cap_bytes` per bucket; the
+communication ledger uses the same buckets. `GradSynchronizer` registers post-accumulate-grad
+hooks: when a bucket's last gradient arrives its gradients are flattened and all-reduced over
+each axis (functional collectives); the end-of-backward callback waits for them and writes the
+reduced values back into `param.grad`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from autopar.runtime.collectives import raw_all_reduce
+
+
+@dataclass(frozen=True)
+class Bucket:
+    axes: tuple[str, ...]
+    dtype: torch.dtype
+    params: tuple[str, ...]
+    numel: int
+
+
+def plan_buckets(params: list[tuple[str, int, torch.dtype, tuple[str, ...]]], *, cap_bytes: int) -> list[Bucket]:
+    """params: (fqn, local numel, dtype, axes) in graph order. Returns buckets in launch order."""
+    buckets: list[Bucket] = []
+    open_buckets: dict[tuple, list[tuple[str, int]]] = {}
+
+    def close(key: tuple) -> None:
+        members = open_buckets.pop(key)
+        buckets.append(Bucket(axes=key[0], dtype=key[1], params=tuple(n for n, _ in members),
+                              numel=sum(c for _, c in members)))
+
+    for fqn, numel, dtype, axes in reversed(params):
+        if not axes:
+            continue
+        key = (tuple(axes), dtype)
+        members = open_buckets.setdefault(key, [])
+        members.append((fqn, numel))
+        if sum(c for _, c in members) * dtype.itemsize >= cap_bytes:
+            close(key)
+    for key in list(open_buckets):
+        close(key)
+    return buckets
+
+
+class GradSynchronizer:
+    """Launches each bucket's all-reduce as soon as its gradients exist; finishes at end of backward."""
+
+    def __init__(self, module: torch.nn.Module, buckets: list[Bucket], groups: dict[str, str]) -> None:
+        self.buckets = buckets
+        self.groups = groups
+        self.params = dict(module.named_parameters())
+        self._bucket_of = {fqn: i for i, b in enumerate(buckets) for fqn in b.params}
+        self._ready: list[set[str]] = [set() for _ in buckets]
+        self._launched: dict[int, torch.Tensor] = {}
+        self._callback_queued = False
+        for fqn in self._bucket_of:
+            self.params[fqn].register_post_accumulate_grad_hook(self._make_hook(fqn))
+
+    def _make_hook(self, fqn: str):
+        def hook(param: torch.Tensor) -> None:
+            if not self._callback_queued:
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+                self._callback_queued = True
+            index = self._bucket_of[fqn]
+            self._ready[index].add(fqn)
+            if len(self._ready[index]) == len(self.buckets[index].params):
+                self._launch(index)
+        return hook
+
+    def _launch(self, index: int) -> None:
+        bucket = self.buckets[index]
+        grads = [self._grad(fqn) for fqn in bucket.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        for axis in bucket.axes:
+            flat = raw_all_reduce(flat, self.groups[axis], "sum")
+        self._launched[index] = flat
+
+    def _grad(self, fqn: str) -> torch.Tensor:
+        param = self.params[fqn]
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        return param.grad
+
+    def _finish(self) -> None:
+        for index in range(len(self.buckets)):
+            if index not in self._launched:
+                self._launch(index)
+        for index, flat in self._launched.items():
+            offset = 0
+            for fqn in self.buckets[index].params:
+                grad = self.params[fqn].grad
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+        self._launched.clear()
+        self._ready = [set() for _ in self.buckets]
+        self._callback_queued = False

@@ -1,0 +1,63 @@
+"""Start a local multi-process job without torchrun (tests, examples, benchmarks).
+
+`launch(fn, world_size, *args)` spawns `world_size` processes on this machine, each with one
+CPU thread, a gloo process group on a free loopback port with a timeout, runs `fn(rank,
+world_size, *args)` and returns every rank's return value (pickled through a temp file). If a
+rank raises, the others are terminated and the error is re-raised here with the rank's traceback:
+nothing hangs. Under torchrun use `init_from_env()` instead.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_from_env(*, timeout_s: float = 120.0, backend: str | None = None) -> None:
+    """Initialise the default process group from torchrun's environment variables."""
+    torch.set_num_threads(int(os.environ.get("AUTOPAR_THREADS", "1")))
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float, fn: Callable, args: tuple) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as handle:
+            handle.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+    """Run fn(rank, world_size, *args) on `world_size` local gloo processes; return the results by rank."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        try:
+            mp.start_processes(_worker, args=(world_size, free_port(), out_dir, timeout_s, fn, args),
+                               nprocs=world_size, join=True, start_method="spawn")
+        except mp.ProcessRaisedException as error:
+            details = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.endswith(".err")]
+            raise RuntimeError("a rank failed:\n" + "\n".join(details)) from error
+        except mp.ProcessExitedException as error:
+            raise RuntimeError(f"a rank exited abnormally: {error}") from error
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -1,0 +1,69 @@
+"""Local kernels for ops whose sharded form is not the plain aten op on the shard.
+
+- `vocab_parallel_embedding`: lookup into a vocabulary shard; ids owned by other ranks give
+  zero rows, so the output is Partial (sum) over the axis.
+- `sharded_log_softmax`: log-softmax over a dimension sharded on the axis (the vocabulary):
+  all-reduce of the row max and of the row sum of exponentials forward, one all-reduce of the
+  row sum of the incoming gradient backward. Full logits are never gathered.
+- `sharded_nll_loss`: nll_loss_forward on class shards and/or batch shards; the count of
+  non-ignored targets is all-reduced over the batch axes so the mean matches one device.
+The collectives they issue are declared by their rules in `autopar.op_rules` for the ledger.
+"""
+from __future__ import annotations
+
+import torch
+
+from autopar.runtime.collectives import raw_all_reduce
+
+
+def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, *, index: int) -> torch.Tensor:
+    rows = weight.shape[0]
+    start = index * rows
+    foreign = (indices < start) | (indices >= start + rows)
+    local = (indices - start).masked_fill(foreign, 0)
+    return torch.nn.functional.embedding(local, weight).masked_fill(foreign.unsqueeze(-1), 0.0)
+
+
+class _ShardedLogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        row_max = raw_all_reduce(x.amax(dim=dim, keepdim=True).detach(), group, "max")
+        shifted = x - row_max
+        sum_exp = raw_all_reduce(shifted.exp().sum(dim=dim, keepdim=True), group, "sum")
+        out = shifted - sum_exp.log()
+        ctx.save_for_backward(out)
+        ctx.dim, ctx.group = dim, group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        grad_sum = raw_all_reduce(grad.sum(dim=ctx.dim, keepdim=True), ctx.group, "sum")
+        return grad - out.exp() * grad_sum, None, None
+
+
+def sharded_log_softmax(x: torch.Tensor, dim: int, half_to_float: bool = False, *, group: str) -> torch.Tensor:
+    return _ShardedLogSoftmax.apply(x.float() if half_to_float else x, dim, group)
+
+
+def sharded_nll_loss(log_probs: torch.Tensor, target: torch.Tensor, weight: None, reduction: int, ignore_index: int, *,
+                     class_index: int | None, batch_groups: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """nll_loss_forward for log_probs [N, C_local] (C sharded when class_index is set) or batch shards."""
+    valid = target != ignore_index
+    owned = valid
+    local_target = target.masked_fill(~valid, 0)
+    if class_index is not None:
+        classes = log_probs.shape[1]
+        start = class_index * classes
+        owned = valid & (target >= start) & (target < start + classes)
+        local_target = (target - start).masked_fill(~owned, 0)
+    picked = log_probs.gather(1, local_target.unsqueeze(1)).squeeze(1)
+    losses = -picked.masked_fill(~owned, 0.0)
+    total = valid.sum().to(log_probs.dtype)
+    for group in batch_groups:
+        total = raw_all_reduce(total, group, "sum")
+    if reduction == 0:  # aten's Reduction enum: 0 none, 1 mean, 2 sum
+        return losses, total
+    if reduction == 2:
+        return losses.sum(), total
+    return losses.sum() / total, total

@@ -1,0 +1,120 @@
+"""Tracing: a model and example inputs -> an aten-level graph with shapes, via torch.export.
+
+`trace_model` runs `torch.export.export(strict=False)` (which also works on meta-device models
+and under FakeTensorMode, so models far larger than this machine can be planned), then
+decomposes to core ATen with DTensor-friendly ops, keeping `scaled_dot_product_attention` as one
+node. `dynamic_dims={"b": 0, "s": 1}` marks those dimensions of every user input dynamic; the
+resulting export symbols are renamed to the user's names so ledgers come out in `b` and `s`.
+Parameters, buffers and constants are lifted to placeholders, described by `PlaceholderInfo`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+import torch.fx
+from torch.export import Dim, ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
+
+from autopar.context import PlaceholderInfo
+from autopar.errors import PlanError
+from autopar.ir import sym_size
+
+
+@dataclass
+class TracedProgram:
+    graph_module: torch.fx.GraphModule
+    placeholders: dict[str, PlaceholderInfo]
+    state: dict[str, torch.Tensor]
+    user_input_count: int
+    out_spec: Any
+    symbols: dict[sympy.Symbol, sympy.Symbol]
+    symbol_values: dict[sympy.Symbol, int]
+
+
+def _decomposition_table() -> dict:
+    table = torch.export.default_decompositions()
+    # kept whole: autopar.op_rules shards them (head/batch-sharded attention, vocab-parallel loss)
+    for op in (torch.ops.aten.scaled_dot_product_attention.default, torch.ops.aten.nll_loss_forward.default):
+        table.pop(op, None)
+    return table
+
+
+def _dynamic_shapes(args: tuple, kwargs: dict, dynamic_dims: dict[str, int]) -> Any:
+    def one(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return None
+        return {dim: Dim.AUTO for dim in dynamic_dims.values() if dim < value.dim()} or None
+
+    return pytree.tree_map(one, (args, kwargs), is_leaf=lambda v: isinstance(v, torch.Tensor))
+
+
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims: dict[str, int] | None) -> ExportedProgram:
+    dynamic = _dynamic_shapes(args, kwargs, dynamic_dims) if dynamic_dims else None
+    try:
+        program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+    except Exception as error:
+        raise PlanError(
+            f"{type(model).__name__} could not be traced by torch.export (non-strict): {type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}\n"
+            f"  fix: make forward traceable (no data-dependent Python control flow on tensor values, no "
+            f"unsupported side effects; for HF models set use_cache=False), or trace a wrapper that returns "
+            f"the loss") from error
+    return program.run_decompositions(_decomposition_table())
+
+
+def _symbols(program: ExportedProgram, placeholders: dict[str, PlaceholderInfo],
+             dynamic_dims: dict[str, int] | None) -> tuple[dict, dict]:
+    names: dict[sympy.Symbol, sympy.Symbol] = {}
+    values: dict[sympy.Symbol, int] = {}
+    for node in program.graph.nodes:
+        info = placeholders.get(node.name)
+        value = node.meta.get("val")
+        if node.op != "placeholder" or info is None or info.kind != "input" or not isinstance(value, torch.Tensor):
+            continue
+        for name, dim in (dynamic_dims or {}).items():
+            if dim < value.dim() and isinstance(value.shape[dim], torch.SymInt):
+                expr = sym_size(value.shape[dim])
+                if isinstance(expr, sympy.Symbol) and expr not in names:
+                    names[expr] = sympy.Symbol(name, positive=True, integer=True)
+                    values[names[expr]] = int(value.shape[dim].node.hint)
+    return names, values
+
+
+def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
+                dynamic_dims: dict[str, int] | None = None) -> TracedProgram:
+    kwargs = kwargs or {}
+    program = _export(model, tuple(args), kwargs, dynamic_dims)
+    signature = program.graph_signature
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    placeholders: dict[str, PlaceholderInfo] = {}
+    state: dict[str, torch.Tensor] = {}
+    user_index = 0
+    for position, spec in enumerate(signature.input_specs):
+        name = spec.arg.name
+        if spec.kind == InputKind.USER_INPUT:
+            placeholders[name] = PlaceholderInfo("input", str(user_index), user_index)
+            user_index += 1
+        elif spec.kind == InputKind.PARAMETER:
+            placeholders[name] = PlaceholderInfo("parameter", spec.target, position, spec.target in trainable)
+            state[spec.target] = program.state_dict[spec.target]
+        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            kind = "buffer" if spec.kind == InputKind.BUFFER else "constant"
+            placeholders[name] = PlaceholderInfo(kind, spec.target, position)
+            source = program.state_dict if spec.target in program.state_dict else program.constants
+            state[spec.target] = source[spec.target]
+        else:
+            raise PlanError(f"graph input {name} of kind {spec.kind.name} is not supported yet; "
+                            f"fix: remove it from the model's forward")
+    for spec in signature.output_specs:
+        if spec.kind != OutputKind.USER_OUTPUT:
+            raise PlanError(f"the model's forward mutates state ({spec.kind.name} {spec.target}); autopar plans "
+                            f"pure training steps. fix: avoid in-place buffer updates (e.g. BatchNorm running stats) "
+                            f"in forward")
+    names, values = _symbols(program, placeholders, dynamic_dims)
+    return TracedProgram(graph_module=program.graph_module, placeholders=placeholders, state=state,
+                         user_input_count=user_index, out_spec=program.call_spec.out_spec,
+                         symbols=names, symbol_values=values)

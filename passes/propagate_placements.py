@@ -1,0 +1,171 @@
+"""Pass 1: give every tensor in the graph a DTensor placement per mesh axis.
+
+Seeds: parameters and user inputs get the placements the strategies declare (`ResolvedStrategy`),
+buffers and constants are replicated, ops without tensor inputs (arange, zeros) produce
+replicated tensors. Every other node, in topological order:
+1. each tensor argument's spec is adjusted for the module boundaries the edge crosses
+   (`ResolvedStrategy.edge_placements`: a module's declared input / output layouts);
+2. autopar's own rule for the op (`autopar.op_rules`) decides if there is one, otherwise DTensor's
+   sharding propagator (`propagate_op_sharding_non_cached`, the rules DTensor registers) picks the
+   output placement and the placements the arguments must be redistributed to, and rewrites
+   shape arguments (view, reshape, expand, new_*) to local sizes;
+3. the node records `SPEC` (its output), `ARG_SPECS` (what each tensor argument must be),
+   `LOCAL_ARGS` (arguments with local shapes) and `RULE` (an autopar rule's result, if any).
+A sharded dimension that its axis does not divide, or an op with no rule, is a `PlanError`
+naming the node, module and source line.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema
+from torch.utils import _pytree as pytree
+
+from autopar import op_rules
+from autopar.context import CompileContext
+from autopar.errors import PlanError
+from autopar.ir import ARG_SPECS, LOCAL_ARGS, RULE, SPEC, describe, hint, module_stack
+
+
+def _tensor_meta(value: torch.Tensor) -> TensorMeta:
+    return TensorMeta(torch.Size(hint(tuple(value.shape))), hint(tuple(value.stride())), value.dtype)
+
+
+def _replicated(ctx: CompileContext, value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return DTensorSpec(ctx.device_mesh, (Replicate(),) * len(ctx.mesh.names), _tensor_meta(value))
+    if isinstance(value, (tuple, list)):
+        return tuple(_replicated(ctx, v) for v in value)
+    return None
+
+
+def _seed(node: torch.fx.Node, ctx: CompileContext) -> DTensorSpec | None:
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return None
+    info = ctx.placeholders[node.name]
+    if info.kind == "parameter":
+        placements = ctx.strategy.param_placements(info.target)
+    elif info.kind == "input":
+        placements = ctx.strategy.input_placements(info.index)
+        placements = tuple(p if not isinstance(p, Shard) or p.dim < value.dim() else Replicate() for p in placements)
+    else:
+        placements = (Replicate(),) * len(ctx.mesh.names)
+    return DTensorSpec(ctx.device_mesh, placements, _tensor_meta(value))
+
+
+def _check_divisible(node: torch.fx.Node, spec: Any, ctx: CompileContext) -> None:
+    for one in spec if isinstance(spec, (tuple, list)) else (spec,):
+        if not isinstance(one, DTensorSpec) or one.tensor_meta is None:
+            continue
+        shape = one.tensor_meta.shape
+        for axis_index, placement in enumerate(one.placements):
+            if isinstance(placement, Shard) and shape[placement.dim] % ctx.axis_size(axis_index):
+                axis = ctx.mesh.names[axis_index]
+                raise PlanError.at(
+                    node, f"dimension {placement.dim} of size {shape[placement.dim]} cannot be split evenly over "
+                          f"mesh axis {axis!r} of size {ctx.axis_size(axis_index)} (placement {describe(one.placements)}, "
+                          f"global shape {tuple(shape)})",
+                    fix=f"choose a {axis} size that divides {shape[placement.dim]} (e.g. heads % tp == 0, "
+                        f"batch % dp == 0), or change the model's sizes")
+
+
+def _edge_spec(producer: torch.fx.Node, consumer: torch.fx.Node, ctx: CompileContext) -> DTensorSpec:
+    spec = producer.meta[SPEC]
+    if producer.op == "placeholder" and ctx.placeholders[producer.name].kind != "input":
+        return spec
+    placements = ctx.strategy.edge_placements(module_stack(producer), module_stack(consumer), spec.placements)
+    return spec if placements == spec.placements else DTensorSpec(spec.mesh, placements, spec.tensor_meta)
+
+
+def _to_schema_arg(value: Any, consumer: torch.fx.Node, ctx: CompileContext) -> Any:
+    if isinstance(value, torch.fx.Node):
+        spec = value.meta.get(SPEC)
+        if isinstance(spec, DTensorSpec):
+            return _edge_spec(value, consumer, ctx)
+        return hint(value.meta.get("val"))
+    return hint(value)
+
+
+def _propagate_with_dtensor(node: torch.fx.Node, args: tuple, kwargs: dict, ctx: CompileContext) -> None:
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    info = propagator.op_to_schema_info.get(node.target) or \
+        propagator.op_to_schema_info_for_single_dim_strategy.get(node.target)
+    schema = OpSchema(node.target, args, kwargs, schema_info=info)
+    try:
+        result = propagator.propagate_op_sharding_non_cached(schema)
+    except NotImplementedError as error:
+        raise PlanError.at(node, f"no sharding rule for {node.target} with inputs "
+                                 f"{[describe(a.placements) for a in pytree.tree_leaves(args) if isinstance(a, DTensorSpec)]}: {error}",
+                           fix="register one with @autopar.op_rules.register(<op>) returning a RuleResult, "
+                               "or declare a layout that keeps this op's inputs replicated") from None
+    except Exception as error:  # DTensor raises assorted types for impossible shardings
+        raise PlanError.at(node, f"DTensor could not shard {node.target}: {type(error).__name__}: {error}",
+                           fix="declare module layouts that give this op inputs it can shard, or keep them replicated") from None
+    node.meta[SPEC] = result.output_spec
+    arg_leaves = pytree.tree_leaves((args, kwargs))
+    if result.needs_redistribute and result.redistribute_schema is not None:
+        suggested = result.redistribute_schema
+        wanted_leaves = pytree.tree_leaves((suggested.args_schema, suggested.kwargs_schema))
+        if len(wanted_leaves) != len(arg_leaves):
+            wanted_leaves = arg_leaves
+        if result.use_val_from_redistribute_schema:
+            node.meta[LOCAL_ARGS] = (pytree.tree_map(lambda a: None if isinstance(a, DTensorSpec) else a,
+                                                     (tuple(suggested.args_schema), dict(suggested.kwargs_schema))))
+    else:
+        wanted_leaves = arg_leaves
+    node.meta[ARG_SPECS] = [w if isinstance(a, DTensorSpec) else None for a, w in zip(arg_leaves, wanted_leaves)]
+
+
+def _propagate_with_rule(node: torch.fx.Node, rule: Any, args: tuple, kwargs: dict, ctx: CompileContext) -> bool:
+    positional = [a if isinstance(a, DTensorSpec) else None for a in args]
+    result = rule(node, positional, op_rules.RuleContext(ctx.mesh.names, ctx.mesh.shape))
+    if result is None:
+        return False
+    node.meta[SPEC] = result.output
+    node.meta[RULE] = result
+    required = list(result.required) + [None] * (len(args) - len(result.required))
+    leaves = pytree.tree_leaves((args, kwargs))
+    node.meta[ARG_SPECS] = [required[i] if i < len(args) and isinstance(leaves[i], DTensorSpec) else None
+                            for i in range(len(leaves))]
+    return True
+
+
+def propagate_placements(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule:
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta[SPEC] = _seed(node, ctx)
+        elif node.op == "get_attr":
+            node.meta[SPEC] = _replicated(ctx, node.meta.get("val"))
+        elif node.op == "call_function":
+            _propagate_node(node, ctx)
+            _check_divisible(node, node.meta.get(SPEC), ctx)
+        elif node.op == "output":
+            outputs = pytree.tree_leaves(node.args)
+            node.meta[ARG_SPECS] = [_replicated(ctx, o.meta.get("val")) if isinstance(o, torch.fx.Node) else None
+                                    for o in outputs]
+    return gm
+
+
+def _propagate_node(node: torch.fx.Node, ctx: CompileContext) -> None:
+    value = node.meta.get("val")
+    if node.target is operator.getitem:
+        parent = node.args[0].meta.get(SPEC)
+        node.meta[SPEC] = parent[node.args[1]] if isinstance(parent, (tuple, list)) else None
+        return
+    if not isinstance(value, (torch.Tensor, tuple, list)) or not any(
+            isinstance(a, torch.fx.Node) and isinstance(a.meta.get(SPEC), DTensorSpec)
+            for a in pytree.tree_leaves((node.args, node.kwargs))):
+        node.meta[SPEC] = _replicated(ctx, value)
+        return
+    args = pytree.tree_map(lambda a: _to_schema_arg(a, node, ctx), node.args)
+    kwargs = pytree.tree_map(lambda a: _to_schema_arg(a, node, ctx), dict(node.kwargs))
+    rule = op_rules.lookup(node.target)
+    if rule is not None and _propagate_with_rule(node, rule, args, kwargs, ctx):
+        return
+    _propagate_with_dtensor(node, args, kwargs, ctx)

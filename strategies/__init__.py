@@ -1,0 +1,125 @@
+"""Strategies as data: which parameters, inputs and module boundaries get which placement.
+
+A `Strategy` is a frozen record bound to one mesh axis: parameter rules (FQN glob ->
+placement), input rules (user input index -> placement) and module layouts (module-path glob
+-> placement of what enters and what leaves the module, like torchtitan's PrepareModuleInput /
+PrepareModuleOutput but applied to graph edges). Strategies for different axes compose;
+`resolve_strategies` merges them into a `ResolvedStrategy` the planner queries, and refuses an
+axis the mesh does not have. Constructors live beside: `data_parallel.py`, `tensor_parallel.py`
+(+ sequence parallel), and `layouts.py` (which modules of a model are which).
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.placement_types import Placement
+
+from autopar.errors import PlanError
+from autopar.mesh import Mesh
+
+
+@dataclass(frozen=True)
+class ParamRule:
+    """Parameters whose FQN matches `pattern` get `placement` on the strategy's axis."""
+
+    pattern: str
+    placement: Placement
+
+
+@dataclass(frozen=True)
+class InputRule:
+    """User input number `index` (flattened order) gets `placement` on the strategy's axis."""
+
+    index: int | None
+    placement: Placement
+
+
+@dataclass(frozen=True)
+class ModuleLayout:
+    """Tensors entering / leaving modules matching `pattern` are redistributed to these placements."""
+
+    pattern: str
+    inputs: Placement | None = None
+    outputs: Placement | None = None
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One axis' worth of declarations. `name` appears in reports and errors."""
+
+    name: str
+    axis: str
+    params: tuple[ParamRule, ...] = ()
+    inputs: tuple[InputRule, ...] = ()
+    modules: tuple[ModuleLayout, ...] = ()
+
+
+def _matches(pattern: str, path: str) -> bool:
+    return fnmatch.fnmatchcase(path, pattern)
+
+
+@dataclass(frozen=True)
+class ResolvedStrategy:
+    """The composed strategies on one mesh; every query returns one placement per mesh axis."""
+
+    mesh: Mesh
+    strategies: tuple[Strategy, ...]
+
+    def _for_axis(self, axis: str) -> list[Strategy]:
+        return [s for s in self.strategies if s.axis == axis]
+
+    def param_placements(self, fqn: str) -> tuple[Placement, ...]:
+        placements = []
+        for axis in self.mesh.names:
+            chosen: Placement = Replicate()
+            for strategy in self._for_axis(axis):
+                rule = next((r for r in strategy.params if _matches(r.pattern, fqn)), None)
+                if rule is not None:
+                    chosen = rule.placement
+                    break
+            placements.append(chosen)
+        return tuple(placements)
+
+    def input_placements(self, index: int) -> tuple[Placement, ...]:
+        placements = []
+        for axis in self.mesh.names:
+            chosen: Placement = Replicate()
+            for strategy in self._for_axis(axis):
+                rule = next((r for r in strategy.inputs if r.index in (None, index)), None)
+                if rule is not None:
+                    chosen = rule.placement
+                    break
+            placements.append(chosen)
+        return tuple(placements)
+
+    def edge_placements(self, producer_stack: list[str], consumer_stack: list[str],
+                        placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+        """Placements a tensor must have on an edge that leaves and/or enters modules."""
+        left = [m for m in producer_stack if m not in consumer_stack]
+        entered = [m for m in consumer_stack if m not in producer_stack]
+        result = list(placements)
+        for index, axis in enumerate(self.mesh.names):
+            for strategy in self._for_axis(axis):
+                for module in reversed(left):
+                    layout = next((l for l in strategy.modules if l.outputs is not None and _matches(l.pattern, module)), None)
+                    if layout is not None:
+                        result[index] = layout.outputs
+                for module in entered:
+                    layout = next((l for l in strategy.modules if l.inputs is not None and _matches(l.pattern, module)), None)
+                    if layout is not None:
+                        result[index] = layout.inputs
+        return tuple(result)
+
+
+def resolve_strategies(mesh: Mesh, strategies: "list[Strategy] | tuple[Strategy, ...]",
+                       param_names: list[str]) -> ResolvedStrategy:
+    """Bind deferred strategies (layout detection) and check every strategy names an axis of `mesh`."""
+    strategies = [s.bind(param_names) if hasattr(s, "bind") else s for s in strategies]
+    for strategy in strategies:
+        if not isinstance(strategy, Strategy):
+            raise PlanError(f"{strategy!r} is not a Strategy; build one with autopar.strategies "
+                            f"(data_parallel(), tensor_parallel(...)) or Strategy(...)")
+        mesh.require_axis(strategy.axis, wanted_by=f"strategy {strategy.name!r}")
+    return ResolvedStrategy(mesh=mesh, strategies=tuple(strategies))

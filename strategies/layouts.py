@@ -1,0 +1,72 @@
+"""Which modules of a model play which role in Megatron tensor parallelism.
+
+A `TransformerLayout` lists module-path globs: column-parallel linears (their output features
+are split), row-parallel linears (their input features are split), the vocabulary embedding and
+LM head, and the attention / MLP blocks whose boundaries carry the f/g conjugate operators.
+`weight_in_out` marks Conv1D-style weights stored [in, out] (HF GPT-2). Built-in layouts cover
+our example GPT, Llama-family names and HF GPT-2; `detect_layout` picks one from parameter names,
+and a user declares another model's layout by building a `TransformerLayout`.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+from autopar.errors import PlanError
+
+
+@dataclass(frozen=True)
+class TransformerLayout:
+    name: str
+    column: tuple[str, ...]
+    row: tuple[str, ...]
+    embedding: tuple[str, ...]
+    lm_head: tuple[str, ...]
+    blocks: tuple[str, ...]
+    weight_in_out: bool = False
+
+
+LLAMA = TransformerLayout(
+    name="llama",
+    column=("*.self_attn.q_proj", "*.self_attn.k_proj", "*.self_attn.v_proj", "*.mlp.gate_proj", "*.mlp.up_proj"),
+    row=("*.self_attn.o_proj", "*.mlp.down_proj"),
+    embedding=("model.embed_tokens", "embed_tokens"),
+    lm_head=("lm_head",),
+    blocks=("*.self_attn", "*.mlp"),
+)
+
+EXAMPLE_GPT = TransformerLayout(
+    name="example_gpt",
+    column=("layers.*.attn.q_proj", "layers.*.attn.k_proj", "layers.*.attn.v_proj", "layers.*.mlp.up_proj"),
+    row=("layers.*.attn.o_proj", "layers.*.mlp.down_proj"),
+    embedding=("embed_tokens",),
+    lm_head=("lm_head",),
+    blocks=("layers.*.attn", "layers.*.mlp"),
+)
+
+GPT2 = TransformerLayout(
+    name="hf_gpt2",
+    column=("*.mlp.c_fc",),
+    row=("*.mlp.c_proj",),
+    embedding=("*transformer.wte",),
+    lm_head=("*lm_head",),
+    blocks=("*.mlp",),
+    weight_in_out=True,
+)
+
+BUILTIN_LAYOUTS = (EXAMPLE_GPT, LLAMA, GPT2)
+
+
+def _has(param_names: list[str], module_patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(name.rsplit(".", 1)[0], pattern) for name in param_names for pattern in module_patterns)
+
+
+def detect_layout(param_names: list[str]) -> TransformerLayout:
+    """The first built-in layout whose column, row and embedding modules all exist in the model."""
+    for layout in BUILTIN_LAYOUTS:
+        if _has(param_names, layout.column) and _has(param_names, layout.row) and _has(param_names, layout.embedding):
+            return layout
+    sample = ", ".join(param_names[:6])
+    raise PlanError(f"no built-in tensor-parallel layout matches this model's parameters ({sample}, ...); "
+                    f"declare one: autopar.strategies.tensor_parallel(layout=TransformerLayout(name=..., column=(...), "
+                    f"row=(...), embedding=(...), lm_head=(...), blocks=(...)))")

@@ -1,0 +1,61 @@
+"""Megatron tensor parallelism (and sequence parallelism on top of it) as data.
+
+From a `TransformerLayout` this builds one `Strategy` on the tensor axis:
+- column-parallel linears: weight split on output features (Shard(0) of an [out, in] weight),
+  bias split too; row-parallel linears: weight split on input features, bias replicated;
+- vocabulary-parallel embedding and LM head (both Shard(0) on the vocabulary); the loss then
+  runs on vocabulary shards (`autopar.op_rules`), never gathering the full logits;
+- module layouts: attention / MLP blocks take a replicated input (Megatron's f: identity
+  forward, all-reduce backward) and return a replicated output (g: all-reduce forward). With
+  `sequence_parallel=True` the block outputs and the embedding output are sharded on the
+  sequence dimension instead, so g becomes a reduce-scatter and f an all-gather (whose
+  backward is a reduce-scatter), and LayerNorm/dropout/residuals run on sequence shards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Replicate, Shard
+
+from autopar.strategies import ModuleLayout, ParamRule, Strategy
+from autopar.strategies.layouts import TransformerLayout, detect_layout
+
+
+@dataclass(frozen=True)
+class DetectLayout:
+    """`tensor_parallel()` without a layout: bound to a built-in layout once the model is traced."""
+
+    axis: str
+    sequence_parallel: bool
+    sequence_dim: int
+
+    def bind(self, param_names: list[str]) -> Strategy:
+        return tensor_parallel(layout=detect_layout(param_names), axis=self.axis,
+                               sequence_parallel=self.sequence_parallel, sequence_dim=self.sequence_dim)
+
+
+def tensor_parallel(*, layout: TransformerLayout | None = None, axis: str = "tp", sequence_parallel: bool = False,
+                    sequence_dim: int = 1) -> "Strategy | DetectLayout":
+    """Megatron TP over `axis`; `layout=None` means: detect it from the model at plan time."""
+    if layout is None:
+        return DetectLayout(axis=axis, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim)
+    out_dim, in_dim = (1, 0) if layout.weight_in_out else (0, 1)
+    params: list[ParamRule] = []
+    for module in layout.column:
+        params += [ParamRule(f"{module}.weight", Shard(out_dim)), ParamRule(f"{module}.bias", Shard(0))]
+    for module in layout.row:
+        params += [ParamRule(f"{module}.weight", Shard(in_dim))]
+    for module in layout.embedding + layout.lm_head:
+        params += [ParamRule(f"{module}.weight", Shard(0))]
+    block_output = Shard(sequence_dim) if sequence_parallel else Replicate()
+    modules = [ModuleLayout(block, inputs=Replicate(), outputs=block_output) for block in layout.blocks]
+    modules += [ModuleLayout(module, outputs=block_output) for module in layout.embedding]
+    modules += [ModuleLayout(module, inputs=Replicate()) for module in layout.lm_head]
+    name = "tensor_parallel+sp" if sequence_parallel else "tensor_parallel"
+    return Strategy(name=f"{name}[{layout.name}]", axis=axis, params=tuple(params), modules=tuple(modules))
+
+
+def sequence_parallel(*, layout: TransformerLayout | None = None, axis: str = "tp",
+                      sequence_dim: int = 1) -> "Strategy | DetectLayout":
+    """Tensor parallelism with Megatron sequence parallelism on the same axis."""
+    return tensor_parallel(layout=layout, axis=axis, sequence_parallel=True, sequence_dim=sequence_dim)

@@ -1,0 +1,97 @@
+"""Shared harness of the numerics tests: train the single-device model and the autopar program
+side by side for a few AdamW steps and collect losses, gradients, parameters and comm counts."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+import autopar
+from autopar.plan import shard
+from autopar.runtime.comm_counter import CommCounter
+
+STEPS = 3
+LR = 1e-2
+# AdamW's first steps move every entry by ~lr*g/(|g|+eps): an entry with |g| ~ 1e-7 (cancellation) whose
+# last bits differ between summation orders (1e-9 absolute, measured) then moves differently by ~1e-6, a
+# relative parameter error above 1e-5 that says nothing about parallelisation. eps=1e-3 keeps such entries
+# in Adam's linear regime; gradients themselves are compared at 1e-5 before the optimizer sees them.
+EPS = 1e-3
+
+
+def single_device(build: Callable[[], torch.nn.Module], batches: list[tuple]) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses, grads, params = [], [], []
+    for batch in batches:
+        optimizer.zero_grad()
+        loss = model(*batch)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        optimizer.step()
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return {"losses": losses, "grads": grads, "params": params}
+
+
+def distributed_rank(rank: int, world_size: int, build: Callable[[], torch.nn.Module], batches: list[tuple],
+                     mesh: str, strategies: list) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = build()
+    module = autopar.parallelize(model, mesh, strategies=strategies, example_inputs=batches[0])
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
+    group_to_axis = {name: axis for axis, name in module.groups.items()}
+    losses, grads, params, measured = [], [], [], []
+    for batch in batches:
+        optimizer.zero_grad()
+        local = module.local_batch(*batch)
+        with CommCounter() as forward_counter:
+            loss = module(*local)
+        with CommCounter() as backward_counter:
+            loss.backward()
+        measured.append({"forward": forward_counter.by_key(group_to_axis),
+                         "backward": backward_counter.by_key(group_to_axis)})
+        losses.append(loss.detach())
+        grads.append({n: p.grad.detach().clone() for n, p in module.named_parameters()})
+        optimizer.step()
+        params.append({n: p.detach().clone() for n, p in module.named_parameters()})
+    ledger = module.plan.comm.by_key()
+    return {"losses": losses, "grads": grads, "params": params, "measured": measured, "ledger": ledger,
+            "placements": module.plan.parameter_placements()}
+
+
+# Some gradients are mathematically zero and numerically rounding noise (~1e-9): the key-projection bias,
+# whose shift softmax cancels. Relative error against such a tensor is meaningless, so the error is taken
+# relative to max(|expected|, NOISE_FLOOR).
+NOISE_FLOOR = 1e-4
+
+
+def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(NOISE_FLOOR))
+
+
+def assert_matches(reference: dict[str, Any], results: list[dict[str, Any]], mesh: str, *, tolerance: float = 1e-5) -> None:
+    """Loss, every gradient shard and every parameter shard after each step, on every rank."""
+    parsed = autopar.Mesh.parse(mesh)
+    for rank, result in enumerate(results):
+        for step in range(len(reference["losses"])):
+            error = max_relative_error(result["losses"][step], reference["losses"][step])
+            assert error <= tolerance, f"rank {rank} step {step} loss rel err {error}"
+            for kind in ("grads", "params"):
+                for name, full in reference[kind][step].items():
+                    expected = shard(full, result["placements"][name], parsed, rank)
+                    error = max_relative_error(result[kind][step][name], expected)
+                    assert error <= tolerance, f"rank {rank} step {step} {kind} {name} rel err {error}"
+
+
+def assert_ledger_equals_measured(results: list[dict[str, Any]]) -> None:
+    """The static ledger's (kind, axis) -> (calls, bytes) equals what each step handed to the process groups."""
+    for rank, result in enumerate(results):
+        expected = {"forward": {}, "backward": {}}
+        for (phase, kind, axis), (calls, nbytes) in result["ledger"].items():
+            side = expected["forward" if phase == "forward" else "backward"]
+            old = side.get((kind, axis), (0, 0))
+            side[(kind, axis)] = (old[0] + calls, old[1] + nbytes)
+        for step, measured in enumerate(result["measured"]):
+            assert measured == expected, f"rank {rank} step {step}: measured {measured} != ledger {expected}"
