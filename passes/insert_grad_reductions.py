@@ -64,7 +64,9 @@ def _mark_requires_grad(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
 
 def _partial_axes(consumer: torch.fx.Node, axes: list[int], passed_through: dict[torch.fx.Node, set[int]]) -> set[int]:
     """Axes on which `consumer` hands back a Partial gradient for a replicated input."""
-    if consumer.op != "call_function" or consumer.target in CONJUGATES or not consumer.meta.get(REQUIRES_GRAD):
+    if consumer.target in CONJUGATES:
+        return passed_through.get(consumer, set()) & set(axes)
+    if consumer.op != "call_function" or not consumer.meta.get(REQUIRES_GRAD):
         return set()
     outputs = _specs(consumer)
     partial = {a for a in axes if any(not isinstance(s.placements[a], Replicate) for s in outputs)}
@@ -72,9 +74,9 @@ def _partial_axes(consumer: torch.fx.Node, axes: list[int], passed_through: dict
 
 
 def _parameter_only_upstream(node: torch.fx.Node) -> list[torch.fx.Node] | None:
-    """Parameters feeding `node` through single-use, replicated compute nodes, or None if anything else does."""
+    """Parameters feeding `node` through single-use compute nodes, or None if anything else does."""
     params: list[torch.fx.Node] = []
-    frontier = [node]
+    frontier = [n for n in node.all_input_nodes if n.meta.get(REQUIRES_GRAD)]
     while frontier:
         current = frontier.pop()
         if current.op == "placeholder":
@@ -100,8 +102,10 @@ def insert_grad_reductions(gm: torch.fx.GraphModule, ctx: CompileContext) -> tor
             continue
         users = [u for u in node.users if u.meta.get(REQUIRES_GRAD) or u.op == "output" or u.target in CONJUGATES]
         needs = {user: _partial_axes(user, axes, passed_through) for user in users}
-        if node.target in VIEW_LIKE:  # let the Partial gradient through; reduce it further up, once
+        if node.target in VIEW_LIKE or node.target in CONJUGATES:  # let a Partial gradient through, reduce it once
             for axis in axes:
+                if node.target in CONJUGATES and node.kwargs["group"] == ctx.mesh.names[axis]:
+                    continue
                 if users and all(axis in needs[u] for u in users):
                     passed_through.setdefault(node, set()).add(axis)
                     for user in users:
@@ -135,6 +139,8 @@ def _settle_free_reductions(node: torch.fx.Node, users: list[torch.fx.Node], nee
             node.meta[COLLECTIVE] = node.meta[COLLECTIVE] + [collective_info(
                 "reduce_scatter", name, "backward", node.meta[SPEC], ctx.mesh.shape, node.meta["val"],
                 node.args[0].name, module_path(node), "conjugate of the all_gather: gradient is partial")]
+        elif node.op == "call_function" and node.target not in CONJUGATES and _parameter_only_upstream(node):
+            _sync_parameters(_parameter_only_upstream(node), name)  # e.g. position embeddings: sync the weight
         else:
             continue
         for user in users:
@@ -147,15 +153,19 @@ def _zero_pad_slices(node: torch.fx.Node, users: list[torch.fx.Node], axis: int,
     slices = [u for u in users if u.target is collectives.shard_slice and u.kwargs["group"] == name]
     if len(slices) != 1 or len(users) != 1:
         return
-    params = _parameter_only_upstream(node)
-    if params is None:
+    params = _parameter_only_upstream(node) if node.op == "call_function" else None
+    if not params or len(node.users) != 1:
         return
     (slice_node,) = slices
     slice_node.kwargs = dict(slice_node.kwargs, grad_partial=True)
     slice_node.meta[COLLECTIVE] = [c for c in slice_node.meta.get(COLLECTIVE, []) if c.phase != "backward"]
+    _sync_parameters(params, name)
+
+
+def _sync_parameters(params: list[torch.fx.Node], axis: str) -> None:
     for param in params:
-        if name not in param.meta.setdefault(GRAD_SYNC, []):
-            param.meta[GRAD_SYNC].append(name)
+        if axis not in param.meta.setdefault(GRAD_SYNC, []):
+            param.meta[GRAD_SYNC].append(axis)
 
 
 def _insert_grad_all_reduce(graph: torch.fx.Graph, node: torch.fx.Node, axes: list[int],
