@@ -4,6 +4,11 @@
 `autopar.parallelize(...)` does the same under an initialised process group and returns the
 rank's trainable module. Strategies live in `autopar.strategies`, passes in `autopar.passes`.
 """
+import warnings
+
+# torch.export's own pytree use triggers this deprecation inside torch 2.13; it is not ours to fix
+warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*", category=FutureWarning)
+
 from autopar.api import ParallelModule, Plan, parallelize, plan
 from autopar.errors import PlanError
 from autopar.mesh import Mesh

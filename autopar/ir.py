@@ -62,15 +62,17 @@ def module_path(node: torch.fx.Node) -> str:
 
 
 def source_line(node: torch.fx.Node) -> str:
-    """The user's source line ('file:line: code') that produced `node`, if recorded."""
+    """The user's source line ('file, line N, in fn: code') that produced `node`, if recorded.
+
+    The innermost frame outside torch itself: a user's `F.embedding(...)` call, not nn.functional."""
     trace = node.meta.get("stack_trace") or ""
     lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
-    for index in range(len(lines) - 1, -1, -1):
-        if lines[index].startswith("File "):
-            location = lines[index].replace("File ", "").replace('"', "")
-            code = lines[index + 1] if index + 1 < len(lines) else ""
+    frames = [(lines[i].replace("File ", "").replace('"', ""), lines[i + 1] if i + 1 < len(lines) else "")
+              for i in range(len(lines)) if lines[i].startswith("File ")]
+    for location, code in reversed(frames):
+        if "/site-packages/torch/" not in location and not location.startswith("torch/"):
             return f"{location}: {code}"
-    return ""
+    return f"{frames[-1][0]}: {frames[-1][1]}" if frames else ""
 
 
 def output_specs(node: torch.fx.Node) -> Any:

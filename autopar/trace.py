@@ -9,6 +9,7 @@ Parameters, buffers and constants are lifted to placeholders, described by `Plac
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,17 +44,20 @@ def _decomposition_table() -> dict:
     return table
 
 
-def _dynamic_shapes(args: tuple, kwargs: dict, dynamic_dims: dict[str, int]) -> Any:
+def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims: dict[str, int]) -> Any:
+    """export's dict form: forward's argument name -> {dim: Dim.AUTO} for every listed dim a tensor has."""
     def one(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return None
         return {dim: Dim.AUTO for dim in dynamic_dims.values() if dim < value.dim()} or None
 
-    return pytree.tree_map(one, (args, kwargs), is_leaf=lambda v: isinstance(v, torch.Tensor))
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    return {name: pytree.tree_map(one, value, is_leaf=lambda v: isinstance(v, torch.Tensor))
+            for name, value in bound.items()}
 
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims: dict[str, int] | None) -> ExportedProgram:
-    dynamic = _dynamic_shapes(args, kwargs, dynamic_dims) if dynamic_dims else None
+    dynamic = _dynamic_shapes(model, args, kwargs, dynamic_dims) if dynamic_dims else None
     try:
         program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception as error:
@@ -87,6 +91,8 @@ def _symbols(program: ExportedProgram, placeholders: dict[str, PlaceholderInfo],
 def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
                 dynamic_dims: dict[str, int] | None = None) -> TracedProgram:
     kwargs = kwargs or {}
+    if any(p.device.type == "meta" for p in model.parameters()):  # planning a model built on the meta device
+        args, kwargs = pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, (tuple(args), kwargs))
     program = _export(model, tuple(args), kwargs, dynamic_dims)
     signature = program.graph_signature
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}

@@ -90,3 +90,10 @@ def example_batch(config: GPTConfig, *, batch: int = 8, seed: int = 0) -> tuple[
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len + 1), generator=generator)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def example(*, batch: int = 8, config: GPTConfig | None = None) -> tuple[GPT, tuple[torch.Tensor, torch.Tensor]]:
+    """The CLI's entry point (`autopar plan examples/gpt.py:example ...`): a model and a global batch."""
+    config = config or GPTConfig()
+    torch.manual_seed(0)
+    return GPT(config), example_batch(config, batch=batch)

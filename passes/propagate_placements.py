@@ -105,8 +105,11 @@ def _propagate_with_dtensor(node: torch.fx.Node, args: tuple, kwargs: dict, ctx:
                            fix="register one with @autopar.op_rules.register(<op>) returning a RuleResult, "
                                "or declare a layout that keeps this op's inputs replicated") from None
     except Exception as error:  # DTensor raises assorted types for impossible shardings
-        raise PlanError.at(node, f"DTensor could not shard {node.target}: {type(error).__name__}: {error}",
-                           fix="declare module layouts that give this op inputs it can shard, or keep them replicated") from None
+        uneven = "uneven" in str(error)
+        message = "a sharded dimension does not split evenly over its mesh axis" if uneven else "DTensor could not shard"
+        fix = ("make the sharded size divisible by the axis size (e.g. heads % tp == 0, hidden % tp == 0)" if uneven
+               else "declare module layouts that give this op inputs it can shard, or keep them replicated")
+        raise PlanError.at(node, f"{message}: {node.target}: {type(error).__name__}: {error}", fix=fix) from None
     node.meta[SPEC] = result.output_spec
     arg_leaves = pytree.tree_leaves((args, kwargs))
     if result.needs_redistribute and result.redistribute_schema is not None:
@@ -140,6 +143,7 @@ def propagate_placements(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             node.meta[SPEC] = _seed(node, ctx)
+            _check_divisible(node, node.meta[SPEC], ctx)
         elif node.op == "get_attr":
             node.meta[SPEC] = _replicated(ctx, node.meta.get("val"))
         elif node.op == "call_function":

@@ -68,6 +68,9 @@ class ResolvedStrategy:
     strategies: tuple[Strategy, ...]
 
     def _for_axis(self, axis: str) -> list[Strategy]:
+        """Strategies on `axis`; none on an axis of size 1, where every placement is Replicate."""
+        if self.mesh.size(axis) == 1:
+            return []
         return [s for s in self.strategies if s.axis == axis]
 
     def param_placements(self, fqn: str) -> tuple[Placement, ...]:

@@ -1,0 +1,46 @@
+"""Mesh declaration: parsing, validation, coordinates and intra/inter-node links."""
+from __future__ import annotations
+
+import pytest
+
+from autopar import Mesh, PlanError
+
+
+def test_string_and_keyword_forms_agree():
+    assert Mesh.parse("dp=2,tp=4") == Mesh(dp=2, tp=4)
+    assert Mesh.parse("dp=2,tp=4").names == ("dp", "tp")
+    assert Mesh(dp=2, tp=4).world_size == 8
+
+
+def test_coordinates_are_row_major_outermost_first():
+    mesh = Mesh(dp=2, tp=4)
+    assert [mesh.coordinate(r, "tp") for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [mesh.coordinate(r, "dp") for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_links_follow_the_node_size():
+    mesh = Mesh.parse("dp=4,tp=8;node=8")
+    assert mesh.link("tp") == "intra" and mesh.link("dp") == "inter"
+    assert Mesh(dp=2, tp=2, ranks_per_node=4).link("dp") == "intra"
+    assert Mesh(dp=2, tp=2, ranks_per_node=2).link("dp") == "inter"
+
+
+@pytest.mark.parametrize("bad, words", [
+    ("dp=0", "positive integer"),
+    ("dp=2,dp=2", "declared twice"),
+    ("dp:2", "name=size"),
+    ("", "at least one axis"),
+])
+def test_bad_mesh_strings_are_refused(bad, words):
+    with pytest.raises(PlanError, match=words):
+        Mesh.parse(bad)
+
+
+def test_world_size_mismatch_is_refused():
+    with pytest.raises(PlanError, match="world size 3"):
+        Mesh(dp=2, tp=2).check_world_size(3)
+
+
+def test_unknown_axis_names_the_axis_and_the_mesh():
+    with pytest.raises(PlanError, match=r"unknown mesh axis 'pp'.*\['dp', 'tp'\]"):
+        Mesh(dp=2, tp=2).require_axis("pp")
