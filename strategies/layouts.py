@@ -30,18 +30,18 @@ LLAMA = TransformerLayout(
     name="llama",
     column=("*.self_attn.q_proj", "*.self_attn.k_proj", "*.self_attn.v_proj", "*.mlp.gate_proj", "*.mlp.up_proj"),
     row=("*.self_attn.o_proj", "*.mlp.down_proj"),
-    embedding=("model.embed_tokens", "embed_tokens"),
-    lm_head=("lm_head",),
+    embedding=("*embed_tokens",),
+    lm_head=("*lm_head",),
     blocks=("*.self_attn", "*.mlp"),
 )
 
 EXAMPLE_GPT = TransformerLayout(
     name="example_gpt",
-    column=("layers.*.attn.q_proj", "layers.*.attn.k_proj", "layers.*.attn.v_proj", "layers.*.mlp.up_proj"),
-    row=("layers.*.attn.o_proj", "layers.*.mlp.down_proj"),
-    embedding=("embed_tokens",),
-    lm_head=("lm_head",),
-    blocks=("layers.*.attn", "layers.*.mlp"),
+    column=("*layers.*.attn.q_proj", "*layers.*.attn.k_proj", "*layers.*.attn.v_proj", "*layers.*.mlp.up_proj"),
+    row=("*layers.*.attn.o_proj", "*layers.*.mlp.down_proj"),
+    embedding=("*embed_tokens",),
+    lm_head=("*lm_head",),
+    blocks=("*layers.*.attn", "*layers.*.mlp"),
 )
 
 GPT2 = TransformerLayout(
@@ -58,11 +58,13 @@ BUILTIN_LAYOUTS = (EXAMPLE_GPT, LLAMA, GPT2)
 
 
 def _has(param_names: list[str], module_patterns: tuple[str, ...]) -> bool:
-    return any(fnmatch.fnmatchcase(name.rsplit(".", 1)[0], pattern) for name in param_names for pattern in module_patterns)
+    """Every pattern matches the module of at least one parameter."""
+    modules = {name.rsplit(".", 1)[0] for name in param_names}
+    return all(any(fnmatch.fnmatchcase(module, pattern) for module in modules) for pattern in module_patterns)
 
 
 def detect_layout(param_names: list[str]) -> TransformerLayout:
-    """The first built-in layout whose column, row and embedding modules all exist in the model."""
+    """The first built-in layout all of whose column, row and embedding patterns exist in the model."""
     for layout in BUILTIN_LAYOUTS:
         if _has(param_names, layout.column) and _has(param_names, layout.row) and _has(param_names, layout.embedding):
             return layout
