@@ -93,6 +93,8 @@ COLLECTIVE_OPS: dict[str, tuple[str, int, int | None]] = {
     "_c10d_functional::broadcast_": ("broadcast", 0, None),
 }
 
+NOT_COMMUNICATION = ("wait", "barrier", "_wrap_tensor_autograd")
+
 
 def tensor_bytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
@@ -112,12 +114,14 @@ class CollectiveBytes(TorchDispatchMode):
         self.unknown: set[str] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor run first: the collectives it issues then come back here
         name = func._schema.name
         if name in COLLECTIVE_OPS:
             kind, measured, group_size = COLLECTIVE_OPS[name]
             self.calls[kind] += 1
             self.bytes[kind] += tensor_bytes(args[measured]) * (args[group_size] if group_size is not None else 1)
-        elif func.namespace.startswith(("c10d", "_c10d")) and "wait" not in name and "barrier" not in name:
+        elif func.namespace.startswith(("c10d", "_c10d")) and not any(word in name for word in NOT_COMMUNICATION):
             self.unknown.add(name)
         return func(*args, **(kwargs or {}))
 

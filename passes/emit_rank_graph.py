@@ -3,7 +3,8 @@
 Copies the planned graph and binds it to a rank: collective steps get the rank's process-group
 name and its coordinate on the axis; nodes an autopar rule lowered call their local kernel
 (`autopar.runtime.local_ops`) with the rank's group / shard index; shape arguments DTensor
-rewrote to local sizes replace the global ones; dead nodes (unused outputs of multi-output ops)
+rewrote to local sizes replace the global ones; `view`s become `reshape`s (a shard's strides
+may differ from the traced tensor's); dead nodes (unused outputs of multi-output ops)
 are removed. The result is an ordinary `torch.fx.GraphModule` over local tensors, whose code
 (`gm.code`) reads like the hand-written per-rank program.
 """
@@ -18,6 +19,8 @@ from torch.utils import _pytree as pytree
 from autopar.context import CompileContext
 from autopar.ir import LOCAL_ARGS, RULE
 from autopar.passes.insert_collectives import CONJUGATES
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
 def _bind_collective(node: torch.fx.Node, ctx: CompileContext, rank: int, groups: dict[str, str]) -> None:
@@ -73,6 +76,10 @@ def emit_rank_graph(gm: torch.fx.GraphModule, ctx: CompileContext, *, rank: int,
             node.kwargs = dict(node.kwargs, **_kernel_kwargs(rule.kernel_kwargs, ctx, rank, groups))
         if LOCAL_ARGS in node.meta:
             _localize_args(node)
+        if node.target in _VIEWS:
+            # a local shard need not have the strides the global tensor had (a gathered or sliced
+            # input is contiguous where the traced one was a transposed view): reshape copies only then
+            node.target = torch.ops.aten.reshape.default
     graph.eliminate_dead_code()
     graph.lint()
     return torch.fx.GraphModule(gm, graph, class_name=f"Rank{rank}")

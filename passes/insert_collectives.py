@@ -104,16 +104,19 @@ def _insert_chain(graph: torch.fx.Graph, producer: torch.fx.Node, target: DTenso
             current = graph.call_function(function, (current,), kwargs)
         new_spec = DTensorSpec(spec.mesh, tuple(placements), spec.tensor_meta)
         current.meta.update(val=value, **{SPEC: new_spec})
-        current.meta["nn_module_stack"] = before.meta.get("nn_module_stack", {})
-        current.meta["stack_trace"] = before.meta.get("stack_trace")
+        # attributed to where the value was produced (the o_proj whose partial sum is reduced), or for
+        # graph inputs to where it is first used
+        origin = producer if producer.op != "placeholder" else before
+        current.meta["nn_module_stack"] = origin.meta.get("nn_module_stack", {})
+        current.meta["stack_trace"] = origin.meta.get("stack_trace")
         forward_kind, backward_kind = CONJUGATES[function]
         why = f"{describe(spec.placements)} -> {describe(tuple(placements))} for {before.name}"
         current.meta[COLLECTIVE] = [
             info for info in (
                 collective_info(forward_kind, axis, "forward", measured_on, ctx.mesh.shape, value, producer.name,
-                                module_path(before), why),
+                                module_path(origin), why),
                 collective_info(backward_kind, axis, "backward", measured_on, ctx.mesh.shape, value, producer.name,
-                                module_path(before), why))
+                                module_path(origin), why))
             if info is not None]
         spec = new_spec
     return current
