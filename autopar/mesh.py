@@ -112,9 +112,12 @@ class Mesh:
 
     def device_mesh(self, *, device_type: str = "cpu", plan_rank: int | None = None) -> DeviceMesh:
         """A torch DeviceMesh over these axes. With `plan_rank` no process group is needed."""
-        ranks = torch.arange(self.world_size).reshape(self.shape)
-        if plan_rank is not None:
-            return DeviceMesh(device_type, ranks, mesh_dim_names=self.names, _init_backend=False, _rank=plan_rank)
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # planning may run under the caller's FakeTensorMode
+            ranks = torch.arange(self.world_size).reshape(self.shape)
+            if plan_rank is not None:
+                return DeviceMesh(device_type, ranks, mesh_dim_names=self.names, _init_backend=False, _rank=plan_rank)
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device_type, self.shape, mesh_dim_names=self.names)
