@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The test suite: graph/plan-only tests and multi-process gloo numerics (about 10 minutes on 2 cores).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+python -m pytest -q "$@"
