@@ -76,9 +76,10 @@ class GradSynchronizer:
         bucket = self.buckets[index]
         grads = [self._grad(fqn) for fqn in bucket.params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        for axis in bucket.axes:
+        for axis in bucket.axes[:-1]:
             flat = raw_all_reduce(flat, self.groups[axis], "sum")
-        self._launched[index] = flat
+        # the last (usually only) axis runs asynchronously while backward goes on; _finish waits
+        self._launched[index] = torch.ops._c10d_functional.all_reduce(flat, "sum", self.groups[bucket.axes[-1]])
 
     def _grad(self, fqn: str) -> torch.Tensor:
         param = self.params[fqn]
@@ -90,7 +91,8 @@ class GradSynchronizer:
         for index in range(len(self.buckets)):
             if index not in self._launched:
                 self._launch(index)
-        for index, flat in self._launched.items():
+        for index, pending in self._launched.items():
+            flat = torch.ops._c10d_functional.wait_tensor(pending)
             offset = 0
             for fqn in self.buckets[index].params:
                 grad = self.params[fqn].grad

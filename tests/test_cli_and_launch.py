@@ -1,0 +1,54 @@
+"""The CLI prints plans and per-rank code and exits 2 on bad input; a failing rank ends a launched
+job with its traceback instead of hanging."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from autopar.runtime.launch import launch
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autopar.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_plan_prints_placements_and_ledger():
+    result = run_cli("plan", "examples/gpt.py", "--mesh", "dp=2,tp=2", "--strategy", "dp,sp", "--symbolic", "b=0,s=1")
+    assert result.returncode == 0, result.stderr
+    assert "placement (dp,tp)" in result.stdout and "reduce_scatter" in result.stdout and "b*s" in result.stdout
+
+
+def test_graph_prints_rank_code():
+    result = run_cli("graph", "examples.gpt:example", "--mesh", "tp=2", "--rank", "1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("def forward(") and "vocab_parallel_embedding" in result.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (("plan", "examples/gpt.py", "--mesh", "dp=0"), "positive integer"),
+    (("plan", "examples/gpt.py", "--mesh", "dp=2", "--strategy", "tp"), "unknown mesh axis 'tp'"),
+    (("plan", "examples/gpt.py", "--mesh", "dp=2", "--strategy", "zz"), "unknown strategy 'zz'"),
+    (("graph", "examples/gpt.py", "--mesh", "dp=2", "--rank", "5"), "outside the mesh"),
+])
+def test_bad_input_exits_2_with_a_message(args, words):
+    result = run_cli(*args)
+    assert result.returncode == 2 and words in result.stderr
+
+
+def fail_on_rank_one(rank: int, world_size: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("rank one is broken")
+    dist.all_reduce(torch.ones(1))  # would wait forever for rank 1
+
+
+def test_a_failed_rank_ends_the_job_with_its_message():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank one is broken"):
+        launch(fail_on_rank_one, 2, timeout_s=30)
+    assert time.monotonic() - start < 60
