@@ -26,10 +26,7 @@ def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, 
     groups = {axis: device_mesh.get_group(axis).group_name for axis in mesh.names}
     the_plan = plan(model, mesh, strategies=strategies, example_inputs=example_inputs, example_kwargs=example_kwargs,
                     bucket_cap_mb=bucket_cap_mb)
-    state = dict(model.named_parameters())
-    state.update(the_plan.traced.state)
-    state.update({name: p for name, p in model.named_parameters()})
-    return ParallelModule(the_plan, rank=dist.get_rank(), groups=groups, state=state)
+    return ParallelModule(the_plan, rank=dist.get_rank(), groups=groups, state=the_plan.traced.state)
 
 
 __all__ = ["Plan", "ParallelModule", "parallelize", "plan"]

@@ -44,6 +44,11 @@ class InternalCollective:
 
 @dataclass
 class RuleResult:
+    """`required[i]`: spec positional argument i must arrive with (None: not a tensor / as is).
+    `kernel_kwargs`: keyword arguments the emitter binds per rank, name -> (kind, axis) with kind
+    "index" (the rank's coordinate on axis), "group" (its process-group name), "groups" (names
+    for the comma-separated axes) or "none" (None)."""
+
     output: Any
     required: list[DTensorSpec | None]
     local_kernel: Callable[..., Any] | None = None

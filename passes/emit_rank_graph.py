@@ -51,7 +51,7 @@ def _localize_args(node: torch.fx.Node) -> None:
     leaves, tree = pytree.tree_flatten((node.args, dict(node.kwargs)))
     local_leaves = pytree.tree_leaves((local_args, local_kwargs))
     if len(local_leaves) != len(leaves):
-        return
+        raise AssertionError(f"local arguments of {node.format_node()} do not line up with its arguments")
     merged = [leaf if isinstance(leaf, torch.fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor) else local
               for leaf, local in zip(leaves, local_leaves)]
     node.args, node.kwargs = pytree.tree_unflatten(merged, tree)

@@ -38,6 +38,7 @@ class ParallelModule(torch.nn.Module):
         self.groups = groups
         self.graph = plan.rank_graph(rank, groups)
         self._inputs: list[tuple[str, str]] = []
+        placements = plan.parameter_placements()
         for node in plan.graph_module.graph.nodes:
             if node.op != "placeholder":
                 continue
@@ -45,7 +46,7 @@ class ParallelModule(torch.nn.Module):
             self._inputs.append((info.kind, info.target))
             if info.kind == "parameter":
                 full = state[info.target].detach()
-                local = shard(full, plan.parameter_placements()[info.target], plan.mesh, rank).clone()
+                local = shard(full, placements[info.target], plan.mesh, rank).clone()
                 local.requires_grad_(info.requires_grad)
                 _set_path(self, info.target, local, parameter=True)
             elif info.kind in ("buffer", "constant"):
