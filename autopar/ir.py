@@ -20,7 +20,7 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 SPEC = "autopar_spec"
 ARG_SPECS = "autopar_arg_specs"
@@ -84,9 +84,19 @@ def tensor_spec(node: torch.fx.Node) -> DTensorSpec | None:
     return spec if isinstance(spec, DTensorSpec) else None
 
 
+def shard_dim(placement: Placement) -> int | None:
+    """The tensor dimension a placement splits: Shard(d), or _StridedShard(d, sf) (block-sharded:
+    the dimension is sf equal blocks, each split over the axis, e.g. a fused q|k|v projection)."""
+    if isinstance(placement, (Shard, _StridedShard)):
+        return placement.dim
+    return None
+
+
 def describe(placements: tuple[Placement, ...]) -> str:
     """Short form: S(1), R, P(sum) joined per axis."""
     def one(p: Placement) -> str:
+        if isinstance(p, _StridedShard):
+            return f"S({p.dim})x{p.split_factor}"
         if isinstance(p, Shard):
             return f"S({p.dim})"
         if isinstance(p, Replicate):
@@ -118,7 +128,7 @@ def local_numel(global_shape: tuple[Any, ...], placements: tuple[Placement, ...]
     """Elements of one rank's shard (divisible sizes; the planner refuses the others)."""
     sizes = [sym_size(d) for d in global_shape]
     for placement, parts in zip(placements, axis_sizes):
-        if isinstance(placement, Shard):
+        if shard_dim(placement) is not None:
             sizes[placement.dim] = sizes[placement.dim] / parts
     numel = sympy.Integer(1)
     for size in sizes:

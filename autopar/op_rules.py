@@ -9,7 +9,8 @@ A rule may return None to hand the op back to DTensor.
 
 Rules: scaled_dot_product_attention (batch- or head-sharded; DTensor has no rule for the CPU
 kernel), embedding (vocabulary-parallel), _log_softmax and nll_loss_forward (vocabulary- and
-batch-sharded cross-entropy that never gathers the logits). Register one with `@register(op)`;
+batch-sharded cross-entropy that never gathers the logits), split_with_sizes of a block-sharded
+(`_StridedShard`) fused projection into its blocks (HF GPT-2's q|k|v). Register one with `@register(op)`;
 registering an op twice is an error.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from autopar.ir import hint, sym_size
 from autopar.runtime import local_ops
@@ -46,8 +47,8 @@ class InternalCollective:
 class RuleResult:
     """`required[i]`: spec positional argument i must arrive with (None: not a tensor / as is).
     `kernel_kwargs`: keyword arguments the emitter binds per rank, name -> (kind, axis) with kind
-    "index" (the rank's coordinate on axis), "group" (its process-group name), "groups" (names
-    for the comma-separated axes) or "none" (None)."""
+    "index" (the rank's coordinate on axis), "size" (the axis size), "group" (its process-group
+    name), "groups" (names for the comma-separated axes) or "none" (None)."""
 
     output: Any
     required: list[DTensorSpec | None]
@@ -205,3 +206,21 @@ def nll_loss_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: Rul
         required=[_spec_like(log_probs, tuple(lp_required)), _spec_like(target, tuple(target_required))]
         + [None] * (len(specs) - 2),
         local_kernel=local_ops.sharded_nll_loss, kernel_kwargs=kwargs, internal=internal)
+
+
+@register(aten.split_with_sizes.default)
+def split_blocks_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext) -> RuleResult | None:
+    """A block-sharded dimension (each rank holds its part of every block) split into its equal
+    blocks gives each block Shard(dim): the local split takes sizes / axis size."""
+    x = specs[0]
+    value = node.args[0].meta["val"]
+    sizes, dim = node.args[1], node.args[2] % value.dim() if len(node.args) > 2 else 0
+    strided = [i for i, p in enumerate(x.placements) if isinstance(p, _StridedShard) and p.dim == dim]
+    if len(strided) != 1 or len(set(sizes)) != 1 or x.placements[strided[0]].split_factor != len(sizes):
+        return None
+    axis_index = strided[0]
+    placements = tuple(Shard(dim) if i == axis_index else p for i, p in enumerate(x.placements))
+    outputs = [_spec_like(x, placements, v) for v in node.meta["val"]]
+    return RuleResult(output=outputs, required=[x, None, None][:len(node.args)],
+                      local_kernel=local_ops.split_equal_blocks,
+                      kernel_kwargs={"parts": ("size", ctx.mesh_names[axis_index])})

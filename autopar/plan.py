@@ -15,11 +15,11 @@ import torch.fx
 from tabulate import tabulate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from autopar.context import CompileContext
 from autopar.errors import PlanError
-from autopar.ir import SPEC, describe, module_path
+from autopar.ir import SPEC, describe, module_path, shard_dim
 from autopar.ledger.comm import CommLedger, build_comm_ledger
 from autopar.mesh import Mesh
 from autopar.passes import PassRecord, default_passes, run_passes
@@ -33,8 +33,12 @@ from autopar.trace import TracedProgram, trace_model
 def shard(tensor: torch.Tensor, placements: Sequence[Placement], mesh: Mesh, rank: int) -> torch.Tensor:
     """The piece of a global tensor that `rank` holds under `placements` (outermost axis first)."""
     for axis, placement in zip(mesh.names, placements):
-        if isinstance(placement, Shard):
-            tensor = torch.chunk(tensor, mesh.size(axis), dim=placement.dim)[mesh.coordinate(rank, axis)]
+        index, parts = mesh.coordinate(rank, axis), mesh.size(axis)
+        if isinstance(placement, _StridedShard):
+            blocks = torch.chunk(tensor, placement.split_factor, dim=placement.dim)
+            tensor = torch.cat([torch.chunk(b, parts, dim=placement.dim)[index] for b in blocks], dim=placement.dim)
+        elif isinstance(placement, Shard):
+            tensor = torch.chunk(tensor, parts, dim=placement.dim)[index]
     return tensor.contiguous()
 
 
@@ -85,7 +89,7 @@ class Plan:
             shape = tuple(spec.tensor_meta.shape) if spec.tensor_meta else ()
             local = list(shape)
             for axis_index, placement in enumerate(spec.placements):
-                if isinstance(placement, Shard):
+                if shard_dim(placement) is not None:
                     local[placement.dim] //= self.mesh.shape[axis_index]
             rows.append([node.name, what, module_path(node), "x".join(map(str, shape)),
                          describe(spec.placements), "x".join(map(str, local))])
@@ -120,7 +124,7 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, strateg
             spec = node.meta[SPEC]
             numel = spec.tensor_meta.shape.numel()
             for axis_index, placement in enumerate(spec.placements):
-                if isinstance(placement, Shard):
+                if shard_dim(placement) is not None:
                     numel //= mesh.shape[axis_index]
             params.append((info.target, numel, spec.tensor_meta.dtype, tuple(node.meta.get(GRAD_SYNC, ()))))
     buckets = plan_buckets(params, cap_bytes=int(bucket_cap_mb * 2**20))

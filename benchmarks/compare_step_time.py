@@ -2,20 +2,23 @@
 
 Each row runs on four local CPU processes (gloo, one thread each, `autopar.runtime.launch`):
 
-| row     | autopar                                   | PyTorch                                                    |
-|---------|-------------------------------------------|------------------------------------------------------------|
-| dp4     | data_parallel on "dp=4"                   | DistributedDataParallel on the rank's batch slice          |
-| tp4     | tensor_parallel on "tp=4"                 | parallelize_module: Colwise q/k/v/up, Rowwise o/down,      |
-|         |                                           | vocab-parallel embed_tokens, lm_head Colwise+loss_parallel |
-| tp4_sp  | sequence_parallel on "tp=4"               | the same + SequenceParallel norms, PrepareModuleInput on   |
-|         |                                           | attn/mlp (torchtitan's Llama plan)                         |
-| dp2_tp2 | data_parallel + tensor_parallel, dp=2,tp=2 | the tp4 plan on mesh["tp"] + DDP on mesh["dp"]             |
+| row     | autopar                                 | PyTorch                                                 |
+|---------|-----------------------------------------|---------------------------------------------------------|
+| dp4     | data_parallel on dp=4                   | DistributedDataParallel on the rank's batch slice       |
+| tp4     | tensor_parallel on tp=4                 | parallelize_module: Colwise q/k/v/up, Rowwise o/down,   |
+|         |                                         | vocab-parallel embed_tokens, Colwise lm_head with       |
+|         |                                         | loss_parallel                                           |
+| tp4_sp  | sequence_parallel on tp=4               | tp4's plan + SequenceParallel norms, PrepareModuleInput |
+|         |                                         | on attn/mlp (torchtitan's Llama plan)                   |
+| dp2_tp2 | data_parallel + tensor_parallel on      | tp4's plan on mesh["tp"] + DDP on mesh["dp"]            |
+|         | dp=2,tp=2                               |                                                         |
 
 A training step is zero_grad, forward, backward and an AdamW step. Both programs start from the
 same weights (`torch.manual_seed(0)` on every rank before parallelizing) and train on the same
 global batch; their steps alternate, so machine drift hits both alike (`measure`).
 
-- Step time: barrier, time the step on every rank, keep the slowest rank; median over the timed steps.
+- Step time: barrier, time the step on every rank, keep the slowest rank; median over the timed
+  steps. `ratio` is autopar's median over PyTorch's.
 - Bytes: logical bytes per step per rank handed to the process groups (all-reduce input,
   all-gather output, reduce-scatter input, all-to-all input, broadcast input), counted on the
   first, untimed step by `CollectiveBytes`, a dispatch mode defined here that sees classic c10d
@@ -32,11 +35,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -218,19 +222,17 @@ class Row:
     mesh: str
     strategies: Callable[[], list]
     pytorch: Callable[[Settings, tuple, int], StepFn]
-
-
-def tp_row(*, sequence_parallel: bool = False, dp: int = 1) -> Callable[[Settings, tuple, int], StepFn]:
-    def build(settings: Settings, global_batch: tuple, rank: int) -> StepFn:
-        return pytorch_tp(settings, global_batch, rank, sequence_parallel=sequence_parallel, dp=dp)
-    return build
+    pytorch_description: str
 
 
 ROWS = {
-    "dp4": Row("dp=4", lambda: [autopar.data_parallel()], pytorch_ddp),
-    "tp4": Row("tp=4", lambda: [autopar.tensor_parallel()], tp_row()),
-    "tp4_sp": Row("tp=4", lambda: [autopar.sequence_parallel()], tp_row(sequence_parallel=True)),
-    "dp2_tp2": Row("dp=2,tp=2", lambda: [autopar.data_parallel(), autopar.tensor_parallel()], tp_row(dp=2)),
+    "dp4": Row("dp=4", lambda: [autopar.data_parallel()], pytorch_ddp, "DDP, batch slice per rank"),
+    "tp4": Row("tp=4", lambda: [autopar.tensor_parallel()], pytorch_tp,
+               "parallelize_module: Colwise q/k/v/up, Rowwise o/down, vocab-parallel embed_tokens and lm_head"),
+    "tp4_sp": Row("tp=4", lambda: [autopar.sequence_parallel()], functools.partial(pytorch_tp, sequence_parallel=True),
+                  "tp4's plan + SequenceParallel norms, PrepareModuleInput on attn/mlp, embed_positions sliced"),
+    "dp2_tp2": Row("dp=2,tp=2", lambda: [autopar.data_parallel(), autopar.tensor_parallel()],
+                   functools.partial(pytorch_tp, dp=2), "tp4's plan on mesh['tp'] + DDP(device_mesh=mesh['dp'])"),
 }
 
 
@@ -339,21 +341,23 @@ def kind_row(row_name: str, side_name: str, sides: list[dict[str, Any]]) -> list
     return [row_name, side_name, *cells]
 
 
-def print_report(summaries: list[tuple[list[Any], list[list[Any]], list[str]]], settings: Settings) -> None:
+def print_report(summaries: list[tuple[list[Any], list[list[Any]], list[str]]], row_names: list[str],
+                 settings: Settings) -> None:
     model = settings.model
     print(f"\nexample GPT: {model.n_layer} layers, d_model {model.d_model}, {model.n_head} heads, d_ff {model.d_ff}, "
           f"seq {model.seq_len}, vocab {model.vocab_size}; global batch {settings.batch}; {WORLD_SIZE} gloo ranks x "
           f"1 thread; median of {settings.steps} steps after {settings.warmup} warm-up\n")
-    headers = ["row", "autopar ms", "PyTorch ms", "autopar/PyTorch", "autopar MiB", "autopar ledger MiB",
-               "PyTorch MiB", "loss autopar", "loss PyTorch", "rel gap first / max"]
+    headers = ["row", "autopar ms", "PyTorch ms", "ratio", "autopar MiB", "ledger MiB", "PyTorch MiB",
+               "loss autopar", "loss PyTorch", "loss gap 1st/max"]
     print(tabulate([summary[0] for summary in summaries], headers=headers, tablefmt="simple",
                    disable_numparse=True))
     print("\nCollectives per step on rank 0 (calls / MiB)\n")
     print(tabulate([kind for summary in summaries for kind in summary[1]], headers=["row", "side", *KINDS],
                    tablefmt="simple", disable_numparse=True))
+    lm_head = "gathers the logits (--no-loss-parallel)" if not settings.loss_parallel else "under loss_parallel"
+    print(f"\nPyTorch programs; TP lm_head {lm_head}:")
+    print("\n".join(f"- {name}: {ROWS[name].pytorch_description}" for name in row_names))
     notes = [note for summary in summaries for note in summary[2]]
-    if not settings.loss_parallel:
-        notes.append("PyTorch lm_head all-gathers the logits (--no-loss-parallel)")
     if notes:
         print("\nNotes:\n" + "\n".join(f"- {note}" for note in notes))
 
@@ -373,9 +377,13 @@ def run_rows(row_names: list[str], settings: Settings, *, timeout_s: float) -> l
     return summaries
 
 
+QUICK_DEFAULTS = {"layers": 2, "d_model": 32, "heads": 4, "d_ff": 128, "seq_len": 16, "vocab": 128, "warmup": 1,
+                  "steps": 3}
+
+
 def parse_settings(argv: list[str] | None = None) -> tuple[Settings, list[str], float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, 1 warm-up + 3 timed steps")
+    parser.add_argument("--quick", action="store_true", help=f"defaults for a smoke run: {QUICK_DEFAULTS}")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=256)
@@ -388,24 +396,23 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, list[str], 
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--no-loss-parallel", action="store_true", help="PyTorch lm_head gathers the logits")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck row is abandoned")
+    if parser.parse_known_args(argv)[0].quick:
+        parser.set_defaults(**QUICK_DEFAULTS)  # flags given explicitly still win
     args = parser.parse_args(argv)
-    settings = Settings(model=GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, n_layer=args.layers,
-                                        n_head=args.heads, d_model=args.d_model, d_ff=args.d_ff),
-                        batch=args.batch, warmup=max(args.warmup, 1), steps=args.steps,
-                        loss_parallel=not args.no_loss_parallel)
-    if args.quick:
-        settings = replace(settings, model=GPTConfig(vocab_size=128, seq_len=16, n_layer=2, n_head=4, d_model=32,
-                                                     d_ff=128), warmup=1, steps=3)
     rows = [name for name in args.rows.split(",") if name]
     unknown = [name for name in rows if name not in ROWS]
     if unknown:
         parser.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
+    model = GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads,
+                      d_model=args.d_model, d_ff=args.d_ff)
+    settings = Settings(model=model, batch=args.batch, warmup=max(args.warmup, 1), steps=args.steps,
+                        loss_parallel=not args.no_loss_parallel)
     return settings, rows, args.timeout
 
 
 def main() -> None:
     settings, rows, timeout_s = parse_settings()
-    print_report(run_rows(rows, settings, timeout_s=timeout_s), settings)
+    print_report(run_rows(rows, settings, timeout_s=timeout_s), rows, settings)
 
 
 if __name__ == "__main__":

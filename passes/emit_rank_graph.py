@@ -37,6 +37,8 @@ def _kernel_kwargs(spec: dict[str, tuple[str, str]], ctx: CompileContext, rank: 
     for name, (kind, axis) in spec.items():
         if kind == "index":
             bound[name] = ctx.mesh.coordinate(rank, axis)
+        elif kind == "size":
+            bound[name] = ctx.mesh.size(axis)
         elif kind == "group":
             bound[name] = groups[axis]
         elif kind == "groups":

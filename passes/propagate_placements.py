@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 from autopar import op_rules
 from autopar.context import CompileContext
 from autopar.errors import PlanError
-from autopar.ir import ARG_SPECS, LOCAL_ARGS, RULE, SPEC, describe, hint, module_stack
+from autopar.ir import ARG_SPECS, LOCAL_ARGS, RULE, SPEC, describe, hint, module_stack, shard_dim
 
 
 def _tensor_meta(value: torch.Tensor) -> TensorMeta:
@@ -53,7 +53,7 @@ def _seed(node: torch.fx.Node, ctx: CompileContext) -> DTensorSpec | None:
         placements = ctx.strategy.param_placements(info.target)
     elif info.kind == "input":
         placements = ctx.strategy.input_placements(info.index)
-        placements = tuple(p if not isinstance(p, Shard) or p.dim < value.dim() else Replicate() for p in placements)
+        placements = tuple(p if shard_dim(p) is None or p.dim < value.dim() else Replicate() for p in placements)
     else:
         placements = (Replicate(),) * len(ctx.mesh.names)
     return DTensorSpec(ctx.device_mesh, placements, _tensor_meta(value))
@@ -65,7 +65,8 @@ def _check_divisible(node: torch.fx.Node, spec: Any, ctx: CompileContext) -> Non
             continue
         shape = one.tensor_meta.shape
         for axis_index, placement in enumerate(one.placements):
-            if isinstance(placement, Shard) and shape[placement.dim] % ctx.axis_size(axis_index):
+            blocks = getattr(placement, "split_factor", 1)
+            if shard_dim(placement) is not None and shape[placement.dim] % (ctx.axis_size(axis_index) * blocks):
                 axis = ctx.mesh.names[axis_index]
                 raise PlanError.at(
                     node, f"dimension {placement.dim} of size {shape[placement.dim]} cannot be split evenly over "

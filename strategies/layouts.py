@@ -3,7 +3,9 @@
 A `TransformerLayout` lists module-path globs: column-parallel linears (their output features
 are split), row-parallel linears (their input features are split), the vocabulary embedding and
 LM head, and the attention / MLP blocks whose boundaries carry the f/g conjugate operators.
-`weight_in_out` marks Conv1D-style weights stored [in, out] (HF GPT-2). Built-in layouts cover
+`weight_in_out` marks Conv1D-style weights stored [in, out] (HF GPT-2); `fused_column` lists
+column-parallel linears whose outputs are several blocks (GPT-2's q|k|v `c_attn`), which are
+block-sharded (`_StridedShard`) so each rank holds its heads of every block. Built-in layouts cover
 our example GPT, Llama-family names and HF GPT-2; `detect_layout` picks one from parameter names,
 and a user declares another model's layout by building a `TransformerLayout`.
 """
@@ -24,6 +26,7 @@ class TransformerLayout:
     lm_head: tuple[str, ...]
     blocks: tuple[str, ...]
     weight_in_out: bool = False
+    fused_column: tuple[tuple[str, int], ...] = ()
 
 
 LLAMA = TransformerLayout(
@@ -47,11 +50,12 @@ EXAMPLE_GPT = TransformerLayout(
 GPT2 = TransformerLayout(
     name="hf_gpt2",
     column=("*.mlp.c_fc",),
-    row=("*.mlp.c_proj",),
+    row=("*.attn.c_proj", "*.mlp.c_proj"),
     embedding=("*transformer.wte",),
     lm_head=("*lm_head",),
-    blocks=("*.mlp",),
+    blocks=("*.attn", "*.mlp"),
     weight_in_out=True,
+    fused_column=(("*.attn.c_attn", 3),),
 )
 
 BUILTIN_LAYOUTS = (EXAMPLE_GPT, LLAMA, GPT2)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.strategies import ModuleLayout, ParamRule, Strategy
 from autopar.strategies.layouts import TransformerLayout, detect_layout
@@ -43,6 +44,9 @@ def tensor_parallel(*, layout: TransformerLayout | None = None, axis: str = "tp"
     params: list[ParamRule] = []
     for module in layout.column:
         params += [ParamRule(f"{module}.weight", Shard(out_dim)), ParamRule(f"{module}.bias", Shard(0))]
+    for module, blocks in layout.fused_column:
+        params += [ParamRule(f"{module}.weight", _StridedShard(out_dim, split_factor=blocks)),
+                   ParamRule(f"{module}.bias", _StridedShard(0, split_factor=blocks))]
     for module in layout.row:
         params += [ParamRule(f"{module}.weight", Shard(in_dim))]
     for module in layout.embedding + layout.lm_head:

@@ -7,6 +7,7 @@
   row sum of the incoming gradient backward. Full logits are never gathered.
 - `sharded_nll_loss`: nll_loss_forward on class shards and/or batch shards; the count of
   non-ignored targets is all-reduced over the batch axes so the mean matches one device.
+- `split_equal_blocks`: split of a block-sharded fused projection (q|k|v) into its local blocks.
 The collectives they issue are declared by their rules in `autopar.op_rules` for the ledger.
 """
 from __future__ import annotations
@@ -67,3 +68,7 @@ def sharded_nll_loss(log_probs: torch.Tensor, target: torch.Tensor, weight: None
     if reduction == 2:
         return losses.sum(), total
     return losses.sum() / total, total
+
+
+def split_equal_blocks(x: torch.Tensor, sizes: list[int], dim: int = 0, *, parts: int) -> list[torch.Tensor]:
+    return list(torch.split(x, [size // parts for size in sizes], dim=dim))
