@@ -2,6 +2,7 @@
 (under torchrun or any initialised process group: returns the rank's `ParallelModule`)."""
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import torch
@@ -19,6 +20,8 @@ def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, 
     if not dist.is_initialized():
         raise RuntimeError("autopar.parallelize needs an initialised process group (run under torchrun, or call "
                            "torch.distributed.init_process_group first); use autopar.plan to plan without one")
+    if ranks_per_node is None and "LOCAL_WORLD_SIZE" in os.environ:  # torchrun knows the node size
+        ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     mesh = Mesh.parse(mesh, ranks_per_node=ranks_per_node) if not isinstance(mesh, Mesh) else mesh
     mesh.check_world_size(dist.get_world_size())
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
