@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import re
 import statistics
 import sys
 import time
@@ -362,6 +363,14 @@ def print_report(summaries: list[tuple[list[Any], list[list[Any]], list[str]]], 
         print("\nNotes:\n" + "\n".join(f"- {note}" for note in notes))
 
 
+def failure_reason(text: str, *, limit: int = 400) -> str:
+    """The exception line of the last traceback in `text` and what follows it, on one line."""
+    lines = text.strip().splitlines()
+    exception_lines = [i for i, line in enumerate(lines) if re.match(r"^[\w.]+(Error|Exception)\b", line)]
+    start = exception_lines[-1] if exception_lines else len(lines) - 1
+    return " ".join(line.strip() for line in lines[start:])[:limit]
+
+
 def run_rows(row_names: list[str], settings: Settings, *, timeout_s: float) -> list[tuple]:
     summaries = []
     for row_name in row_names:
@@ -369,8 +378,7 @@ def run_rows(row_names: list[str], settings: Settings, *, timeout_s: float) -> l
         try:
             ranks = launch(run_row, WORLD_SIZE, row_name, settings, timeout_s=timeout_s)
         except RuntimeError as error:
-            reason = str(error).strip().splitlines()[-1]
-            summaries.append(([row_name, *["n/a"] * 9], [], [f"{row_name}: failed: {reason}"]))
+            summaries.append(([row_name, *["n/a"] * 9], [], [f"{row_name}: failed: {failure_reason(str(error))}"]))
             continue
         summaries.append(summarize_row(row_name, ranks))
         print(f"{row_name}: done in {time.perf_counter() - start:.0f} s", flush=True)

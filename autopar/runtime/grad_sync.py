@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.runtime.collectives import raw_all_reduce
 
 
 @dataclass(frozen=True)
@@ -48,56 +47,69 @@ def plan_buckets(params: list[tuple[str, int, torch.dtype, tuple[str, ...]]], *,
 
 
 class GradSynchronizer:
-    """Launches each bucket's all-reduce as soon as its gradients exist; finishes at end of backward."""
+    """Launches each bucket's all-reduce as soon as its gradients exist; finishes at end of backward.
+
+    Each bucket owns one flat buffer. A gradient is copied into its slice when autograd has
+    accumulated it; a complete bucket is all-reduced in place, asynchronously, while backward
+    goes on; at the end of backward every `param.grad` becomes a view of its reduced slice (no
+    copy back). Gradients must be zeroed or set to None between backward passes (optimizer.zero_grad,
+    either way): the reduction sums Partial gradients, so gradients left from a synchronised step
+    would be counted once per rank. Accumulate micro-batches by summing their losses."""
 
     def __init__(self, module: torch.nn.Module, buckets: list[Bucket], groups: dict[str, str]) -> None:
         self.buckets = buckets
         self.groups = groups
         self.params = dict(module.named_parameters())
-        self._bucket_of = {fqn: i for i, b in enumerate(buckets) for fqn in b.params}
+        self._slot = {}
+        for index, bucket in enumerate(buckets):
+            offset = 0
+            for fqn in bucket.params:
+                self._slot[fqn] = (index, offset)
+                offset += self.params[fqn].numel()
+        self._flat = [torch.zeros(b.numel, dtype=b.dtype, device=self.params[b.params[0]].device) for b in buckets]
         self._ready: list[set[str]] = [set() for _ in buckets]
         self._launched: dict[int, torch.Tensor] = {}
         self._callback_queued = False
-        for fqn in self._bucket_of:
+        for fqn in self._slot:
             self.params[fqn].register_post_accumulate_grad_hook(self._make_hook(fqn))
+
+    def _view(self, fqn: str) -> torch.Tensor:
+        index, offset = self._slot[fqn]
+        param = self.params[fqn]
+        return self._flat[index][offset:offset + param.numel()].view_as(param)
 
     def _make_hook(self, fqn: str):
         def hook(param: torch.Tensor) -> None:
             if not self._callback_queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
                 self._callback_queued = True
-            index = self._bucket_of[fqn]
+            view = self._view(fqn)
+            if param.grad.data_ptr() != view.data_ptr():  # zero_grad(set_to_none=False) keeps our view
+                view.copy_(param.grad)
+            index = self._slot[fqn][0]
             self._ready[index].add(fqn)
             if len(self._ready[index]) == len(self.buckets[index].params):
                 self._launch(index)
         return hook
 
     def _launch(self, index: int) -> None:
-        bucket = self.buckets[index]
-        grads = [self._grad(fqn) for fqn in bucket.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        bucket, flat = self.buckets[index], self._flat[index]
+        for fqn in bucket.params:
+            if fqn not in self._ready[index]:  # unused in this step: contributes zeros
+                self._view(fqn).zero_()
         for axis in bucket.axes[:-1]:
-            flat = raw_all_reduce(flat, self.groups[axis], "sum")
+            torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce_(flat, "sum", self.groups[axis]))
         # the last (usually only) axis runs asynchronously while backward goes on; _finish waits
-        self._launched[index] = torch.ops._c10d_functional.all_reduce(flat, "sum", self.groups[bucket.axes[-1]])
-
-    def _grad(self, fqn: str) -> torch.Tensor:
-        param = self.params[fqn]
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        return param.grad
+        self._launched[index] = torch.ops._c10d_functional.all_reduce_(flat, "sum", self.groups[bucket.axes[-1]])
 
     def _finish(self) -> None:
         for index in range(len(self.buckets)):
             if index not in self._launched:
                 self._launch(index)
         for index, pending in self._launched.items():
-            flat = torch.ops._c10d_functional.wait_tensor(pending)
-            offset = 0
+            torch.ops._c10d_functional.wait_tensor(pending)
             for fqn in self.buckets[index].params:
-                grad = self.params[fqn].grad
-                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+                self.params[fqn].grad = self._view(fqn)
         self._launched.clear()
         self._ready = [set() for _ in self.buckets]
         self._callback_queued = False
