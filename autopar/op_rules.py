@@ -166,7 +166,11 @@ def log_softmax_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: 
 
 @register(aten.nll_loss_forward.default)
 def nll_loss_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext) -> RuleResult | None:
-    """[N, C] log-probs sharded on classes (dim 1) and/or batch (dim 0, with the target)."""
+    """[N, C] log-probs sharded on classes (dim 1) and/or batch (dim 0, with the target).
+
+    Class shards give a Partial loss (each rank owns some targets' log-probs); batch shards are
+    reduced inside the kernel, loss sum and target count in one all-reduce, so the mean over
+    non-ignored targets is exact and the loss comes out replicated on those axes."""
     log_probs, target = specs[:2]
     value = node.args[0].meta["val"]
     if value.dim() != 2 or (len(node.args) > 2 and node.args[2] is not None):
@@ -186,7 +190,8 @@ def nll_loss_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: Rul
         elif p == Shard(0) or (isinstance(p, Replicate) and t == Shard(0)):
             batch_axes.append(i)
             lp_required.append(Shard(0)); target_required.append(Shard(0))
-            out.append(Shard(0) if reduction == 0 else Partial()); total.append(Replicate())
+            # summed over the batch shards inside the kernel, together with the target count
+            out.append(Shard(0) if reduction == 0 else Replicate()); total.append(Replicate())
         elif isinstance(p, Replicate) and isinstance(t, Replicate):
             lp_required.append(p); target_required.append(t); out.append(p); total.append(p)
         else:
@@ -194,8 +199,10 @@ def nll_loss_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: Rul
     if class_axis is None and not batch_axes:
         return None
     out_val, total_val = node.meta["val"]
-    internal = [InternalCollective("all_reduce", ctx.mesh_names[i], "forward", sympy.Integer(total_val.dtype.itemsize),
-                                   total_val.dtype, "mean over batch shards: count of targets") for i in batch_axes]
+    fused = 1 if reduction == 0 else 2  # (loss sum, target count) in one all-reduce per batch axis
+    internal = [InternalCollective("all_reduce", ctx.mesh_names[i], "forward",
+                                   sympy.Integer(fused * total_val.dtype.itemsize), total_val.dtype,
+                                   "loss over batch shards: (sum, count of targets)") for i in batch_axes]
     kwargs: dict[str, tuple[str, str]] = {"batch_groups": ("groups", ",".join(ctx.mesh_names[i] for i in batch_axes))}
     if class_axis is not None:
         kwargs["class_index"] = ("index", ctx.mesh_names[class_axis])

@@ -5,8 +5,9 @@
 - `sharded_log_softmax`: log-softmax over a dimension sharded on the axis (the vocabulary):
   all-reduce of the row max and of the row sum of exponentials forward, one all-reduce of the
   row sum of the incoming gradient backward. Full logits are never gathered.
-- `sharded_nll_loss`: nll_loss_forward on class shards and/or batch shards; the count of
-  non-ignored targets is all-reduced over the batch axes so the mean matches one device.
+- `sharded_nll_loss`: nll_loss_forward on class shards and/or batch shards; over the batch axes
+  the loss sum and the count of non-ignored targets are all-reduced together, so the mean
+  matches one device and the loss is replicated there.
 - `split_equal_blocks`: split of a block-sharded fused projection (q|k|v) into its local blocks.
 The collectives they issue are declared by their rules in `autopar.op_rules` for the ledger.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.runtime.collectives import raw_all_reduce
+from autopar.runtime.collectives import all_reduce, raw_all_reduce
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, *, index: int) -> torch.Tensor:
@@ -60,15 +61,13 @@ def sharded_nll_loss(log_probs: torch.Tensor, target: torch.Tensor, weight: None
         local_target = (target - start).masked_fill(~owned, 0)
     picked = log_probs.gather(1, local_target.unsqueeze(1)).squeeze(1)
     losses = -picked.masked_fill(~owned, 0.0)
-    total = valid.sum().to(log_probs.dtype)
-    for group in batch_groups:
-        total = raw_all_reduce(total, group, "sum")
+    count = valid.sum().to(log_probs.dtype)
     if reduction == 0:  # aten's Reduction enum: 0 none, 1 mean, 2 sum
-        return losses, total
-    if reduction == 2:
-        return losses.sum(), total
-    return losses.sum() / total, total
-
-
-def split_equal_blocks(x: torch.Tensor, sizes: list[int], dim: int = 0, *, parts: int) -> list[torch.Tensor]:
-    return list(torch.split(x, [size // parts for size in sizes], dim=dim))
+        for group in batch_groups:
+            count = raw_all_reduce(count, group, "sum")
+        return losses, count
+    stats = torch.stack([losses.sum(), count])
+    for group in batch_groups:  # identity backward: each rank's share of the sum enters once
+        stats = all_reduce(stats, group=group, size=1)
+    total, count = stats[0], stats[1].detach()
+    return (total if reduction == 2 else total / count), count
