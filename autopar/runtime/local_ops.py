@@ -71,3 +71,7 @@ def sharded_nll_loss(log_probs: torch.Tensor, target: torch.Tensor, weight: None
         stats = all_reduce(stats, group=group, size=1)
     total, count = stats[0], stats[1].detach()
     return (total if reduction == 2 else total / count), count
+
+
+def split_equal_blocks(x: torch.Tensor, sizes: list[int], dim: int = 0, *, parts: int) -> list[torch.Tensor]:
+    return list(torch.split(x, [size // parts for size in sizes], dim=dim))
