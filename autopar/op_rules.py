@@ -9,7 +9,8 @@ A rule may return None to hand the op back to DTensor.
 
 Rules: scaled_dot_product_attention (batch- or head-sharded; DTensor has no rule for the CPU
 kernel), embedding (vocabulary-parallel), _log_softmax and nll_loss_forward (vocabulary- and
-batch-sharded cross-entropy that never gathers the logits), split_with_sizes of a block-sharded
+batch-sharded cross-entropy that never gathers the logits), sum over all dimensions written as
+`sum.dim_IntList(x, [])` (DTensor keeps the input's Shard on the 0-d output), split_with_sizes of a block-sharded
 (`_StridedShard`) fused projection into its blocks (HF GPT-2's q|k|v). Register one with `@register(op)`;
 registering an op twice is an error.
 """
@@ -231,3 +232,16 @@ def split_blocks_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx:
     return RuleResult(output=outputs, required=[x, None, None][:len(node.args)],
                       local_kernel=local_ops.split_equal_blocks,
                       kernel_kwargs={"parts": ("size", ctx.mesh_names[axis_index])})
+
+
+@register(aten.sum.dim_IntList)
+def sum_all_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext) -> RuleResult | None:
+    """`sum(x, dim=[])` reduces every dimension: sharded or partial axes give a Partial scalar."""
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims not in ([], None, ()):
+        return None
+    x = specs[0]
+    placements = tuple(Replicate() if isinstance(p, Replicate) else Partial() for p in x.placements)
+    if any(isinstance(p, Partial) and p.reduce_op != "sum" for p in x.placements):
+        return None
+    return RuleResult(output=_spec_like(x, placements, node.meta["val"]), required=[x] + [None] * (len(specs) - 1))
