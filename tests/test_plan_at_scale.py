@@ -93,6 +93,8 @@ def test_data_parallel_syncs_every_local_parameter_byte_once_over_the_slow_link(
         shape = tp_plan.traced.state[fqn].shape
         local_bytes += shape.numel() * 4 // (TP if any(isinstance(p, torch.distributed.tensor.Shard) for p in placements) else 1)
     assert tp_plan.comm.total(axis="dp", phase="grad_sync") == local_bytes
+    # LEDGER.md: DDP moves one all-reduce of the gradients, 2(N-1)/N of their bytes on the wire
+    assert tp_plan.comm.total(axis="dp", phase="grad_sync", wire=True) == sympy.Rational(2 * (DP - 1), DP) * local_bytes
     assert {e.link for e in tp_plan.comm.entries if e.axis == "dp"} == {"inter"}
     assert {e.link for e in tp_plan.comm.entries if e.axis == "tp"} == {"intra"}
 
