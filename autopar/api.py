@@ -22,7 +22,7 @@ def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, 
                            "torch.distributed.init_process_group first); use autopar.plan to plan without one")
     if ranks_per_node is None and "LOCAL_WORLD_SIZE" in os.environ:  # torchrun knows the node size
         ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
-    mesh = Mesh.parse(mesh, ranks_per_node=ranks_per_node) if not isinstance(mesh, Mesh) else mesh
+    mesh = Mesh.parse(mesh, ranks_per_node=ranks_per_node)
     mesh.check_world_size(dist.get_world_size())
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device_mesh = mesh.device_mesh(device_type=device_type)

@@ -44,14 +44,18 @@ class Mesh:
 
     @classmethod
     def parse(cls, spec: "str | Mesh | dict[str, int]", *, ranks_per_node: int | None = None) -> "Mesh":
-        """Accept a Mesh, a dict, or the string form "dp=2,tp=2" (optionally ";node=4")."""
+        """Accept a Mesh, a dict, or the string form "dp=2,tp=2" (optionally ";node=4").
+
+        `ranks_per_node` fills in the node size where the declaration does not give one."""
         if isinstance(spec, Mesh):
+            if spec.ranks_per_node is None and ranks_per_node is not None:
+                return cls(dict(spec.axes), ranks_per_node=ranks_per_node)
             return spec
         if isinstance(spec, dict):
             return cls(spec, ranks_per_node=ranks_per_node)
         axes: dict[str, int] = {}
         text, _, node_part = spec.partition(";")
-        if node_part:
+        if node_part:  # a node size written in the declaration wins
             key, _, value = node_part.partition("=")
             if key.strip() != "node" or not value.strip().isdigit():
                 raise PlanError(f"cannot read {node_part!r} in mesh {spec!r}; write e.g. 'dp=2,tp=4;node=4'")

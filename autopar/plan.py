@@ -110,7 +110,7 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, strateg
          example_inputs: Sequence[Any], example_kwargs: dict | None = None, dynamic_dims: dict[str, int] | None = None,
          ranks_per_node: int | None = None, bucket_cap_mb: float = 25.0) -> Plan:
     """Plan `model` for `mesh` in this process; no process group is needed. See module docstring."""
-    mesh = Mesh.parse(mesh, ranks_per_node=ranks_per_node) if not isinstance(mesh, Mesh) else mesh
+    mesh = Mesh.parse(mesh, ranks_per_node=ranks_per_node)
     traced = trace_model(model, tuple(example_inputs), example_kwargs, dynamic_dims=dynamic_dims)
     param_names = [i.target for i in traced.placeholders.values() if i.kind == "parameter"]
     strategy = resolve_strategies(mesh, list(strategies), param_names)

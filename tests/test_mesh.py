@@ -44,3 +44,8 @@ def test_world_size_mismatch_is_refused():
 def test_unknown_axis_names_the_axis_and_the_mesh():
     with pytest.raises(PlanError, match=r"unknown mesh axis 'pp'.*\['dp', 'tp'\]"):
         Mesh(dp=2, tp=2).require_axis("pp")
+
+
+def test_node_size_fills_in_but_never_overrides_a_declared_one():
+    assert Mesh.parse(Mesh(dp=2, tp=2), ranks_per_node=2).link("dp") == "inter"
+    assert Mesh.parse("dp=2,tp=2;node=4", ranks_per_node=2).link("dp") == "intra"
