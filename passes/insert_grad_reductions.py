@@ -74,15 +74,20 @@ def _partial_axes(consumer: torch.fx.Node, axes: list[int], passed_through: dict
 
 
 def _parameter_only_upstream(node: torch.fx.Node) -> list[torch.fx.Node] | None:
-    """Parameters feeding `node` through single-use compute nodes, or None if anything else does."""
+    """Parameters feeding `node` through single-use compute nodes, or None if anything else does.
+
+    Single use all the way up (parameters included): a Partial gradient arriving here is then the
+    parameters' whole gradient, so synchronising the parameters is exact."""
     params: list[torch.fx.Node] = []
     frontier = [n for n in node.all_input_nodes if n.meta.get(REQUIRES_GRAD)]
     while frontier:
         current = frontier.pop()
+        if len(current.users) != 1:
+            return None
         if current.op == "placeholder":
             params.append(current)
             continue
-        if current.op != "call_function" or current.target in CONJUGATES or len(current.users) != 1:
+        if current.op != "call_function" or current.target in CONJUGATES:
             return None
         frontier += [n for n in current.all_input_nodes if n.meta.get(REQUIRES_GRAD)]
     return params
@@ -128,7 +133,7 @@ def _settle_free_reductions(node: torch.fx.Node, users: list[torch.fx.Node], nee
                             axes: list[int], ctx: CompileContext) -> None:
     """Axes every user reduces anyway: let a parameter sync, or an all_gather reduce-scatter, absorb them."""
     for axis in axes:
-        if not users or not any(axis in needs[u] for u in users) or not all(axis in needs[u] for u in users):
+        if not users or not all(axis in needs[u] for u in users):
             _zero_pad_slices(node, users, axis, ctx)
             continue
         name = ctx.mesh.names[axis]
@@ -139,8 +144,8 @@ def _settle_free_reductions(node: torch.fx.Node, users: list[torch.fx.Node], nee
             node.meta[COLLECTIVE] = node.meta[COLLECTIVE] + [collective_info(
                 "reduce_scatter", name, "backward", node.meta[SPEC], ctx.mesh.shape, node.meta["val"],
                 node.args[0].name, module_path(node), "conjugate of the all_gather: gradient is partial")]
-        elif node.op == "call_function" and node.target not in CONJUGATES and _parameter_only_upstream(node):
-            _sync_parameters(_parameter_only_upstream(node), name)  # e.g. position embeddings: sync the weight
+        elif node.op == "call_function" and node.target not in CONJUGATES and (params := _parameter_only_upstream(node)):
+            _sync_parameters(params, name)  # e.g. position embeddings under data parallelism: sync the weight
         else:
             continue
         for user in users:

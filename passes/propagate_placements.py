@@ -127,6 +127,7 @@ def _propagate_with_dtensor(node: torch.fx.Node, args: tuple, kwargs: dict, ctx:
 
 
 def _propagate_with_rule(node: torch.fx.Node, rule: Any, args: tuple, kwargs: dict, ctx: CompileContext) -> bool:
+    """An autopar rule sees and constrains positional tensor arguments; list and keyword tensors pass as is."""
     positional = [a if isinstance(a, DTensorSpec) else None for a in args]
     result = rule(node, positional, op_rules.RuleContext(ctx.mesh.names, ctx.mesh.shape))
     if result is None:
@@ -134,9 +135,12 @@ def _propagate_with_rule(node: torch.fx.Node, rule: Any, args: tuple, kwargs: di
     node.meta[SPEC] = result.output
     node.meta[RULE] = result
     required = list(result.required) + [None] * (len(args) - len(result.required))
-    leaves = pytree.tree_leaves((args, kwargs))
-    node.meta[ARG_SPECS] = [required[i] if i < len(args) and isinstance(leaves[i], DTensorSpec) else None
-                            for i in range(len(leaves))]
+    wanted: list[DTensorSpec | None] = []
+    for arg, need in zip(args, required):
+        leaves = pytree.tree_leaves(arg)
+        wanted += [need] if isinstance(arg, DTensorSpec) else [None] * len(leaves)
+    wanted += [None] * len(pytree.tree_leaves(kwargs))
+    node.meta[ARG_SPECS] = wanted
     return True
 
 
