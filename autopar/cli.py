@@ -1,14 +1,17 @@
 """The `autopar` command line.
 
-    autopar plan  <module:function | file.py[:function]> --mesh dp=2,tp=2 [--strategy dp,sp] [--node 8]
-                  [--symbolic b=0,s=1] [--params-only]
-    autopar graph <...same target...> --mesh ... --rank R
+    autopar plan    TARGET --mesh dp=2,tp=2 [--strategy dp,sp] [--node 8] [--symbolic b=0,s=1]
+                    [--params-only] [--save plan.json]
+    autopar graph   TARGET --mesh ... --rank R [--diff] [--html out.html]
+    autopar check   TARGET --mesh ... --baseline comm.json [--tolerance PCT] [--update]
+    autopar diff    a.json b.json
+    autopar explain plan.json NODE_OR_MODULE
 
-The target function takes no arguments and returns `(model, example_inputs)` (a global batch);
-`file.py` alone means its function `example`. `--strategy` lists strategy names: dp
-(data_parallel on axis dp), tp (tensor_parallel on tp), sp (sequence_parallel on tp); by default
-dp for a `dp` axis and tp for a `tp` axis. `plan` prints the passes, the placement table and the
-communication ledger; `graph` prints the code of one rank's emitted graph.
+TARGET is `module:function` or `file.py[:function]` (default `example`): a function with no
+arguments returning `(model, example_inputs)` (a global batch). `--strategy` lists strategy
+names: dp (data_parallel on axis dp), tp (tensor_parallel on tp), sp (sequence_parallel on tp);
+by default dp for a `dp` axis and tp for a `tp` axis. Exit codes: 0 fine, 1 communication grew
+(check, diff), 2 bad input (a plan-time error, printed with its fix).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import importlib
 import importlib.util
 import os
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 from autopar.errors import PlanError
@@ -27,16 +31,15 @@ STRATEGY_NAMES = ("dp", "tp", "sp")
 
 def load_target(target: str) -> Callable[[], Any]:
     path, _, function = target.partition(":")
+    sys.path.insert(0, os.getcwd())
     if path.endswith(".py"):
         if not os.path.exists(path):
             raise PlanError(f"no such file: {path}")
-        sys.path.insert(0, os.getcwd())
         spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
     else:
-        sys.path.insert(0, os.getcwd())
         module = importlib.import_module(path)
     function = function or "example"
     if not hasattr(module, function):
@@ -62,43 +65,126 @@ def _symbolic(text: str | None) -> dict[str, int] | None:
     return {name: int(dim) for name, _, dim in (part.partition("=") for part in text.split(","))}
 
 
-def _plan(args: argparse.Namespace):
+def _plan(args: argparse.Namespace, *, explain: bool = False):
     from autopar.plan import plan
 
     model, inputs = load_target(args.target)()
     mesh = Mesh.parse(args.mesh, ranks_per_node=args.node)
     return plan(model, mesh, strategies=strategies_for(args.strategy, mesh), example_inputs=inputs,
-                dynamic_dims=_symbolic(args.symbolic))
+                dynamic_dims=_symbolic(args.symbolic), explain=explain)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    the_plan = _plan(args, explain=bool(args.save))
+    print(the_plan.report(activations=not args.params_only))
+    if args.save:
+        from autopar.plan_file import save_plan
+
+        save_plan(the_plan, args.save)
+        print(f"\nplan saved to {args.save}")
+    return 0
+
+
+def _cmd_graph(args: argparse.Namespace) -> int:
+    from autopar.views.code import annotated_code, traced_vs_rank
+
+    the_plan = _plan(args)
+    if not 0 <= args.rank < the_plan.mesh.world_size:
+        raise PlanError(f"--rank {args.rank} is outside the mesh's {the_plan.mesh.world_size} ranks")
+    rank_graph = the_plan.rank_graph(args.rank)
+    if args.html:
+        from autopar.views.html import render_html
+
+        Path(args.html).write_text(render_html(the_plan.document().data, title=f"autopar plan: {args.target}"))
+        print(f"wrote {args.html}")
+    elif args.diff:
+        print(traced_vs_rank(the_plan.traced.original_code, rank_graph.code, rank=args.rank))
+    else:
+        print(annotated_code(rank_graph))
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from autopar.comm_gate import compare, comm_summary, load_baseline, save_baseline
+
+    current = comm_summary(_plan(args))
+    if args.update:
+        save_baseline(current, args.baseline)
+        print(f"baseline {args.baseline} written: {current['total_bytes']} bytes per rank per step")
+        return 0
+    result = compare(load_baseline(args.baseline), current, tolerance_pct=args.tolerance)
+    print(result.table())
+    if result.passed:
+        print(f"\ncommunication within {args.baseline} (tolerance {args.tolerance}%)")
+        return 0
+    print(f"\nFAILED: communication grew against {args.baseline}: "
+          + ", ".join(f"{row[2]} on {row[0]}" for row in result.grew) + "\n(rerun with --update to accept it)")
+    return 1
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from autopar.plan_diff import diff_plans
+    from autopar.plan_file import load_plan
+
+    result = diff_plans(load_plan(args.before), load_plan(args.after))
+    print(result.report())
+    return 1 if result.grew else 0
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    from autopar.explain import explain
+    from autopar.plan_file import load_plan
+
+    try:
+        print(explain(load_plan(args.plan), args.name))
+    except KeyError as error:
+        raise PlanError(str(error.args[0])) from None
+    return 0
+
+
+def _planning_arguments(command: argparse.ArgumentParser) -> None:
+    command.add_argument("target", help="module:function or file.py[:function] returning (model, example_inputs)")
+    command.add_argument("--mesh", required=True, help="axes, e.g. dp=2,tp=2")
+    command.add_argument("--strategy", help="comma-separated: dp, tp, sp")
+    command.add_argument("--node", type=int, help="ranks per node (axes spanning nodes are 'inter')")
+    command.add_argument("--symbolic", help="symbolic input dims, e.g. b=0,s=1")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autopar", description="plan, inspect and gate distributed training programs")
+    commands = parser.add_subparsers(dest="command", required=True)
+    plan_cmd = commands.add_parser("plan", help="print the placement table and the communication ledger")
+    _planning_arguments(plan_cmd)
+    plan_cmd.add_argument("--params-only", action="store_true", help="placement table of parameters only")
+    plan_cmd.add_argument("--save", help="also write the plan file (JSON) here")
+    graph_cmd = commands.add_parser("graph", help="print one rank's emitted graph")
+    _planning_arguments(graph_cmd)
+    graph_cmd.add_argument("--rank", type=int, default=0)
+    graph_cmd.add_argument("--diff", action="store_true", help="diff the traced graph against the rank's graph")
+    graph_cmd.add_argument("--html", help="write a self-contained HTML view of the plan here")
+    check_cmd = commands.add_parser("check", help="fail when communication exceeds a baseline")
+    _planning_arguments(check_cmd)
+    check_cmd.add_argument("--baseline", required=True)
+    check_cmd.add_argument("--tolerance", type=float, default=0.0, help="allowed growth in percent")
+    check_cmd.add_argument("--update", action="store_true", help="rewrite the baseline deliberately")
+    diff_cmd = commands.add_parser("diff", help="compare two plan files")
+    diff_cmd.add_argument("before")
+    diff_cmd.add_argument("after")
+    explain_cmd = commands.add_parser("explain", help="why a node or module got its placement")
+    explain_cmd.add_argument("plan", help="a plan file from `autopar plan --save`")
+    explain_cmd.add_argument("name", help="node name, parameter FQN or module path")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="autopar", description="plan and inspect distributed training programs")
-    commands = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("plan", "print the placement table and the communication ledger"),
-                            ("graph", "print one rank's emitted graph")):
-        command = commands.add_parser(name, help=help_text)
-        command.add_argument("target", help="module:function or file.py[:function] returning (model, example_inputs)")
-        command.add_argument("--mesh", required=True, help="axes, e.g. dp=2,tp=2")
-        command.add_argument("--strategy", help="comma-separated: dp, tp, sp")
-        command.add_argument("--node", type=int, help="ranks per node (axes spanning nodes are 'inter')")
-        command.add_argument("--symbolic", help="symbolic input dims, e.g. b=0,s=1")
-        if name == "plan":
-            command.add_argument("--params-only", action="store_true", help="placement table of parameters only")
-        else:
-            command.add_argument("--rank", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    handlers = {"plan": _cmd_plan, "graph": _cmd_graph, "check": _cmd_check, "diff": _cmd_diff,
+                "explain": _cmd_explain}
     try:
-        the_plan = _plan(args)
-        if args.command == "plan":
-            print(the_plan.report(activations=not args.params_only))
-        else:
-            if not 0 <= args.rank < the_plan.mesh.world_size:
-                raise PlanError(f"--rank {args.rank} is outside the mesh's {the_plan.mesh.world_size} ranks")
-            print(the_plan.rank_graph(args.rank).code.strip())
+        return handlers[args.command](args)
     except PlanError as error:
         print(f"autopar: error: {error}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

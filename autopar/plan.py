@@ -14,12 +14,11 @@ import torch
 import torch.fx
 from tabulate import tabulate
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from autopar.context import CompileContext
 from autopar.errors import PlanError
-from autopar.ir import SPEC, describe, module_path, shard_dim
+from autopar.ir import SPEC, shard_dim
 from autopar.ledger.comm import CommLedger, build_comm_ledger
 from autopar.mesh import Mesh
 from autopar.passes import PassRecord, default_passes, run_passes
@@ -76,46 +75,35 @@ class Plan:
         return [shard(value, node.meta[SPEC].placements, self.mesh, rank) if isinstance(value, torch.Tensor) else value
                 for value, node in zip(inputs, nodes)]
 
+    def document(self) -> "PlanDocument":
+        from autopar.plan_file import PlanDocument, plan_document
+
+        return PlanDocument(plan_document(self))
+
     def placement_table(self, *, activations: bool = True) -> str:
-        rows = []
-        for node in self.graph_module.graph.nodes:
-            spec = node.meta.get(SPEC)
-            if not isinstance(spec, DTensorSpec) or (node.op == "call_function" and not activations):
-                continue
-            if node.op == "call_function" and "getitem" in str(node.target):
-                continue
-            info = self.context.placeholders.get(node.name)
-            what = f"{info.kind} {info.target}" if info else str(node.target).replace("aten.", "")
-            shape = tuple(spec.tensor_meta.shape) if spec.tensor_meta else ()
-            local = list(shape)
-            for axis_index, placement in enumerate(spec.placements):
-                if shard_dim(placement) is not None:
-                    local[placement.dim] //= self.mesh.shape[axis_index]
-            rows.append([node.name, what, module_path(node), "x".join(map(str, shape)),
-                         describe(spec.placements), "x".join(map(str, local))])
-        return tabulate(rows, headers=["node", "op / tensor", "module", "global", f"placement ({','.join(self.mesh.names)})",
-                                       "local"], tablefmt="simple")
+        return self.document().placement_table(activations=activations)
 
     def report(self, *, activations: bool = True) -> str:
-        passes = tabulate([[r.name, f"{r.seconds * 1000:.0f} ms", r.nodes_before, r.nodes_after]
-                           for r in self.pass_records], headers=["pass", "time", "nodes in", "nodes out"])
-        return (f"mesh {self.mesh}  ({self.mesh.world_size} ranks; "
-                + ", ".join(f"{a}: {self.mesh.link(a)}" for a in self.mesh.names) + ")\n"
-                + "strategies: " + ", ".join(f"{s.name} on {s.axis}" for s in self.strategy.strategies) + "\n\n"
-                + passes + "\n\n" + self.placement_table(activations=activations)
-                + "\n\nCommunication per step, per rank\n" + self.comm.table())
+        """Rendered from the plan's document, so a saved and reloaded plan reports the same."""
+        return self.document().report(activations=activations)
+
+    def pass_timings(self) -> str:
+        return tabulate([[r.name, f"{r.seconds * 1000:.0f} ms", r.nodes_before, r.nodes_after]
+                         for r in self.pass_records], headers=["pass", "time", "nodes in", "nodes out"])
 
 
 def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, strategies: Sequence[Any],
          example_inputs: Sequence[Any], example_kwargs: dict | None = None, dynamic_dims: dict[str, int] | None = None,
-         ranks_per_node: int | None = None, bucket_cap_mb: float = 25.0) -> Plan:
-    """Plan `model` for `mesh` in this process; no process group is needed. See module docstring."""
+         ranks_per_node: int | None = None, bucket_cap_mb: float = 25.0, explain: bool = False) -> Plan:
+    """Plan `model` for `mesh` in this process; no process group is needed. See module docstring.
+
+    `explain=True` also records, for every op DTensor decided, the alternatives it weighed."""
     mesh = Mesh.parse(mesh, ranks_per_node=ranks_per_node)
     traced = trace_model(model, tuple(example_inputs), example_kwargs, dynamic_dims=dynamic_dims)
     param_names = [i.target for i in traced.placeholders.values() if i.kind == "parameter"]
     strategy = resolve_strategies(mesh, list(strategies), param_names)
     context = CompileContext(mesh=mesh, device_mesh=mesh.device_mesh(plan_rank=0), strategy=strategy,
-                             placeholders=traced.placeholders, symbols=traced.symbols)
+                             placeholders=traced.placeholders, symbols=traced.symbols, explain=explain)
     graph_module, records = run_passes(traced.graph_module, context, default_passes())
     params = []
     for node in graph_module.graph.nodes:

@@ -34,6 +34,7 @@ class TracedProgram:
     out_spec: Any
     symbols: dict[sympy.Symbol, sympy.Symbol]
     symbol_values: dict[sympy.Symbol, int]
+    original_code: str = ""  # the traced single-device graph, before any pass changed it
 
 
 def _decomposition_table() -> dict:
@@ -123,4 +124,4 @@ def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     names, values = _symbols(program, placeholders, dynamic_dims)
     return TracedProgram(graph_module=program.graph_module, placeholders=placeholders, state=state,
                          user_input_count=user_index, out_spec=program.call_spec.out_spec,
-                         symbols=names, symbol_values=values)
+                         symbols=names, symbol_values=values, original_code=program.graph_module.code)

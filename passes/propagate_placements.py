@@ -10,7 +10,9 @@ replicated tensors. Every other node, in topological order:
    output placement and the placements the arguments must be redistributed to, and rewrites
    shape arguments (view, reshape, expand, new_*) to local sizes;
 3. the node records `SPEC` (its output), `ARG_SPECS` (what each tensor argument must be),
-   `LOCAL_ARGS` (arguments with local shapes) and `RULE` (an autopar rule's result, if any).
+   `LOCAL_ARGS` (arguments with local shapes), `RULE` (an autopar rule's result, if any) and
+   `ORIGIN` (why: the seed rule, the module layouts its inputs crossed, who decided, and with
+   `CompileContext.explain` the alternatives DTensor weighed with their costs).
 A sharded dimension that its axis does not divide, or an op with no rule, is a `PlanError`
 naming the node, module and source line.
 """
@@ -29,7 +31,8 @@ from torch.utils import _pytree as pytree
 from autopar import op_rules
 from autopar.context import CompileContext
 from autopar.errors import PlanError
-from autopar.ir import ARG_SPECS, LOCAL_ARGS, RULE, SPEC, describe, hint, module_stack, shard_dim
+from autopar.explain import dtensor_alternatives
+from autopar.ir import ARG_SPECS, LOCAL_ARGS, ORIGIN, RULE, SPEC, describe, hint, module_stack, shard_dim
 
 
 def _tensor_meta(value: torch.Tensor) -> TensorMeta:
@@ -51,11 +54,14 @@ def _seed(node: torch.fx.Node, ctx: CompileContext) -> DTensorSpec | None:
     info = ctx.placeholders[node.name]
     if info.kind == "parameter":
         placements = ctx.strategy.param_placements(info.target)
+        node.meta[ORIGIN] = {"seed": ctx.strategy.param_origin(info.target)}
     elif info.kind == "input":
         placements = ctx.strategy.input_placements(info.index)
         placements = tuple(p if shard_dim(p) is None or p.dim < value.dim() else Replicate() for p in placements)
+        node.meta[ORIGIN] = {"seed": f"user input {info.index}: input rules of the strategies give {describe(placements)}"}
     else:
         placements = (Replicate(),) * len(ctx.mesh.names)
+        node.meta[ORIGIN] = {"seed": f"{info.kind}: replicated"}
     return DTensorSpec(ctx.device_mesh, placements, _tensor_meta(value))
 
 
@@ -80,8 +86,13 @@ def _edge_spec(producer: torch.fx.Node, consumer: torch.fx.Node, ctx: CompileCon
     spec = producer.meta[SPEC]
     if producer.op == "placeholder" and ctx.placeholders[producer.name].kind != "input":
         return spec
-    placements = ctx.strategy.edge_placements(module_stack(producer), module_stack(consumer), spec.placements)
-    return spec if placements == spec.placements else DTensorSpec(spec.mesh, placements, spec.tensor_meta)
+    reasons: list[str] = []
+    placements = ctx.strategy.edge_placements(module_stack(producer), module_stack(consumer), spec.placements, reasons)
+    if placements == spec.placements:
+        return spec
+    edges = consumer.meta.setdefault(ORIGIN, {}).setdefault("edges", [])
+    edges.append(f"{producer.name} {describe(spec.placements)} -> {describe(placements)}: " + "; ".join(reasons))
+    return DTensorSpec(spec.mesh, placements, spec.tensor_meta)
 
 
 def _to_schema_arg(value: Any, consumer: torch.fx.Node, ctx: CompileContext) -> Any:
@@ -112,6 +123,10 @@ def _propagate_with_dtensor(node: torch.fx.Node, args: tuple, kwargs: dict, ctx:
                else "declare module layouts that give this op inputs it can shard, or keep them replicated")
         raise PlanError.at(node, f"{message}: {node.target}: {type(error).__name__}: {error}", fix=fix) from None
     node.meta[SPEC] = result.output_spec
+    origin = node.meta.setdefault(ORIGIN, {})
+    origin["decided_by"] = f"DTensor's sharding rule for {node.target}"
+    if ctx.explain:
+        origin["alternatives"] = dtensor_alternatives(schema)
     arg_leaves = pytree.tree_leaves((args, kwargs))
     if result.needs_redistribute and result.redistribute_schema is not None:
         suggested = result.redistribute_schema
@@ -134,6 +149,7 @@ def _propagate_with_rule(node: torch.fx.Node, rule: Any, args: tuple, kwargs: di
         return False
     node.meta[SPEC] = result.output
     node.meta[RULE] = result
+    node.meta.setdefault(ORIGIN, {})["decided_by"] = f"autopar rule {rule.__name__} (autopar.op_rules)"
     required = list(result.required) + [None] * (len(args) - len(result.required))
     wanted: list[DTensorSpec | None] = []
     for arg, need in zip(args, required):
@@ -166,11 +182,13 @@ def _propagate_node(node: torch.fx.Node, ctx: CompileContext) -> None:
     if node.target is operator.getitem:
         parent = node.args[0].meta.get(SPEC)
         node.meta[SPEC] = parent[node.args[1]] if isinstance(parent, (tuple, list)) else None
+        node.meta[ORIGIN] = {"decided_by": f"output {node.args[1]} of {node.args[0].name}"}
         return
     if not isinstance(value, (torch.Tensor, tuple, list)) or not any(
             isinstance(a, torch.fx.Node) and isinstance(a.meta.get(SPEC), DTensorSpec)
             for a in pytree.tree_leaves((node.args, node.kwargs))):
         node.meta[SPEC] = _replicated(ctx, value)
+        node.meta[ORIGIN] = {"decided_by": "no sharded tensor inputs: replicated"}
         return
     args = pytree.tree_map(lambda a: _to_schema_arg(a, node, ctx), node.args)
     kwargs = pytree.tree_map(lambda a: _to_schema_arg(a, node, ctx), dict(node.kwargs))

@@ -74,16 +74,23 @@ class ResolvedStrategy:
         return [s for s in self.strategies if s.axis == axis]
 
     def param_placements(self, fqn: str) -> tuple[Placement, ...]:
-        placements = []
+        return tuple(placement for placement, _ in self._param_choices(fqn))
+
+    def param_origin(self, fqn: str) -> str:
+        """Why each axis got its placement: the strategy rule that matched, or none (replicated)."""
+        return "; ".join(f"{axis}: {why}" for axis, (_, why) in zip(self.mesh.names, self._param_choices(fqn)))
+
+    def _param_choices(self, fqn: str) -> list[tuple[Placement, str]]:
+        choices = []
         for axis in self.mesh.names:
-            chosen: Placement = Replicate()
+            chosen: tuple[Placement, str] = (Replicate(), "replicated (no parameter rule on this axis)")
             for strategy in self._for_axis(axis):
                 rule = next((r for r in strategy.params if _matches(r.pattern, fqn)), None)
                 if rule is not None:
-                    chosen = rule.placement
+                    chosen = (rule.placement, f"{rule.placement} from {strategy.name} rule {rule.pattern!r}")
                     break
-            placements.append(chosen)
-        return tuple(placements)
+            choices.append(chosen)
+        return choices
 
     def input_placements(self, index: int) -> tuple[Placement, ...]:
         placements = []
@@ -98,8 +105,8 @@ class ResolvedStrategy:
         return tuple(placements)
 
     def edge_placements(self, producer_stack: list[str], consumer_stack: list[str],
-                        placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
-        """Placements a tensor must have on an edge that leaves and/or enters modules."""
+                        placements: tuple[Placement, ...], reasons: list[str] | None = None) -> tuple[Placement, ...]:
+        """Placements a tensor must have on an edge that leaves and/or enters modules (why: into `reasons`)."""
         left = [m for m in producer_stack if m not in consumer_stack]
         entered = [m for m in consumer_stack if m not in producer_stack]
         result = list(placements)
@@ -109,10 +116,14 @@ class ResolvedStrategy:
                     layout = next((l for l in strategy.modules if l.outputs is not None and _matches(l.pattern, module)), None)
                     if layout is not None:
                         result[index] = layout.outputs
+                        if reasons is not None:
+                            reasons.append(f"{axis}: {layout.outputs} leaving {module} ({strategy.name} layout {layout.pattern!r})")
                 for module in entered:
                     layout = next((l for l in strategy.modules if l.inputs is not None and _matches(l.pattern, module)), None)
                     if layout is not None:
                         result[index] = layout.inputs
+                        if reasons is not None:
+                            reasons.append(f"{axis}: {layout.inputs} entering {module} ({strategy.name} layout {layout.pattern!r})")
         return tuple(result)
 
 

@@ -1,0 +1,121 @@
+"""Plan files, plan diffs, the communication gate and explain: round trips, exit codes, and a
+gate that fails when a strategy change adds communication and names the axis and kind."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import autopar
+from autopar import PlanError
+from autopar.plan_diff import diff_plans
+from autopar.plan_file import load_plan, save_plan
+from autopar.strategies.layouts import EXAMPLE_GPT
+from autopar.testing import assert_comm_within_baseline
+from examples.gpt import example
+
+BASELINES = Path(__file__).parent.parent / "baselines"
+EXAMPLES = {
+    "example_gpt_dp2": ("dp=2", [autopar.data_parallel]),
+    "example_gpt_tp2": ("tp=2", [autopar.tensor_parallel]),
+    "example_gpt_tp2_sp": ("tp=2", [autopar.sequence_parallel]),
+    "example_gpt_dp2_tp2_sp": ("dp=2,tp=2", [autopar.data_parallel, autopar.sequence_parallel]),
+}
+# a "regression": the MLP's down projection no longer row-parallel; autopar then slices its weight
+# locally and must all-reduce the weight's gradient over tp every step
+NO_ROW_PARALLEL_MLP = dataclasses.replace(EXAMPLE_GPT, row=("*layers.*.attn.o_proj",))
+
+
+def plan_example(mesh: str, strategies: list, **options) -> autopar.Plan:
+    model, batch = example()
+    return autopar.plan(model, mesh, strategies=strategies, example_inputs=batch, **options)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autopar.cli", *args], capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_examples_stay_within_their_committed_baselines(name):
+    mesh, makers = EXAMPLES[name]
+    assert_comm_within_baseline(plan_example(mesh, [m() for m in makers]), BASELINES / f"{name}.json")
+
+
+def test_gate_fails_naming_axis_and_kind_when_a_strategy_adds_communication():
+    regressed = plan_example("tp=2", [autopar.tensor_parallel(layout=NO_ROW_PARALLEL_MLP)])
+    with pytest.raises(AssertionError) as failure:
+        assert_comm_within_baseline(regressed, BASELINES / "example_gpt_tp2.json")
+    grew = [line.split() for line in str(failure.value).splitlines() if line.rstrip().endswith(("GREW", "NEW"))]
+    assert [(row[0], row[2], row[-1]) for row in grew] == [("tp", "all_reduce", "GREW")]
+
+
+def test_plan_file_round_trip_gives_identical_reports(tmp_path):
+    plan = plan_example("dp=2,tp=2", [autopar.data_parallel(), autopar.sequence_parallel()],
+                        dynamic_dims={"b": 0, "s": 1}, explain=True)
+    save_plan(plan, tmp_path / "plan.json")
+    loaded = load_plan(tmp_path / "plan.json")
+    assert loaded.report() == plan.report()
+    assert str(loaded.comm.total(axis="tp")) == str(plan.comm.total(axis="tp"))
+    save_plan(loaded, tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_text() == (tmp_path / "plan.json").read_text()
+
+
+def test_plan_file_of_another_schema_is_refused(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"schema": "autopar.plan/0", "nodes": []}))
+    with pytest.raises(PlanError, match=r"schema 'autopar.plan/0', this autopar reads 'autopar.plan/1'.*--save"):
+        load_plan(path)
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(PlanError, match="cannot read plan file"):
+        load_plan(tmp_path / "broken.json")
+
+
+def test_diff_names_changed_placements_new_collectives_and_growth(tmp_path):
+    save_plan(plan_example("tp=2", [autopar.tensor_parallel()]), tmp_path / "a.json")
+    save_plan(plan_example("tp=2", [autopar.tensor_parallel(layout=NO_ROW_PARALLEL_MLP)]), tmp_path / "b.json")
+    result = diff_plans(load_plan(tmp_path / "a.json"), load_plan(tmp_path / "b.json"))
+    assert result.grew
+    assert ["layers.0.mlp.down_proj.weight", "S(1)", "R"] in [row[1:] for row in result.placements]
+    assert any(row[0] == "grad_sync" and row[2] == "tp" and row[4] == 0 for row in result.collectives)
+    cli = run_cli("diff", str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    assert cli.returncode == 1 and "communication grew" in cli.stdout
+    same = run_cli("diff", str(tmp_path / "a.json"), str(tmp_path / "a.json"))
+    assert same.returncode == 0 and "no communication grew" in same.stdout
+
+
+def test_check_cli_exit_codes(tmp_path):
+    args = ["check", "examples/gpt.py", "--mesh", "tp=2", "--strategy", "tp"]
+    assert run_cli(*args, "--baseline", str(BASELINES / "example_gpt_tp2.json")).returncode == 0
+    tight = json.loads((BASELINES / "example_gpt_tp2.json").read_text())
+    tight["volumes"][0]["bytes"] -= 4
+    (tmp_path / "tight.json").write_text(json.dumps(tight))
+    failed = run_cli(*args, "--baseline", str(tmp_path / "tight.json"))
+    assert failed.returncode == 1 and "GREW" in failed.stdout and "FAILED" in failed.stdout
+    assert run_cli(*args, "--baseline", str(tmp_path / "tight.json"), "--tolerance", "1").returncode == 0
+    missing = run_cli(*args, "--baseline", str(tmp_path / "missing.json"))
+    assert missing.returncode == 2 and "--update" in missing.stderr
+
+
+def test_explain_says_which_rule_and_which_alternatives(tmp_path):
+    assert run_cli("plan", "examples/gpt.py", "--mesh", "dp=2,tp=2", "--strategy", "dp,sp",
+                   "--save", str(tmp_path / "plan.json")).returncode == 0
+    param = run_cli("explain", str(tmp_path / "plan.json"), "layers.0.attn.q_proj.weight")
+    assert param.returncode == 0 and "rule '*layers.*.attn.q_proj.weight'" in param.stdout
+    assert "synchronised over dp" in param.stdout
+    op = run_cli("explain", str(tmp_path / "plan.json"), "layers.0.attn.q_proj")
+    assert "entering layers.0.attn" in op.stdout and "alternative:" in op.stdout and "redistribution cost" in op.stdout
+    unknown = run_cli("explain", str(tmp_path / "plan.json"), "no.such.module")
+    assert unknown.returncode == 2 and "no node, parameter or module" in unknown.stderr
+
+
+def test_graph_views_annotate_and_diff():
+    annotated = run_cli("graph", "examples/gpt.py", "--mesh", "dp=2,tp=2", "--strategy", "dp,sp", "--rank", "1")
+    assert annotated.returncode == 0
+    assert any("all_gather" in line and "# S(0),R  <- all_gather over tp" in line for line in annotated.stdout.splitlines())
+    diff = run_cli("graph", "examples/gpt.py", "--mesh", "tp=2", "--rank", "1", "--diff")
+    assert diff.returncode == 0 and "+++ rank 1" in diff.stdout and "+    all_reduce" in diff.stdout
