@@ -8,7 +8,7 @@ print the placement table and ledger (`report`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.fx
@@ -27,6 +27,9 @@ from autopar.passes.insert_grad_reductions import GRAD_SYNC
 from autopar.runtime.grad_sync import Bucket, plan_buckets
 from autopar.strategies import ResolvedStrategy, resolve_strategies
 from autopar.trace import TracedProgram, trace_model
+
+if TYPE_CHECKING:
+    from autopar.plan_file import PlanDocument
 
 
 def shard(tensor: torch.Tensor, placements: Sequence[Placement], mesh: Mesh, rank: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from tabulate import tabulate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from autopar.errors import PlanError
-from autopar.ir import COLLECTIVE, ORIGIN, RULE, SPEC, describe, module_path, shard_dim, source_line
+from autopar.ir import ORIGIN, RULE, SPEC, describe, module_path, shard_dim, source_line
 from autopar.ledger.comm import CommEntry, CommLedger
 from autopar.mesh import Mesh
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 
 import autopar
 from autopar.runtime.launch import launch

@@ -3,8 +3,6 @@ autopar on gloo processes equals the single-device model after 3 AdamW steps, an
 equals the bytes each step hands to the process groups."""
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 import autopar

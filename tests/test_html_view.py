@@ -3,7 +3,6 @@ per node, collectives marked) and the per-layer ledger, and a screenshot of it i
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
