@@ -96,7 +96,8 @@ def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         args, kwargs = pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, (tuple(args), kwargs))
     program = _export(model, tuple(args), kwargs, dynamic_dims)
     signature = program.graph_signature
-    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    # remove_duplicate=False: a tied weight is reachable under every name, and export may keep any of them
+    trainable = {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
     placeholders: dict[str, PlaceholderInfo] = {}
     state: dict[str, torch.Tensor] = {}
     user_index = 0

@@ -30,12 +30,13 @@ def tiny_llama(*, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: i
     return CausalLMLoss(LlamaForCausalLM(config))
 
 
-def tiny_gpt2(*, layers: int = 2, hidden: int = 32, heads: int = 4, vocab: int = 128, positions: int = 64) -> CausalLMLoss:
+def tiny_gpt2(*, layers: int = 2, hidden: int = 32, heads: int = 4, vocab: int = 128, positions: int = 64,
+              tied: bool = False) -> CausalLMLoss:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(n_layer=layers, n_head=heads, n_embd=hidden, vocab_size=vocab, n_positions=positions,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, attn_implementation="sdpa",
-                        tie_word_embeddings=False)
+                        tie_word_embeddings=tied)
     return CausalLMLoss(GPT2LMHeadModel(config))
 
 

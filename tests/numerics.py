@@ -71,8 +71,13 @@ def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).abs().max() / expected.abs().max().clamp_min(NOISE_FLOOR))
 
 
-def assert_matches(reference: dict[str, Any], results: list[dict[str, Any]], mesh: str, *, tolerance: float = 1e-5) -> None:
-    """Loss, every gradient shard and every parameter shard after each step, on every rank."""
+def assert_matches(reference: dict[str, Any], results: list[dict[str, Any]], mesh: str, *, tolerance: float = 1e-5,
+                   aliases: dict[str, str] | None = None) -> None:
+    """Loss, every gradient shard and every parameter shard after each step, on every rank.
+
+    `aliases` maps a reference parameter name to the name the distributed module trains it under
+    (a tied weight: torch.export keeps one of its names)."""
+    aliases = aliases or {}
     parsed = autopar.Mesh.parse(mesh)
     for rank, result in enumerate(results):
         for step in range(len(reference["losses"])):
@@ -80,8 +85,8 @@ def assert_matches(reference: dict[str, Any], results: list[dict[str, Any]], mes
             assert error <= tolerance, f"rank {rank} step {step} loss rel err {error}"
             for kind in ("grads", "params"):
                 for name, full in reference[kind][step].items():
-                    expected = shard(full, result["placements"][name], parsed, rank)
-                    error = max_relative_error(result[kind][step][name], expected)
+                    expected = shard(full, result["placements"][aliases.get(name, name)], parsed, rank)
+                    error = max_relative_error(result[kind][step][aliases.get(name, name)], expected)
                     assert error <= tolerance, f"rank {rank} step {step} {kind} {name} rel err {error}"
 
 

@@ -38,3 +38,18 @@ def test_hf_model_matches_single_device(model_name, case):
     results = launch(distributed_rank, world, build, BATCHES, mesh, strategies, timeout_s=120)
     assert_matches(reference(model_name), results, mesh)
     assert_ledger_equals_measured(results)
+
+
+def tied_gpt2():
+    return tiny_gpt2(tied=True)
+
+
+@pytest.mark.parametrize("case", ["dp2", "tp2"])
+def test_tied_embedding_and_lm_head_train_as_one_weight(case):
+    """GPT-2's default ties wte and lm_head: export keeps one placeholder (lm_head.weight), whose
+    gradient must carry both uses, as the single tied weight's does on one device."""
+    mesh, strategies = CASES[case]
+    reference = single_device(tied_gpt2, BATCHES)
+    results = launch(distributed_rank, 2, tied_gpt2, BATCHES, mesh, strategies, timeout_s=120)
+    assert_matches(reference, results, mesh, aliases={"model.transformer.wte.weight": "model.lm_head.weight"})
+    assert_ledger_equals_measured(results)

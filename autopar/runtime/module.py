@@ -1,7 +1,8 @@
 """`ParallelModule`: one rank's share of the model, running its emitted graph.
 
 Parameters are this rank's shards as ordinary `nn.Parameter`s under the original names (so any
-`torch.optim` optimizer and name-based parameter groups work); buffers and constants are kept
+`torch.optim` optimizer and name-based parameter groups work; a tied weight appears once, under
+the name torch.export kept); buffers and constants are kept
 whole (they are replicated). `forward` takes the rank's local inputs (see `local_batch` to cut
 them from a global batch) and returns the outputs the original model returns, replicated.
 Gradients that come out Partial are synchronised by `GradSynchronizer` during backward.
@@ -44,6 +45,8 @@ class ParallelModule(torch.nn.Module):
                 continue
             info = plan.context.placeholders[node.name]
             self._inputs.append((info.kind, info.target))
+            if info.kind == "parameter" and not node.users:
+                continue  # never read, e.g. the second name of a tied weight: export kept the other one
             if info.kind == "parameter":
                 full = state[info.target].detach()
                 local = shard(full, placements[info.target], plan.mesh, rank).clone()
@@ -52,6 +55,12 @@ class ParallelModule(torch.nn.Module):
             elif info.kind in ("buffer", "constant"):
                 _set_path(self, "_state." + info.target, state[info.target].detach().clone(), parameter=False)
         self.grad_sync = GradSynchronizer(self, plan.buckets, groups)
+
+    def _parameter_or_none(self, fqn: str) -> torch.nn.Parameter | None:
+        try:
+            return self.get_parameter(fqn)
+        except AttributeError:
+            return None  # an unread placeholder (see __init__); the graph ignores it
 
     def local_batch(self, *global_inputs: Any) -> list[Any]:
         """This rank's slice of a global batch, in the traced input order."""
@@ -62,7 +71,7 @@ class ParallelModule(torch.nn.Module):
         args = []
         for kind, target in self._inputs:
             if kind == "parameter":
-                args.append(self.get_parameter(target))
+                args.append(self._parameter_or_none(target))
             elif kind == "input":
                 args.append(next(user))
             else:
