@@ -73,6 +73,17 @@ class FusedProjection(nn.Module):
         return (q * k + v.square()).sum()
 
 
+class MeanSquaredError(nn.Module):
+    """No autopar rule involved: DTensor's mean over a batch-sharded tensor gives Partial(avg)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(torch.tanh(self.linear(x)), y)
+
+
 def targets_with_ignored() -> torch.Tensor:
     targets = torch.randint(0, 16, (8,), generator=torch.Generator().manual_seed(1))
     targets[[1, 6]] = -100
@@ -102,6 +113,8 @@ CASES = {
                                         {"logits": Shard(0)}, Shard(0)),
     "vocab-parallel log_softmax, any gradient": (LogSoftmaxWeighted, lambda: (torch.randn(8, 16),),
                                                  {"logits": Shard(1)}, Replicate()),
+    "mean over batch shards (Partial avg)": (MeanSquaredError, lambda: (torch.randn(6, 4), torch.randn(6, 3)), {},
+                                            Shard(0)),
     "block-sharded split": (FusedProjection, lambda: (torch.randn(5, 4),), {"weight": _StridedShard(1, split_factor=3)},
                             None),
 }
