@@ -53,3 +53,16 @@ def test_tied_embedding_and_lm_head_train_as_one_weight(case):
     results = launch(distributed_rank, 2, tied_gpt2, BATCHES, mesh, strategies, timeout_s=120)
     assert_matches(reference, results, mesh, aliases={"model.transformer.wte.weight": "model.lm_head.weight"})
     assert_ledger_equals_measured(results)
+
+
+def grouped_query_llama():
+    return tiny_llama(kv_heads=2)
+
+
+def test_grouped_query_attention_under_tensor_parallelism():
+    """Llama with 2 key/value heads for 4 query heads: repeat_kv's expand/clone/view on head shards."""
+    reference = single_device(grouped_query_llama, BATCHES)
+    results = launch(distributed_rank, 2, grouped_query_llama, BATCHES, "tp=2", [autopar.tensor_parallel()],
+                     timeout_s=120)
+    assert_matches(reference, results, "tp=2")
+    assert_ledger_equals_measured(results)
