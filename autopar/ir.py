@@ -19,7 +19,7 @@ import sympy
 import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 SPEC = "autopar_spec"
@@ -122,6 +122,20 @@ def hint(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(hint(v) for v in value)
     return value
+
+
+def tensor_meta(value: torch.Tensor) -> TensorMeta:
+    """DTensor's TensorMeta of a traced value, with concrete (hint) sizes."""
+    return TensorMeta(torch.Size(hint(tuple(value.shape))), hint(tuple(value.stride())), value.dtype)
+
+
+def local_shape(global_shape: tuple[int, ...], placements: tuple[Placement, ...], axis_sizes: tuple[int, ...]) -> list[int]:
+    """One rank's shard shape for concrete sizes (divisible; the planner refuses the others)."""
+    shape = [int(d) for d in global_shape]
+    for placement, parts in zip(placements, axis_sizes):
+        if shard_dim(placement) is not None:
+            shape[placement.dim] //= parts
+    return shape
 
 
 def local_numel(global_shape: tuple[Any, ...], placements: tuple[Placement, ...], axis_sizes: tuple[int, ...]) -> sympy.Expr:

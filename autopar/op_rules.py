@@ -23,10 +23,10 @@ import sympy
 import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from autopar.ir import hint, sym_size
+from autopar.ir import hint, sym_size, tensor_meta
 from autopar.runtime import local_ops
 
 aten = torch.ops.aten
@@ -82,8 +82,7 @@ def lookup(op: Any) -> Callable[..., RuleResult | None] | None:
 
 
 def _spec_like(spec: DTensorSpec, placements: tuple[Placement, ...], value: torch.Tensor | None = None) -> DTensorSpec:
-    meta = spec.tensor_meta if value is None else TensorMeta(torch.Size(hint(tuple(value.shape))),
-                                                             hint(tuple(value.stride())), value.dtype)
+    meta = spec.tensor_meta if value is None else tensor_meta(value)
     return DTensorSpec(spec.mesh, placements, meta)
 
 

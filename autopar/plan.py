@@ -7,6 +7,7 @@ print the placement table and ledger (`report`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -18,7 +19,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from autopar.context import CompileContext
 from autopar.errors import PlanError
-from autopar.ir import SPEC, shard_dim
+from autopar.ir import SPEC, local_shape
 from autopar.ledger.comm import CommLedger, build_comm_ledger
 from autopar.mesh import Mesh
 from autopar.passes import PassRecord, default_passes, run_passes
@@ -113,10 +114,7 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, strateg
         info = context.placeholders.get(node.name)
         if node.op == "placeholder" and info.kind == "parameter":
             spec = node.meta[SPEC]
-            numel = spec.tensor_meta.shape.numel()
-            for axis_index, placement in enumerate(spec.placements):
-                if shard_dim(placement) is not None:
-                    numel //= mesh.shape[axis_index]
+            numel = math.prod(local_shape(spec.tensor_meta.shape, spec.placements, mesh.shape))
             params.append((info.target, numel, spec.tensor_meta.dtype, tuple(node.meta.get(GRAD_SYNC, ()))))
     buckets = plan_buckets(params, cap_bytes=int(bucket_cap_mb * 2**20))
     comm = build_comm_ledger(graph_module.graph, mesh, buckets, {p[0]: p[2] for p in params},

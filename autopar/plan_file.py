@@ -23,7 +23,7 @@ from tabulate import tabulate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from autopar.errors import PlanError
-from autopar.ir import ORIGIN, RULE, SPEC, describe, module_path, shard_dim, source_line
+from autopar.ir import ORIGIN, RULE, SPEC, describe, local_shape, module_path, source_line
 from autopar.ledger.comm import CommEntry, CommLedger
 from autopar.mesh import Mesh
 
@@ -57,10 +57,7 @@ def _node_entry(node: torch.fx.Node, plan: Any) -> dict[str, Any] | None:
 
     info = plan.context.placeholders.get(node.name)
     shape = [int(d) for d in spec.tensor_meta.shape] if spec.tensor_meta else []
-    local = list(shape)
-    for axis_index, placement in enumerate(spec.placements):
-        if shard_dim(placement) is not None:
-            local[placement.dim] //= plan.mesh.shape[axis_index]
+    local = local_shape(shape, spec.placements, plan.mesh.shape)
     if info is not None:
         kind, what = info.kind, info.target
     elif node.target in CONJUGATES:

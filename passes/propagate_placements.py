@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema
 from torch.utils import _pytree as pytree
 
@@ -32,16 +32,12 @@ from autopar import op_rules
 from autopar.context import CompileContext
 from autopar.errors import PlanError
 from autopar.explain import dtensor_alternatives
-from autopar.ir import ARG_SPECS, LOCAL_ARGS, ORIGIN, RULE, SPEC, describe, hint, module_stack, shard_dim
-
-
-def _tensor_meta(value: torch.Tensor) -> TensorMeta:
-    return TensorMeta(torch.Size(hint(tuple(value.shape))), hint(tuple(value.stride())), value.dtype)
+from autopar.ir import ARG_SPECS, LOCAL_ARGS, ORIGIN, RULE, SPEC, describe, hint, module_stack, shard_dim, tensor_meta
 
 
 def _replicated(ctx: CompileContext, value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return DTensorSpec(ctx.device_mesh, (Replicate(),) * len(ctx.mesh.names), _tensor_meta(value))
+        return DTensorSpec(ctx.device_mesh, (Replicate(),) * len(ctx.mesh.names), tensor_meta(value))
     if isinstance(value, (tuple, list)):
         return tuple(_replicated(ctx, v) for v in value)
     return None
@@ -62,7 +58,7 @@ def _seed(node: torch.fx.Node, ctx: CompileContext) -> DTensorSpec | None:
     else:
         placements = (Replicate(),) * len(ctx.mesh.names)
         node.meta[ORIGIN] = {"seed": f"{info.kind}: replicated"}
-    return DTensorSpec(ctx.device_mesh, placements, _tensor_meta(value))
+    return DTensorSpec(ctx.device_mesh, placements, tensor_meta(value))
 
 
 def _check_divisible(node: torch.fx.Node, spec: Any, ctx: CompileContext) -> None:

@@ -18,7 +18,8 @@ from autopar.plan import Plan, shard
 from autopar.runtime.grad_sync import GradSynchronizer
 
 
-def _set_path(root: torch.nn.Module, fqn: str, value: torch.Tensor, *, parameter: bool) -> None:
+def _set_path(root: torch.nn.Module, fqn: str, value: torch.Tensor, *, parameter: bool) -> tuple[torch.nn.Module, str]:
+    """Register `value` under `fqn`, creating empty parent modules; returns (owner, attribute name)."""
     *path, leaf = fqn.split(".")
     module = root
     for part in path:
@@ -29,6 +30,7 @@ def _set_path(root: torch.nn.Module, fqn: str, value: torch.Tensor, *, parameter
         module.register_parameter(leaf, torch.nn.Parameter(value, requires_grad=value.requires_grad))
     else:
         module.register_buffer(leaf, value)
+    return module, leaf
 
 
 class ParallelModule(torch.nn.Module):
@@ -38,29 +40,26 @@ class ParallelModule(torch.nn.Module):
         self.rank = rank
         self.groups = groups
         self.graph = plan.rank_graph(rank, groups)
-        self._inputs: list[tuple[str, str]] = []
+        # per graph input: (owner module, attribute) of a parameter or buffer, "input" for user data,
+        # None for a parameter the graph never reads (e.g. the second name of a tied weight)
+        self._inputs: list[tuple[torch.nn.Module, str] | str | None] = []
         placements = plan.parameter_placements()
         for node in plan.graph_module.graph.nodes:
             if node.op != "placeholder":
                 continue
             info = plan.context.placeholders[node.name]
-            self._inputs.append((info.kind, info.target))
-            if info.kind == "parameter" and not node.users:
-                continue  # never read, e.g. the second name of a tied weight: export kept the other one
-            if info.kind == "parameter":
-                full = state[info.target].detach()
-                local = shard(full, placements[info.target], plan.mesh, rank).clone()
+            if info.kind == "input":
+                self._inputs.append("input")
+            elif info.kind == "parameter" and not node.users:
+                self._inputs.append(None)
+            elif info.kind == "parameter":
+                local = shard(state[info.target].detach(), placements[info.target], plan.mesh, rank).clone()
                 local.requires_grad_(info.requires_grad)
-                _set_path(self, info.target, local, parameter=True)
-            elif info.kind in ("buffer", "constant"):
-                _set_path(self, "_state." + info.target, state[info.target].detach().clone(), parameter=False)
+                self._inputs.append(_set_path(self, info.target, local, parameter=True))
+            else:
+                state_copy = state[info.target].detach().clone()
+                self._inputs.append(_set_path(self, "_state." + info.target, state_copy, parameter=False))
         self.grad_sync = GradSynchronizer(self, plan.buckets, groups)
-
-    def _parameter_or_none(self, fqn: str) -> torch.nn.Parameter | None:
-        try:
-            return self.get_parameter(fqn)
-        except AttributeError:
-            return None  # an unread placeholder (see __init__); the graph ignores it
 
     def local_batch(self, *global_inputs: Any) -> list[Any]:
         """This rank's slice of a global batch, in the traced input order."""
@@ -68,13 +67,6 @@ class ParallelModule(torch.nn.Module):
 
     def forward(self, *inputs: Any) -> Any:
         user = iter(pytree.tree_leaves(list(inputs)))
-        args = []
-        for kind, target in self._inputs:
-            if kind == "parameter":
-                args.append(self._parameter_or_none(target))
-            elif kind == "input":
-                args.append(next(user))
-            else:
-                args.append(self.get_buffer("_state." + target))
+        args = [next(user) if slot == "input" else None if slot is None else getattr(*slot) for slot in self._inputs]
         outputs = self.graph(*args)
         return pytree.tree_unflatten(list(outputs), self.plan.traced.out_spec)
