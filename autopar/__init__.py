@@ -14,6 +14,7 @@ from autopar.errors import PlanError
 from autopar.mesh import Mesh
 from autopar.strategies.data_parallel import data_parallel
 from autopar.strategies.tensor_parallel import sequence_parallel, tensor_parallel
+from autopar.strategies.zero import fsdp, hsdp, zero
 
-__all__ = ["Mesh", "ParallelModule", "Plan", "PlanError", "data_parallel", "parallelize", "plan",
-           "sequence_parallel", "tensor_parallel"]
+__all__ = ["Mesh", "ParallelModule", "Plan", "PlanError", "data_parallel", "fsdp", "hsdp", "parallelize", "plan",
+           "sequence_parallel", "tensor_parallel", "zero"]

@@ -29,7 +29,10 @@ def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, 
     groups = {axis: device_mesh.get_group(axis).group_name for axis in mesh.names}
     the_plan = plan(model, mesh, strategies=strategies, example_inputs=example_inputs, example_kwargs=example_kwargs,
                     bucket_cap_mb=bucket_cap_mb)
-    return ParallelModule(the_plan, rank=dist.get_rank(), groups=groups, state=the_plan.traced.state)
+    module = ParallelModule(the_plan, rank=dist.get_rank(), groups=groups, state=the_plan.traced.state)
+    # the module holds its shards now; the plan must not keep the full weights alive (ZeRO's point)
+    the_plan.traced.state = {}
+    return module
 
 
 __all__ = ["Plan", "ParallelModule", "parallelize", "plan"]

@@ -28,6 +28,7 @@ from autopar.passes.insert_grad_reductions import GRAD_SYNC
 from autopar.runtime.grad_sync import Bucket, plan_buckets
 from autopar.strategies import ResolvedStrategy, resolve_strategies
 from autopar.trace import TracedProgram, trace_model
+from autopar.zero_units import ShardUnit, shard_of
 
 if TYPE_CHECKING:
     from autopar.plan_file import PlanDocument
@@ -56,6 +57,20 @@ class Plan:
     buckets: list[Bucket]
     comm: CommLedger
 
+    @property
+    def units(self) -> list["ShardUnit"]:
+        """ZeRO/FSDP units (empty without a sharded-state strategy), by index."""
+        return self.context.units
+
+    def local_parameter(self, fqn: str, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """What `rank` holds of parameter `fqn` (or of its gradient) given the full tensor."""
+        local = shard(full, self.parameter_placements()[fqn], self.mesh, rank)
+        for unit in self.units:
+            for param in unit.params:
+                if param.fqn == fqn:
+                    return shard_of(local, param.rows, self.mesh.coordinate(rank, unit.axis))
+        return local
+
     def rank_graph(self, rank: int, groups: dict[str, str] | None = None) -> torch.fx.GraphModule:
         return emit_rank_graph(self.graph_module, self.context, rank=rank, groups=groups)
 
@@ -76,8 +91,9 @@ class Plan:
         nodes = self.placeholder_nodes("input")
         if len(inputs) != len(nodes):
             raise PlanError(f"expected {len(nodes)} inputs (as traced), got {len(inputs)}")
-        return [shard(value, node.meta[SPEC].placements, self.mesh, rank) if isinstance(value, torch.Tensor) else value
-                for value, node in zip(inputs, nodes)]
+        # cloned: a slice would keep the whole global batch alive (and saved for backward)
+        return [shard(value, node.meta[SPEC].placements, self.mesh, rank).clone() if isinstance(value, torch.Tensor)
+                else value for value, node in zip(inputs, nodes)]
 
     def document(self) -> "PlanDocument":
         from autopar.plan_file import PlanDocument, plan_document
@@ -118,6 +134,6 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, strateg
             params.append((info.target, numel, spec.tensor_meta.dtype, tuple(node.meta.get(GRAD_SYNC, ()))))
     buckets = plan_buckets(params, cap_bytes=int(bucket_cap_mb * 2**20))
     comm = build_comm_ledger(graph_module.graph, mesh, buckets, {p[0]: p[2] for p in params},
-                             traced.symbols, traced.symbol_values)
+                             traced.symbols, traced.symbol_values, units=context.units)
     return Plan(mesh=mesh, strategy=strategy, traced=traced, graph_module=graph_module, context=context,
                 pass_records=records, buckets=buckets, comm=comm)

@@ -4,7 +4,7 @@
 one entry per tensor node (kind, op or FQN, module path, source line, global and local shape,
 placement per axis, arguments, the collective an inserted node performs, gradient-sync axes of
 parameters, where its placement came from), every ledger entry (formula as a string and its
-number for the traced shapes) and the gradient buckets. Keys and lists keep a fixed order so two
+number for the traced shapes), the gradient buckets, ZeRO/FSDP units and the memory ledger. Keys and lists keep a fixed order so two
 plan files diff readably. `PlanDocument` wraps such data (from a plan or a file) and renders the
 placement table and the communication ledger; a live `Plan` renders its reports through it, so a
 saved and reloaded plan reports exactly the same. A file of another schema version is refused.
@@ -15,7 +15,7 @@ import json
 import operator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sympy
 import torch
@@ -26,6 +26,9 @@ from autopar.errors import PlanError
 from autopar.ir import ORIGIN, RULE, SPEC, describe, local_shape, module_path, source_line
 from autopar.ledger.comm import CommEntry, CommLedger
 from autopar.mesh import Mesh
+
+if TYPE_CHECKING:
+    from autopar.ledger.memory import MemoryLedger
 
 SCHEMA = "autopar.plan/1"
 
@@ -99,7 +102,20 @@ def plan_document(plan: Any) -> dict[str, Any]:
         "collectives": [_entry_data(e, plan.comm) for e in plan.comm.entries],
         "buckets": [{"axes": list(b.axes), "dtype": str(b.dtype).replace("torch.", ""), "params": list(b.params),
                      "numel": b.numel} for b in plan.buckets],
+        "units": [{"index": u.index, "name": u.name, "axis": u.axis, "stage": u.stage, "reshard": u.reshard,
+                   "extra_axes": list(u.extra_axes), "shard_numel": u.shard_numel,
+                   "params": [[p.fqn, list(p.shape), p.rows] for p in u.params]} for u in plan.units],
+        "memory": _memory_data(plan),
     }
+
+
+def _memory_data(plan: Any) -> list[dict[str, Any]]:
+    """Rank 0's memory ledger (AdamW). Ranks differ only where uneven tensor-parallel shards would."""
+    from autopar.ledger.memory import build_memory_ledger
+
+    ledger = build_memory_ledger(plan, rank=0)
+    return [{"category": e.category, "what": e.what, "bytes": str(e.bytes), "bytes_value": ledger.number(e.bytes)}
+            for e in ledger.entries]
 
 
 @dataclass
@@ -123,6 +139,15 @@ class PlanDocument:
                    for e in self.data["collectives"]]
         return CommLedger(entries=entries, symbol_values=symbols)
 
+    @property
+    def memory(self) -> "MemoryLedger":
+        from autopar.ledger.memory import MemoryEntry, MemoryLedger
+
+        symbols = self.comm.symbol_values
+        locals_ = {str(s): s for s in symbols}
+        return MemoryLedger(entries=[MemoryEntry(e["category"], e["what"], sympy.sympify(e["bytes"], locals=locals_))
+                                     for e in self.data.get("memory", [])], symbol_values=symbols)
+
     def node(self, name_or_module: str) -> list[dict[str, Any]]:
         """Nodes named so, or the nodes of a module (or a parameter FQN)."""
         exact = [n for n in self.data["nodes"] if name_or_module in (n["name"], n["target"])]
@@ -145,7 +170,8 @@ class PlanDocument:
                 + ", ".join(f"{a}: {link}" for a, link in self.data["mesh"]["links"].items()) + ")\n"
                 + "strategies: " + ", ".join(f"{s['name']} on {s['axis']}" for s in self.data["strategies"]) + "\n\n"
                 + passes + "\n\n" + self.placement_table(activations=activations)
-                + "\n\nCommunication per step, per rank\n" + self.comm.table())
+                + "\n\nCommunication per step, per rank\n" + self.comm.table()
+                + "\n\nMemory per rank (rank 0, AdamW)\n" + self.memory.table())
 
 
 def save_plan(plan_or_document: Any, path: "str | Path") -> None:

@@ -6,18 +6,23 @@ placement), input rules (user input index -> placement) and module layouts (modu
 PrepareModuleOutput but applied to graph edges). Strategies for different axes compose;
 `resolve_strategies` merges them into a `ResolvedStrategy` the planner queries, and refuses an
 axis the mesh does not have. Constructors live beside: `data_parallel.py`, `tensor_parallel.py`
-(+ sequence parallel), and `layouts.py` (which modules of a model are which).
+(+ sequence parallel), `zero.py` (ZeRO-1/2/3, FSDP, HSDP: a data-parallel axis that also shards
+the training state) and `layouts.py` (which modules of a model are which).
 """
 from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
+
+if TYPE_CHECKING:
+    from autopar.strategies.zero import ShardedState
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class Strategy:
     params: tuple[ParamRule, ...] = ()
     inputs: tuple[InputRule, ...] = ()
     modules: tuple[ModuleLayout, ...] = ()
+    sharded_state: "ShardedState | None" = None  # ZeRO / FSDP on this axis (strategies/zero.py)
 
 
 def _matches(pattern: str, path: str) -> bool:
@@ -72,6 +78,12 @@ class ResolvedStrategy:
         if self.mesh.size(axis) == 1:
             return []
         return [s for s in self.strategies if s.axis == axis]
+
+    def sharded_state(self) -> "tuple[str, ShardedState] | None":
+        """(axis, declaration) of the one ZeRO/FSDP strategy, if any (not on a size-1 axis)."""
+        found = [(s.axis, s.sharded_state) for axis in self.mesh.names for s in self._for_axis(axis)
+                 if s.sharded_state is not None]
+        return found[0] if found else None
 
     def param_placements(self, fqn: str) -> tuple[Placement, ...]:
         return tuple(placement for placement, _ in self._param_choices(fqn))
@@ -130,10 +142,17 @@ class ResolvedStrategy:
 def resolve_strategies(mesh: Mesh, strategies: "list[Strategy] | tuple[Strategy, ...]",
                        param_names: list[str]) -> ResolvedStrategy:
     """Bind deferred strategies (layout detection) and check every strategy names an axis of `mesh`."""
-    strategies = [s.bind(param_names) if hasattr(s, "bind") else s for s in strategies]
+    flat = []
+    for strategy in strategies:  # hsdp() declares two axes at once: a tuple of strategies
+        flat.extend(strategy if isinstance(strategy, (tuple, list)) else [strategy])
+    strategies = [s.bind(param_names) if hasattr(s, "bind") else s for s in flat]
     for strategy in strategies:
         if not isinstance(strategy, Strategy):
             raise PlanError(f"{strategy!r} is not a Strategy; build one with autopar.strategies "
                             f"(data_parallel(), tensor_parallel(...)) or Strategy(...)")
         mesh.require_axis(strategy.axis, wanted_by=f"strategy {strategy.name!r}")
+    sharded = [s for s in strategies if s.sharded_state is not None]
+    if len(sharded) > 1:
+        raise PlanError(f"strategies {[s.name for s in sharded]} each shard the training state; declare one ZeRO/FSDP "
+                        f"axis (hsdp() shards over one axis and replicates over another)")
     return ResolvedStrategy(mesh=mesh, strategies=tuple(strategies))

@@ -7,7 +7,10 @@ from typing import Any, Callable
 import torch
 
 import autopar
+from autopar.ledger.measure_activations import measure_saved_activations
+from autopar.ledger.memory import build_memory_ledger, measure_held_bytes
 from autopar.plan import shard
+from autopar.zero_units import shard_of
 from autopar.runtime.comm_counter import CommCounter
 
 STEPS = 3
@@ -42,23 +45,30 @@ def distributed_rank(rank: int, world_size: int, build: Callable[[], torch.nn.Mo
     module = autopar.parallelize(model, mesh, strategies=strategies, example_inputs=batches[0])
     optimizer = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
     group_to_axis = {name: axis for axis, name in module.groups.items()}
-    losses, grads, params, measured = [], [], [], []
+    losses, grads, params, measured, memory = [], [], [], [], {}
     for batch in batches:
         optimizer.zero_grad()
         local = module.local_batch(*batch)
-        with CommCounter() as forward_counter:
+        with CommCounter() as forward_counter, measure_saved_activations(
+                exclude=[*module.parameters(), *module.buffers()]) as saved:
             loss = module(*local)
         with CommCounter() as backward_counter:
             loss.backward()
-        measured.append({"forward": forward_counter.by_key(group_to_axis),
-                         "backward": backward_counter.by_key(group_to_axis)})
         losses.append(loss.detach())
         grads.append({n: p.grad.detach().clone() for n, p in module.named_parameters()})
-        optimizer.step()
+        with CommCounter() as optimizer_counter:
+            optimizer.step()
+        measured.append({"forward": forward_counter.by_key(group_to_axis),
+                         "backward": backward_counter.by_key(group_to_axis),
+                         "optimizer": optimizer_counter.by_key(group_to_axis)})
         params.append({n: p.detach().clone() for n, p in module.named_parameters()})
+        if not memory:
+            memory.update(measured=dict(measure_held_bytes(module, optimizer), activations=saved.bytes),
+                          ledger=build_memory_ledger(module.plan, rank=rank).by_category())
     ledger = module.plan.comm.by_key()
+    zero = {p.fqn: (u.axis, p.rows) for u in module.plan.units for p in u.params}
     return {"losses": losses, "grads": grads, "params": params, "measured": measured, "ledger": ledger,
-            "placements": module.plan.parameter_placements()}
+            "placements": module.plan.parameter_placements(), "zero": zero, "memory": memory}
 
 
 # Some gradients are mathematically zero and numerically rounding noise (~1e-9): the key-projection bias,
@@ -85,7 +95,11 @@ def assert_matches(reference: dict[str, Any], results: list[dict[str, Any]], mes
             assert error <= tolerance, f"rank {rank} step {step} loss rel err {error}"
             for kind in ("grads", "params"):
                 for name, full in reference[kind][step].items():
-                    expected = shard(full, result["placements"][aliases.get(name, name)], parsed, rank)
+                    name_here = aliases.get(name, name)
+                    expected = shard(full, result["placements"][name_here], parsed, rank)
+                    if name_here in result.get("zero", {}):  # ZeRO: this rank's padded dim-0 rows
+                        axis, rows = result["zero"][name_here]
+                        expected = shard_of(expected, rows, parsed.coordinate(rank, axis))
                     error = max_relative_error(result[kind][step][aliases.get(name, name)], expected)
                     assert error <= tolerance, f"rank {rank} step {step} {kind} {name} rel err {error}"
 
@@ -93,10 +107,19 @@ def assert_matches(reference: dict[str, Any], results: list[dict[str, Any]], mes
 def assert_ledger_equals_measured(results: list[dict[str, Any]]) -> None:
     """The static ledger's (kind, axis) -> (calls, bytes) equals what each step handed to the process groups."""
     for rank, result in enumerate(results):
-        expected = {"forward": {}, "backward": {}}
+        expected = {"forward": {}, "backward": {}, "optimizer": {}}
         for (phase, kind, axis), (calls, nbytes) in result["ledger"].items():
-            side = expected["forward" if phase == "forward" else "backward"]
+            side = expected[phase if phase in ("forward", "optimizer") else "backward"]
             old = side.get((kind, axis), (0, 0))
             side[(kind, axis)] = (old[0] + calls, old[1] + nbytes)
         for step, measured in enumerate(result["measured"]):
             assert measured == expected, f"rank {rank} step {step}: measured {measured} != ledger {expected}"
+
+
+def assert_memory_equals_ledger(results: list[dict[str, Any]]) -> None:
+    """Bytes held in parameters, buffers, gradients and optimizer state after a step equal the ledger,
+    and so do the bytes autograd saved in the first forward (distinct storages, saved-tensor hooks)."""
+    for rank, result in enumerate(results):
+        measured, ledger = result["memory"]["measured"], result["memory"]["ledger"]
+        for category, nbytes in measured.items():
+            assert nbytes == ledger[category], f"rank {rank} {category}: measured {nbytes} != ledger {ledger[category]}"

@@ -3,7 +3,8 @@
 Built from the planned graph, not from a model of it: each inserted redistribution node carries
 its forward collective and its backward conjugate (`CollectiveInfo`), lowered ops declare the
 collectives their kernels issue (`op_rules.InternalCollective`), and the gradient buckets of
-`runtime.grad_sync` add one all-reduce per bucket and axis. Each entry has kind, mesh axis,
+`runtime.grad_sync` add one all-reduce per bucket and axis, and ZeRO/FSDP units (`zero_units`)
+their all-gathers (forward, backward, or after the optimizer step) and reduce-scatters. Each entry has kind, mesh axis,
 link (intra/inter node), phase, count, the logical size S (all-reduce input, all-gather output,
 reduce-scatter input, all-to-all input) as a sympy expression in the traced symbols, and the
 NCCL bus-bandwidth wire bytes: 2(N-1)/N*S for all-reduce, (N-1)/N*S for the others.
@@ -93,8 +94,32 @@ class CommLedger:
                         tablefmt="simple")
 
 
+def _unit_entries(unit, entry) -> list[CommEntry]:
+    """ZeRO/FSDP: what one unit moves per step (autopar.runtime.sharded_state)."""
+    gathered = unit.gathered_numel * unit.dtype.itemsize
+    name, tensors = f"unit {unit.index} {unit.name or '<root>'}", ",".join(p.fqn for p in unit.params[:3]) + (
+        "..." if len(unit.params) > 3 else "")
+    entries = []
+    if unit.stage == 3:
+        entries.append(entry("forward", "all_gather", unit.axis, name, tensors, "ZeRO-3 parameters before use",
+                             unit.dtype, gathered))
+        if unit.reshard:
+            entries.append(entry("backward", "all_gather", unit.axis, name, tensors,
+                                 "ZeRO-3 parameters again for backward (resharded after forward)", unit.dtype, gathered))
+    else:
+        entries.append(entry("optimizer", "all_gather", unit.axis, name, tensors,
+                             f"ZeRO-{unit.stage} updated parameters after the step", unit.dtype, gathered))
+    entries.append(entry("grad_sync", "reduce_scatter", unit.axis, name, tensors,
+                         "gradients to their owners", unit.dtype, gathered))
+    for axis in unit.extra_axes:
+        entries.append(entry("grad_sync", "all_reduce", axis, name, tensors, "gradient shard over a replicated axis",
+                             unit.dtype, unit.shard_numel * unit.dtype.itemsize))
+    return entries
+
+
 def build_comm_ledger(graph: torch.fx.Graph, mesh: Mesh, buckets: list, param_dtypes: dict[str, torch.dtype],
-                      symbols: dict[sympy.Symbol, sympy.Symbol], symbol_values: dict[sympy.Symbol, int]) -> CommLedger:
+                      symbols: dict[sympy.Symbol, sympy.Symbol], symbol_values: dict[sympy.Symbol, int],
+                      *, units: list = ()) -> CommLedger:
     from autopar.ir import COLLECTIVE, RULE, module_path
 
     def entry(phase: str, kind: str, axis: str, module: str, tensor: str, why: str, dtype: torch.dtype,
@@ -117,4 +142,6 @@ def build_comm_ledger(graph: torch.fx.Graph, mesh: Mesh, buckets: list, param_dt
             entries.append(entry("grad_sync", "all_reduce", axis, f"bucket {index}", ",".join(bucket.params[:3])
                                  + ("..." if len(bucket.params) > 3 else ""), "gradient synchronisation",
                                  bucket.dtype, bucket.numel * bucket.dtype.itemsize))
+    for unit in units:
+        entries.extend(_unit_entries(unit, entry))
     return CommLedger(entries=entries, symbol_values=symbol_values)

@@ -6,6 +6,8 @@ the name torch.export kept); buffers and constants are kept
 whole (they are replicated). `forward` takes the rank's local inputs (see `local_batch` to cut
 them from a global batch) and returns the outputs the original model returns, replicated.
 Gradients that come out Partial are synchronised by `GradSynchronizer` during backward.
+Under ZeRO/FSDP (`strategies.zero`) the parameters of each unit are this rank's dim-0 shards
+(padded to equal rows) and `sharded_state.ShardedState` gathers and reduces them.
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autopar.plan import Plan, shard
+from autopar.runtime import sharded_state
 from autopar.runtime.grad_sync import GradSynchronizer
+from autopar.zero_units import shard_of
 
 
 def _set_path(root: torch.nn.Module, fqn: str, value: torch.Tensor, *, parameter: bool) -> tuple[torch.nn.Module, str]:
@@ -44,6 +48,9 @@ class ParallelModule(torch.nn.Module):
         # None for a parameter the graph never reads (e.g. the second name of a tied weight)
         self._inputs: list[tuple[torch.nn.Module, str] | str | None] = []
         placements = plan.parameter_placements()
+        self._unit_of = {p.fqn: (u, p) for u in plan.units for p in u.params}
+        self._shards: dict[int, list[torch.Tensor]] = {}
+        self._fulls: dict[int, list[torch.Tensor]] = {}
         for node in plan.graph_module.graph.nodes:
             if node.op != "placeholder":
                 continue
@@ -54,12 +61,32 @@ class ParallelModule(torch.nn.Module):
                 self._inputs.append(None)
             elif info.kind == "parameter":
                 local = shard(state[info.target].detach(), placements[info.target], plan.mesh, rank).clone()
+                unit = self._unit_of.get(info.target)
+                if unit is not None:
+                    compute, local = local, shard_of(local, unit[1].rows, plan.mesh.coordinate(rank, unit[0].axis))
+                    self._shards.setdefault(unit[0].index, []).append(local)
+                    if unit[0].stage < 3:
+                        self._fulls.setdefault(unit[0].index, []).append(compute)
                 local.requires_grad_(info.requires_grad)
                 self._inputs.append(_set_path(self, info.target, local, parameter=True))
             else:
                 state_copy = state[info.target].detach().clone()
                 self._inputs.append(_set_path(self, "_state." + info.target, state_copy, parameter=False))
         self.grad_sync = GradSynchronizer(self, plan.buckets, groups)
+        self.sharded = self._bind_sharded_state() if plan.units else None
+
+    def _bind_sharded_state(self) -> "sharded_state.ShardedState":
+        by_name = dict(self.named_parameters())
+        shards = {index: [by_name[p.fqn] for p in self.plan.units[index].params] for index in self._shards}
+        calls = [n for n in self.graph.graph.nodes if sharded_state.unit_call(n.target)]
+        order = [n.kwargs["unit"] for n in calls if sharded_state.unit_call(n.target) == "gather_unit"]
+        state = sharded_state.ShardedState(self.plan.units, shards=shards, fulls=self._fulls, order=order,
+                                           groups=self.groups)
+        for node in calls:
+            node.target = getattr(state, sharded_state.unit_call(node.target))
+        self.graph.recompile()
+        del self._fulls
+        return state
 
     def local_batch(self, *global_inputs: Any) -> list[Any]:
         """This rank's slice of a global batch, in the traced input order."""
@@ -68,5 +95,11 @@ class ParallelModule(torch.nn.Module):
     def forward(self, *inputs: Any) -> Any:
         user = iter(pytree.tree_leaves(list(inputs)))
         args = [next(user) if slot == "input" else None if slot is None else getattr(*slot) for slot in self._inputs]
-        outputs = self.graph(*args)
+        if self.sharded is None:
+            outputs = self.graph(*args)
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(self.sharded.pack, self.sharded.unpack):
+                outputs = self.graph(*args)
+            if not torch.is_grad_enabled():  # no backward will come to free them
+                self.sharded.release_all()
         return pytree.tree_unflatten(list(outputs), self.plan.traced.out_spec)

@@ -1,0 +1,308 @@
+"""The activation ledger: what autograd keeps for backward on one rank, per step.
+
+`saved_activations(plan, rank=r)` runs rank r's emitted graph (`Plan.rank_graph`) on fake tensors
+of the rank's local shapes at the traced hint sizes, node by node (`_SavedTensorRecorder`), under
+`torch.autograd.graph.saved_tensors_hooks`. Every tensor a node outputs registers its storage
+with the first node that produced it (a view shares its base's storage, so views map back to
+the op that allocated); the pack hook records every storage autograd saves. The ledger is the
+set of unique saved storages (`_saved_storages`), minus parameters, buffers and constants and
+the gathered ZeRO-3 parameters (nodes with `node.meta["autopar_zero_unit"]`). Saved user inputs
+(token ids an embedding keeps) are activations.
+
+Bytes per storage (`_entry`): the producing node's local element count, from the planned graph's
+symbolic global shape and placements (`autopar.ir.local_numel`), times the item size of the
+tensor the kernel produced, as a sympy expression in the user's symbols (b, s), checked against
+the fake storage's size at the hints.
+A saved storage that no graph node produced, or that is larger than its producer's output, was
+allocated inside a kernel (e.g. SDPA's logsumexp, the masked ids of the vocabulary-parallel
+embedding): its entry is marked `internal` and carries the concrete byte count at the hint sizes.
+
+`recompute="attention"` models Korthikanti et al.'s selective recomputation (`attention_core`):
+storages produced strictly inside an explicit attention core are dropped — from the score
+matmul (q·kᵀ, both operands activations) up to, not including, the probabilities·v matmul that
+consumes it; q, k and v stay saved. Fused attention (`scaled_dot_product_attention`, lowered to
+`_scaled_dot_product_flash_attention_for_cpu` / `_efficient_attention`) already keeps only q, k,
+v, its output and logsumexp; it has no such core and nothing is dropped.
+
+The kernels that decide what is saved are those of the fake tensors' device (`device=`; by
+default the traced placeholders' device, and cpu for a model traced on the meta device, whose
+SDPA would take the math path and save the attention matrix; the rank graph's factory calls are
+moved there too). CUDA's fused attention saves other internals (e.g. RNG state) than the CPU one.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import sympy
+import torch
+import torch.fx
+from tabulate import tabulate
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from autopar.ir import SPEC, hint, local_numel, local_shape, module_path
+
+if TYPE_CHECKING:
+    from autopar.plan import Plan
+
+# gathered ZeRO-3 parameters (passes/shard_parameters.py); its `unit_boundary` nodes carry the key too,
+# but return a view, so the storages they pass on keep the block's own node as first producer
+ZERO_UNIT = "autopar_zero_unit"
+_MATMULS = (torch.ops.aten.bmm.default, torch.ops.aten.mm.default, torch.ops.aten.matmul.default)
+
+
+@dataclass(frozen=True)
+class ActivationEntry:
+    """One storage autograd saves: its producing node (and which of its outputs), the local shape
+    at the hints, and bytes."""
+
+    node: str
+    output: int
+    op: str
+    module: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bytes: sympy.Expr
+    number: int
+    internal: bool = False
+
+
+@dataclass
+class ActivationLedger:
+    entries: list[ActivationEntry]
+    symbol_values: dict[sympy.Symbol, int]
+    rank: int
+    recompute: str | None = None
+
+    @property
+    def total(self) -> sympy.Expr:
+        return sympy.expand(sum((e.bytes for e in self.entries), sympy.Integer(0)))
+
+    def number(self, expr: sympy.Expr | None = None) -> int:
+        """`expr` (default: the total) at the traced sizes."""
+        value = sympy.sympify(self.total if expr is None else expr).subs(self.symbol_values)
+        return int(value)
+
+    def by_module(self, *, depth: int | None = None) -> dict[str, sympy.Expr]:
+        """Bytes per module path ('' is the root); `depth=2` groups by e.g. 'layers.3'."""
+        totals: dict[str, sympy.Expr] = defaultdict(lambda: sympy.Integer(0))
+        for entry in self.entries:
+            key = ".".join(entry.module.split(".")[:depth]) if depth else entry.module
+            totals[key] += entry.bytes
+        return {key: sympy.expand(value) for key, value in totals.items()}
+
+    def table(self) -> str:
+        rows = [[e.module, e.node, e.op, "x".join(map(str, e.shape)), str(e.dtype).replace("torch.", ""),
+                 str(e.bytes), e.number, "internal" if e.internal else ""] for e in self.entries]
+        rows.append(["total", "", "", "", "", str(self.total), self.number(), ""])
+        return tabulate(rows, headers=["module", "node", "op", "local shape", "dtype", "bytes", "S", ""])
+
+
+@dataclass
+class _Saved:
+    """A saved storage: who produced it (None: allocated inside a kernel) and what was running."""
+
+    storage: torch.UntypedStorage
+    tensor: torch.Tensor
+    producer: tuple[torch.fx.Node, int, torch.Tensor] | None
+    running: torch.fx.Node
+
+
+class _SavedTensorRecorder(torch.fx.Interpreter):
+    """Runs a graph node by node, mapping each output storage to its first producer and
+    recording every storage autograd saves (in first-saved order)."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm, garbage_collect_values=False)  # live values keep storage identities unique
+        self.producers: dict[StorageWeakRef, tuple[torch.fx.Node, int, torch.Tensor]] = {}
+        self.saved: dict[StorageWeakRef, _Saved] = {}
+        self.running: torch.fx.Node | None = None
+        self.position = {node: index for index, node in enumerate(gm.graph.nodes)}
+
+    def run_node(self, node: torch.fx.Node) -> Any:
+        self.running = node
+        result = super().run_node(node)
+        outputs = result if isinstance(result, (tuple, list)) else (result,)
+        for index, value in enumerate(outputs):
+            if isinstance(value, torch.Tensor):
+                self.producers.setdefault(StorageWeakRef(value.untyped_storage()), (node, index, value))
+        return result
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        # an op that saves its own output (softmax, dropout's mask, layer norm's statistics) does so
+        # before run_node registers it: producers are looked up once the whole graph has run
+        key = StorageWeakRef(tensor.untyped_storage())
+        if key not in self.saved:
+            self.saved[key] = _Saved(tensor.untyped_storage(), tensor, None, self.running)
+        return tensor
+
+    def resolved(self) -> list[_Saved]:
+        for key, item in self.saved.items():
+            producer = self.producers.get(key)
+            # a node running after the save that outputs (a view of) the storage did not allocate it
+            if producer is not None and self.position[producer[0]] <= self.position[item.running]:
+                item.producer = producer
+        return list(self.saved.values())
+
+
+def _fake_inputs(plan: "Plan", mode: Any, device: torch.device) -> list[torch.Tensor | Any]:
+    """One fake tensor per placeholder: local shape at the hints; trainable parameters require grad."""
+    inputs = []
+    with mode:
+        for node in plan.graph_module.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            value, info = node.meta.get("val"), plan.context.placeholders[node.name]
+            if not isinstance(value, torch.Tensor):
+                inputs.append(hint(value))
+                continue
+            shape = local_shape(hint(tuple(value.shape)), node.meta[SPEC].placements, plan.mesh.shape)
+            tensor = torch.empty(shape, dtype=value.dtype, device=device)
+            inputs.append(tensor.requires_grad_(info.kind == "parameter" and info.requires_grad))
+    return inputs
+
+
+def _kernel_device(plan: "Plan", device: "str | torch.device | None") -> torch.device:
+    """The device whose kernels decide what is saved: given, else the traced one (cpu for meta)."""
+    if device is not None:
+        return torch.device(device)
+    for node in plan.graph_module.graph.nodes:
+        value = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(value, torch.Tensor):
+            return torch.device("cpu") if value.device.type == "meta" else value.device
+    return torch.device("cpu")
+
+
+def _on_device(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
+    """Factory calls (arange, scalar_tensor, ...) of the rank graph moved to `device`."""
+    for node in gm.graph.nodes:
+        if isinstance(node.kwargs.get("device"), torch.device):
+            node.kwargs = dict(node.kwargs, device=device)
+    gm.recompile()
+    return gm
+
+
+def _saved_storages(plan: "Plan", rank: int, device: torch.device) -> tuple[torch.fx.GraphModule, list[_Saved]]:
+    gm = _on_device(plan.rank_graph(rank), device)
+    values = [n.meta["val"] for n in plan.graph_module.graph.nodes if n.op == "placeholder"]
+    mode = torch._guards.detect_fake_mode(values) or torch._subclasses.FakeTensorMode()
+    recorder = _SavedTensorRecorder(gm)
+    inputs = _fake_inputs(plan, mode, device)
+    with mode, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+        recorder.run(*inputs)
+    return gm, recorder.resolved()
+
+
+def _is_state(node: torch.fx.Node, plan: "Plan", planned: dict[str, torch.fx.Node]) -> bool:
+    """Parameters, buffers, constants and gathered ZeRO-3 parameters: not activations."""
+    if node.op == "placeholder":
+        return plan.context.placeholders[node.name].kind != "input"
+    return planned.get(node.name, node).meta.get(ZERO_UNIT) is not None
+
+
+def _symbolic_bytes(plan: "Plan", planned: torch.fx.Node | None, index: int, itemsize: int) -> sympy.Expr | None:
+    """Local bytes of output `index` of a planned node, from its global symbolic shape and placements.
+
+    The item size is the executed tensor's: kernels may pick another dtype than the trace's (CPU
+    LayerNorm keeps a bf16 input's mean and rstd in bf16; the meta and CUDA kernels use fp32)."""
+    if planned is None or planned.meta.get(SPEC) is None:
+        return None
+    value, spec = planned.meta.get("val"), planned.meta[SPEC]
+    if isinstance(value, (tuple, list)):
+        if not isinstance(spec, (tuple, list)) or index >= len(value):
+            return None
+        value, spec = value[index], spec[index]
+    if not isinstance(value, torch.Tensor) or spec is None:
+        return None
+    numel = local_numel(tuple(value.shape), spec.placements, plan.mesh.shape)
+    return sympy.expand(numel.subs(plan.traced.symbols) * itemsize)
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    target = node.target
+    return str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
+
+
+def _entry(plan: "Plan", saved: _Saved, planned: dict[str, torch.fx.Node]) -> ActivationEntry:
+    nbytes = saved.storage.nbytes()
+    node, output, tensor = saved.producer if saved.producer is not None else (saved.running, 0, saved.tensor)
+    expr = None
+    if saved.producer is not None:
+        expr = _symbolic_bytes(plan, planned.get(node.name), output, tensor.dtype.itemsize)
+    internal = expr is None or sympy.sympify(expr.subs(plan.traced.symbol_values)) != nbytes
+    if internal:  # allocated inside a kernel: what was saved, at its concrete size
+        tensor, expr = saved.tensor, sympy.Integer(nbytes)
+    return ActivationEntry(node=node.name, output=output, op=_op_name(node), module=module_path(node),
+                           shape=tuple(tensor.shape), dtype=tensor.dtype, bytes=expr, number=nbytes, internal=internal)
+
+
+def _descendants(node: torch.fx.Node) -> set[torch.fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        for user in stack.pop().users:
+            if user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return seen
+
+
+def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        for arg in stack.pop().all_input_nodes:
+            if arg not in seen:
+                seen.add(arg)
+                stack.append(arg)
+    return seen
+
+
+def attention_core(gm: torch.fx.GraphModule, placeholder_kinds: dict[str, str]) -> set[str]:
+    """Names of the nodes strictly inside explicit attention cores (see the module docstring).
+
+    A score matmul is a bmm/mm/matmul both of whose operands depend on a user input; its partner
+    is the first later such matmul that consumes it (probabilities·v). The core is the score
+    matmul and every node between the two; a region that reads a parameter is not a core."""
+    kinds = {n: placeholder_kinds.get(n.name) for n in gm.graph.nodes if n.op == "placeholder"}
+    state = {n for n, kind in kinds.items() if kind == "parameter"}
+    data: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:
+        if kinds.get(node) == "input" or data & set(node.all_input_nodes):
+            data.add(node)
+    matmuls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _MATMULS
+               and len(n.all_input_nodes) == 2 and set(n.all_input_nodes) <= data]
+    core: set[torch.fx.Node] = set()
+    index = 0
+    while index < len(matmuls):
+        first, descendants = matmuls[index], _descendants(matmuls[index])
+        partner = next((m for m in matmuls[index + 1:] if m in descendants), None)
+        region = ({first} | (descendants & _ancestors(partner))) if partner is not None else set()
+        if partner is None or any(state & set(n.all_input_nodes) for n in region):
+            index += 1
+            continue
+        core |= region
+        index = matmuls.index(partner) + 1
+    return {n.name for n in core}
+
+
+def saved_activations(plan: "Plan", *, rank: int = 0, recompute: str | None = None,
+                      device: "str | torch.device | None" = None) -> ActivationLedger:
+    """The storages autograd keeps for backward on `rank` for one step of `plan`.
+
+    `recompute=None` keeps everything the graph saves; `"attention"` drops what selective
+    recomputation of the attention core would recompute (module docstring). `device` names whose
+    kernels decide what is saved (default: the traced device; cpu for a model traced on meta)."""
+    if recompute not in (None, "attention"):
+        raise ValueError(f"recompute={recompute!r}: expected None or 'attention'")
+    gm, saved = _saved_storages(plan, rank, _kernel_device(plan, device))
+    kinds = {name: info.kind for name, info in plan.context.placeholders.items()}
+    dropped = attention_core(gm, kinds) if recompute == "attention" else set()
+    planned = {node.name: node for node in plan.graph_module.graph.nodes}
+    entries = []
+    for item in saved:
+        producer = item.producer[0] if item.producer is not None else None
+        if producer is not None and (_is_state(producer, plan, planned) or producer.name in dropped):
+            continue
+        entries.append(_entry(plan, item, planned))
+    return ActivationLedger(entries=entries, symbol_values=dict(plan.traced.symbol_values or {}), rank=rank,
+                            recompute=recompute)

@@ -1,0 +1,291 @@
+"""Runtime of ZeRO-1/2/3 / FSDP units: gather parameters, reduce gradients to their owners.
+
+The planned graph calls three methods of `UnitCalls` (inserted by passes/shard_parameters.py):
+- `gather_unit(shards)` returns the unit's compute parameters. Stage 3 all-gathers them (waiting
+  for a prefetch launched by the previous unit when there is one) and launches the next unit's
+  all-gather; stages 1/2 return the persistent replicated copy, all-gathered after each
+  optimizer step. Its backward, `reduce_gradients`, lays the full gradients out flat and
+  reduce-scatters them asynchronously (one in flight: the next unit's backward lands the last
+  one); landing waits, all-reduces the shard over the unit's extra axes (HSDP's replicate axis)
+  and adds the result to each shard's `.grad` (views of the reduce-scatter output).
+  Stage 1 first copies the full gradients into a persistent buffer (ZeRO-1 keeps them) and
+  reduce-scatters every unit at the end of backward; stages 2/3 free them unit by unit.
+- `release_unit` (stage 3, resharded units) drops the gathered parameters after their last use
+  in forward. Autograd's saved copies are replaced by handles (`pack`/`unpack`, installed as
+  saved-tensor hooks by ParallelModule), so nothing keeps them alive.
+- `unit_boundary` marks tensors leaving a resharded block: its backward all-gathers the block
+  again before the block's backward unpacks a parameter, and prefetches the block before it.
+Optimizer steps are watched with torch.optim's global step hooks: an optimizer over shards must
+update elementwise (SGD, Adam, AdamW, ...); others are refused before their first step.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from autopar.errors import PlanError
+from autopar.ledger.measure_activations import observe_saved
+from autopar.zero_units import ShardUnit, gather_layout, grad_layout, shard_views
+
+_c10d = torch.ops._c10d_functional
+
+ELEMENTWISE_OPTIMIZERS: set[type] = {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                                     torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
+                                     torch.optim.ASGD, torch.optim.Adadelta, torch.optim.Rprop}
+
+
+def allow_optimizer(cls: type) -> type:
+    """Declare an optimizer class elementwise (safe on shards); usable as a class decorator."""
+    ELEMENTWISE_OPTIMIZERS.add(cls)
+    return cls
+
+
+class UnitCalls:
+    """The three calls the planned graph makes, bound to a unit table (targets are bound methods,
+    so generated code names them and carries no objects in its arguments).
+
+    This base class is the planning stand-in: `gather_unit` returns fresh tensors of the gathered
+    shapes (the activation ledger runs the rank graph on fake tensors); `ShardedState` is the
+    real runtime."""
+
+    def __init__(self, units: list[ShardUnit]) -> None:
+        self.units = {u.index: u for u in units}
+        torch.fx.node.has_side_effect(self.release_unit)
+
+    def gather_unit(self, shards: tuple[torch.Tensor, ...], *, unit: int) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.empty(p.shape, dtype=s.dtype, device=s.device).requires_grad_(s.requires_grad)
+                     for p, s in zip(self.units[unit].params, shards))
+
+    def release_unit(self, *, unit: int) -> None:
+        return None
+
+    def unit_boundary(self, x: torch.Tensor, *, unit: int) -> torch.Tensor:
+        return x
+
+
+def unit_call(target: Any) -> str | None:
+    """The name of the UnitCalls method a graph node calls, if it calls one."""
+    owner = getattr(target, "__self__", None)
+    return target.__name__ if isinstance(owner, UnitCalls) else None
+
+
+class _GatherUnit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, state, index, *shards):
+        ctx.state, ctx.index = state, index
+        return tuple(full.view_as(full) for full in state.gathered(index))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.state.reduce_gradients(ctx.index, list(grads))
+        return (None, None) + (None,) * len(grads)
+
+
+class _Boundary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, state, index):
+        ctx.state, ctx.index = state, index
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.state.before_backward(ctx.index)
+        return grad, None, None
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """A saved view of a gathered parameter, kept as coordinates instead of memory."""
+
+    unit: int
+    param: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+class ShardedState(UnitCalls):
+    def __init__(self, units: list[ShardUnit], *, shards: dict[int, list[torch.nn.Parameter]],
+                 fulls: dict[int, list[torch.Tensor]], order: list[int], groups: dict[str, str]) -> None:
+        super().__init__(units)
+        self.shards = shards
+        self.groups = groups
+        self.order = order  # units in forward (first-gather) order
+        self.full: dict[int, list[torch.Tensor]] = dict(fulls)  # stages 1/2: persistent from the start
+        self._pending: dict[int, torch.Tensor] = {}
+        self._owner: dict[int, tuple[int, int]] = {full.untyped_storage().data_ptr(): (index, i)
+                                                   for index, fulls in self.full.items() for i, full in enumerate(fulls)}
+        self._grad_buffers = {u.index: torch.zeros(u.gathered_numel, dtype=u.dtype) for u in units if u.stage == 1}
+        self._reducing: dict[int, torch.Tensor] = {}
+        self._stage1_ready: list[int] = []
+        self._callback_queued = False
+        self._shard_ids = {id(p) for params in shards.values() for p in params}
+        self_ref = weakref.ref(self)
+        self._hooks = [register_optimizer_step_pre_hook(
+                           lambda opt, a, k: self_ref() and self_ref()._check_optimizer(opt)),
+                       register_optimizer_step_post_hook(
+                           lambda opt, a, k: self_ref() and self_ref()._after_step(opt))]
+
+    def __del__(self) -> None:
+        for hook in getattr(self, "_hooks", []):
+            hook.remove()
+
+    # ---- the graph's calls
+    def gather_unit(self, shards: tuple[torch.Tensor, ...], *, unit: int) -> tuple[torch.Tensor, ...]:
+        return _GatherUnit.apply(self, unit, *shards)
+
+    def release_unit(self, *, unit: int) -> None:
+        self.release(unit)
+
+    def unit_boundary(self, x: torch.Tensor, *, unit: int) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return x
+        return _Boundary.apply(x, self, unit)
+
+    # ---- forward
+    def _launch(self, index: int) -> None:
+        unit = self.units[index]
+        send = torch.cat([p.detach().reshape(-1) for p in self.shards[index]])
+        self._pending[index] = _c10d.all_gather_into_tensor(send, unit.group_size, self.groups[unit.axis])
+
+    def _finish(self, index: int) -> list[torch.Tensor]:
+        if index not in self._pending:
+            self._launch(index)
+        return gather_layout(self.units[index], _c10d.wait_tensor(self._pending.pop(index)))
+
+    def gathered(self, index: int) -> list[torch.Tensor]:
+        unit = self.units[index]
+        if unit.stage < 3:
+            return self.full[index]
+        if index not in self.full:
+            self._store(index, self._finish(index))
+        if unit.prefetch:
+            self._prefetch(self.order.index(index) + 1)
+        return self.full[index]
+
+    def _store(self, index: int, fulls: list[torch.Tensor]) -> None:
+        self.release(index)
+        self.full[index] = fulls
+        for i, full in enumerate(fulls):
+            self._owner[full.untyped_storage().data_ptr()] = (index, i)
+
+    def _prefetch(self, position: int) -> None:
+        if 0 <= position < len(self.order):
+            index = self.order[position]
+            if self.units[index].stage == 3 and index not in self.full and index not in self._pending:
+                self._launch(index)
+
+    def release(self, index: int) -> None:
+        for full in self.full.pop(index, []):
+            self._owner.pop(full.untyped_storage().data_ptr(), None)
+
+    def release_all(self) -> None:
+        for index in [i for i in self.full if self.units[i].stage == 3]:
+            self.release(index)
+
+    # ---- saved-tensor hooks (resharded units)
+    def pack(self, tensor: torch.Tensor) -> Any:
+        owner = self._owner.get(tensor.untyped_storage().data_ptr()) if tensor.numel() else None
+        if owner is None:
+            observe_saved(tensor)  # these hooks hide saves from outer ones (activation measurement)
+        if owner is None or not self.units[owner[0]].reshard:
+            return tensor
+        return _Saved(owner[0], owner[1], tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset())
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _Saved):
+            return saved
+        if saved.unit not in self.full:
+            self.before_backward(saved.unit)
+        return torch.as_strided(self.full[saved.unit][saved.param], saved.size, saved.stride, saved.offset)
+
+    # ---- backward
+    def before_backward(self, index: int) -> None:
+        if index not in self.full:
+            self._store(index, self._finish(index))
+            if self.units[index].prefetch:
+                self._prefetch_backward(self.order.index(index) - 1)
+
+    def _prefetch_backward(self, position: int) -> None:
+        if position >= 0 and self.units[self.order[position]].reshard:
+            self._prefetch(position)
+
+    def reduce_gradients(self, index: int, grads: list[torch.Tensor | None]) -> None:
+        unit = self.units[index]
+        if unit.stage == 3:
+            self.release(index)
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+        if unit.stage == 1:  # ZeRO-1 keeps the full gradients until the end of backward
+            self._grad_buffers[index].copy_(grad_layout(unit, grads, unit.dtype))
+            self._stage1_ready.append(index)
+            return
+        self._land_reductions()  # at most one reduce-scatter in flight: its input is a whole unit's gradient
+        self._launch_reduction(index, grad_layout(unit, grads, unit.dtype))
+
+    def _launch_reduction(self, index: int, flat: torch.Tensor) -> None:
+        unit = self.units[index]
+        self._reducing[index] = _c10d.reduce_scatter_tensor(flat, "sum", unit.group_size, self.groups[unit.axis])
+
+    def _land_reductions(self) -> None:
+        """Wait for launched reduce-scatters, reduce over extra axes, add into the shards' grads."""
+        for index, pending in self._reducing.items():
+            unit = self.units[index]
+            shard_grad = _c10d.wait_tensor(pending)
+            for axis in unit.extra_axes:
+                shard_grad = _c10d.wait_tensor(_c10d.all_reduce(shard_grad, "sum", self.groups[axis]))
+            for param, grad in zip(self.shards[index], shard_views(unit, shard_grad)):
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad.add_(grad)
+        self._reducing = {}
+
+    def _finish_backward(self) -> None:
+        for index in self._stage1_ready:
+            self._launch_reduction(index, self._grad_buffers[index])
+        self._stage1_ready = []
+        self._land_reductions()
+        self._callback_queued = False
+
+    # ---- optimizer
+    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        return any(id(p) in self._shard_ids for group in optimizer.param_groups for p in group["params"])
+
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._owns(optimizer) and type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
+            raise PlanError(f"{type(optimizer).__name__} cannot run on ZeRO shards: it is not known to update each "
+                            f"element independently (LBFGS, Adafactor, Muon and SparseAdam need whole tensors or "
+                            f"cross-element statistics). Use an elementwise optimizer (SGD, Adam, AdamW, ...), or, if "
+                            f"its update is elementwise, declare it with "
+                            f"autopar.runtime.sharded_state.allow_optimizer({type(optimizer).__name__})")
+
+    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._owns(optimizer):
+            self.refresh()
+
+    def refresh(self) -> None:
+        """ZeRO-1/2: all-gather the shards into the replicated compute parameters. Runs after every
+        optimizer step over the shards; call it after changing shards any other way (loading)."""
+        indices = [i for i, u in self.units.items() if u.stage < 3]
+        for index in indices:
+            self._launch(index)
+        with torch.no_grad():
+            for index in indices:
+                for full, new in zip(self.full[index], self._finish(index)):
+                    full.copy_(new)
+
+    # ---- measurement
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes this runtime holds beyond the module's parameters: replicated compute copies
+        (stages 1/2) and ZeRO-1's full-gradient buffers."""
+        replicated = sum(f.numel() * f.element_size() for i, fulls in self.full.items()
+                         if self.units[i].stage < 3 for f in fulls)
+        buffers = sum(b.numel() * b.element_size() for b in self._grad_buffers.values())
+        return {"parameters": replicated, "gradients": buffers}

@@ -1,0 +1,117 @@
+"""Units of sharded training state (ZeRO / FSDP) and their flat layout.
+
+A `ShardUnit` is a group of parameters gathered and reduced together (one collective each way),
+normally one transformer block. Each parameter is sharded on dim 0 of its compute tensor (the
+tensor-parallel shard when TP is on another axis): with N ranks each rank keeps `rows =
+ceil(d0 / N)` rows, the last ranks padded with zero rows when d0 does not divide (uneven shards
+work; the padding is counted in the ledgers). The unit's flat layout puts each rank's shards
+side by side, so one all_gather_into_tensor / reduce_scatter_tensor moves the whole unit:
+
+    flat = [rank 0: p0 rows | p1 rows | ...][rank 1: p0 rows | p1 rows | ...] ...   (N * shard_numel)
+
+`gather_layout` / `shard_of` / `grad_layout` are the only functions that know this layout.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class UnitParam:
+    fqn: str
+    placeholder: str  # the planned graph's placeholder name
+    shape: tuple[int, ...]  # compute (full, after tensor parallelism) shape on one rank
+    rows: int  # dim-0 rows each rank keeps (padded)
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:])
+
+    @property
+    def shard_numel(self) -> int:
+        return self.rows * self.row_numel
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        return (self.rows, *self.shape[1:])
+
+
+@dataclass(frozen=True)
+class ShardUnit:
+    index: int
+    name: str  # module path of the block, "" for the root unit
+    axis: str
+    group_size: int
+    stage: int
+    dtype: torch.dtype
+    params: tuple[UnitParam, ...]
+    extra_axes: tuple[str, ...]  # gradient still partial on these after the reduce-scatter (HSDP, SP norms)
+    reshard: bool  # stage 3: freed after forward, gathered again in backward
+    prefetch: bool
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(p.shard_numel for p in self.params)
+
+    @property
+    def gathered_numel(self) -> int:
+        return self.group_size * self.shard_numel
+
+    def offsets(self) -> list[int]:
+        offsets, offset = [], 0
+        for param in self.params:
+            offsets.append(offset)
+            offset += param.shard_numel
+        return offsets
+
+
+def rows_per_rank(d0: int, group_size: int) -> int:
+    return -(-d0 // group_size)
+
+
+def shard_of(full: torch.Tensor, rows: int, index: int) -> torch.Tensor:
+    """Rank `index`'s dim-0 shard of a full (compute) parameter, zero-padded to `rows` rows."""
+    piece = full[index * rows:(index + 1) * rows]
+    if piece.shape[0] == rows:
+        return piece.clone(memory_format=torch.contiguous_format)  # its own storage, not a view of `full`
+    padded = full.new_zeros((rows, *full.shape[1:]))
+    padded[:piece.shape[0]] = piece
+    return padded
+
+
+def gather_layout(unit: ShardUnit, gathered: torch.Tensor) -> list[torch.Tensor]:
+    """Full parameters (fresh contiguous tensors) from the all-gathered flat buffer."""
+    by_rank = gathered.view(unit.group_size, unit.shard_numel)
+    fulls = []
+    for param, offset in zip(unit.params, unit.offsets()):
+        block = by_rank[:, offset:offset + param.shard_numel].reshape(unit.group_size * param.rows, *param.shape[1:])
+        fulls.append(block[:param.shape[0]].clone() if block.shape[0] != param.shape[0] else block.contiguous())
+    return fulls
+
+
+def grad_layout(unit: ShardUnit, grads: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
+    """The reduce-scatter input: full gradients padded and laid out like `gather_layout` reads them."""
+    flat = torch.zeros(unit.group_size, unit.shard_numel, dtype=dtype, device=_device(grads))
+    for param, offset, grad in zip(unit.params, unit.offsets(), grads):
+        if grad is None:
+            continue
+        target = flat[:, offset:offset + param.shard_numel].view(unit.group_size, param.rows, *param.shape[1:])
+        if grad.shape[0] == unit.group_size * param.rows:
+            target.copy_(grad.view(target.shape))
+        else:  # uneven: the last rows stay zero
+            padded = grad.new_zeros((unit.group_size * param.rows, *param.shape[1:]))
+            padded[:grad.shape[0]] = grad
+            target.copy_(padded.view(target.shape))
+    return flat.view(-1)
+
+
+def shard_views(unit: ShardUnit, flat_shard: torch.Tensor) -> list[torch.Tensor]:
+    """Per-parameter views of one rank's flat shard (a reduce-scatter output)."""
+    return [flat_shard[offset:offset + p.shard_numel].view(p.shard_shape) for p, offset in zip(unit.params, unit.offsets())]
+
+
+def _device(tensors: list[torch.Tensor | None]) -> torch.device:
+    return next((t.device for t in tensors if t is not None), torch.device("cpu"))

@@ -1,0 +1,141 @@
+"""Pass 4 (ZeRO / FSDP): group the parameters of the sharded-state axis into units and make the
+graph gather them where they are used.
+
+Runs after `insert_grad_reductions`, only when a strategy declares a `ShardedState`
+(strategies/zero.py). For each unit (a repeated block such as `layers.3`, or the root: every
+other parameter) it
+- decides each parameter's dim-0 shard rows (`autopar.zero_units`, padded when uneven) and
+  takes the sharded axis out of the parameter's GRAD_SYNC axes: the unit's own reduce-scatter
+  replaces the bucketed all-reduce; axes left (HSDP's replicate axis, sequence-parallel norms)
+  become the unit's `extra_axes`, all-reduced on the shard;
+- inserts `gather_unit(shards)` before the first use of any of its parameters, with one
+  getitem per parameter replacing the placeholder in every use. The placeholder now receives
+  the rank's shard; the getitem is the gathered compute tensor (node meta ZERO_UNIT);
+- stage 3, resharded units: inserts `release_unit` after the last forward use, and
+  `unit_boundary` on every tensor leaving the block, whose backward gathers the unit again
+  (and prefetches the one before) just before the block's backward needs it.
+A unit is resharded only when all its parameters are used inside its own module; the root unit
+is never (like FSDP2's root, it is needed again first in backward). The runtime that executes
+the three calls (bound methods of `sharded_state.UnitCalls`) is `autopar.runtime.sharded_state`.
+"""
+from __future__ import annotations
+
+import fnmatch
+import operator
+import re
+
+import torch
+import torch.fx
+
+from autopar.context import CompileContext
+from autopar.ir import SPEC, local_shape, module_path
+from autopar.passes.insert_grad_reductions import GRAD_SYNC
+from autopar.runtime import sharded_state
+from autopar.zero_units import ShardUnit, UnitParam, rows_per_rank
+
+ZERO_UNIT = "autopar_zero_unit"  # on gather / getitem / boundary nodes: the unit's index
+ZERO_SHARD = "autopar_zero_shard"  # on a parameter placeholder: (unit index, shard shape)
+_BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
+
+
+def _unit_name(fqn: str, patterns: tuple[str, ...] | None) -> str:
+    module = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+    if patterns is not None:
+        parts = module.split(".")
+        prefixes = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+        return next((p for p in prefixes for pattern in patterns if fnmatch.fnmatchcase(p, pattern)), "")
+    match = _BLOCK.match(fqn)
+    return match.group(1) if match else ""
+
+
+def _inside(node: torch.fx.Node, unit_name: str) -> bool:
+    path = module_path(node)
+    return bool(unit_name) and (path == unit_name or path.startswith(unit_name + "."))
+
+
+def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declared) -> list[tuple[ShardUnit, list]]:
+    size = ctx.mesh.size(axis)
+    groups: dict[tuple, list[tuple[UnitParam, torch.fx.Node]]] = {}
+    for node in gm.graph.nodes:
+        info = ctx.placeholders.get(node.name)
+        if node.op != "placeholder" or info is None or info.kind != "parameter" or not info.requires_grad:
+            continue
+        spec = node.meta[SPEC]
+        sync = list(node.meta.get(GRAD_SYNC, []))
+        if not node.users or axis not in sync or len(spec.tensor_meta.shape) == 0:
+            continue  # unread, not data-parallel on the axis, or 0-d: stays replicated
+        shape = tuple(local_shape(spec.tensor_meta.shape, spec.placements, ctx.mesh.shape))
+        extra = tuple(a for a in sync if a != axis)
+        key = (_unit_name(info.target, declared.units), extra, spec.tensor_meta.dtype)
+        groups.setdefault(key, []).append((UnitParam(info.target, node.name, shape, rows_per_rank(shape[0], size)), node))
+    units = []
+    for index, ((name, extra, dtype), members) in enumerate(groups.items()):
+        params = tuple(p for p, _ in members)
+        nodes = [n for _, n in members]
+        self_contained = bool(name) and all(_inside(user, name) for n in nodes for user in n.users)
+        reshard = declared.stage == 3 and declared.reshard_after_forward and self_contained
+        units.append((ShardUnit(index=index, name=name, axis=axis, group_size=size, stage=declared.stage,
+                                dtype=dtype, params=params, extra_axes=extra, reshard=reshard,
+                                prefetch=declared.prefetch), nodes))
+    return units
+
+
+def _rewrite_unit(graph: torch.fx.Graph, unit: ShardUnit, nodes: list[torch.fx.Node], calls) -> None:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first_use = min((user for n in nodes for user in n.users), key=order.__getitem__)
+    with graph.inserting_before(first_use):
+        gather = graph.call_function(calls.gather_unit, (tuple(nodes),), {"unit": unit.index})
+        gather.meta[ZERO_UNIT] = unit.index
+        gathered = []
+        for i, node in enumerate(nodes):
+            item = graph.call_function(operator.getitem, (gather, i))
+            item.meta.update({k: v for k, v in node.meta.items() if k not in (GRAD_SYNC,)})
+            item.meta[ZERO_UNIT] = unit.index
+            gathered.append(item)
+    for node, item, param in zip(nodes, gathered, unit.params):
+        node.replace_all_uses_with(item, delete_user_cb=lambda user: user is not gather)
+        node.meta[GRAD_SYNC] = []  # the unit reduces its gradient: over the axis, then its extra_axes
+        node.meta[ZERO_SHARD] = (unit.index, param.shard_shape)
+    if not unit.reshard:
+        return
+    users = [user for item in gathered for user in item.users]
+    last_use = max(users, key=order.__getitem__)
+    with graph.inserting_after(last_use):
+        graph.call_function(calls.release_unit, (), {"unit": unit.index})
+    _insert_boundaries(graph, unit, calls)
+
+
+def _insert_boundaries(graph: torch.fx.Graph, unit: ShardUnit, calls) -> None:
+    """`unit_boundary` on every floating-point tensor computed in the block and read outside it."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not _inside(node, unit.name):
+            continue
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
+            continue
+        outside = [u for u in node.users if not _inside(u, unit.name) and u.op != "output"
+                   and sharded_state.unit_call(u.target) != "release_unit"]
+        outside += [u for u in node.users if u.op == "output"]
+        if not outside:
+            continue
+        with graph.inserting_after(node):
+            boundary = graph.call_function(calls.unit_boundary, (node,), {"unit": unit.index})
+        boundary.meta.update({k: v for k, v in node.meta.items() if k not in ("nn_module_stack",)})
+        boundary.meta[ZERO_UNIT] = unit.index
+        for user in outside:
+            user.replace_input_with(node, boundary)
+
+
+def shard_parameters(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule:
+    declared = ctx.strategy.sharded_state()
+    if declared is None:
+        return gm
+    axis, state = declared
+    units = _plan_units(gm, ctx, axis, state)
+    calls = sharded_state.UnitCalls([unit for unit, _ in units])
+    for unit, nodes in units:
+        _rewrite_unit(gm.graph, unit, nodes, calls)
+    ctx.units = [unit for unit, _ in units]
+    gm.graph.lint()
+    gm.recompile()
+    return gm

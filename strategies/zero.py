@@ -1,0 +1,61 @@
+"""ZeRO-1/2/3, FSDP and HSDP as data: a data-parallel axis that also shards the training state.
+
+`zero(stage=k, axis=...)` is `data_parallel` on `axis` (inputs sharded on their batch dimension)
+plus a `ShardedState` declaration that the `shard_parameters` pass turns into units of
+parameters and the runtime (`autopar.runtime.sharded_state`) executes:
+
+| stage | sharded over the axis                        | per step on the axis                        |
+|-------|----------------------------------------------|---------------------------------------------|
+| 1     | optimizer state                              | reduce-scatter grads, all-gather params     |
+| 2     | optimizer state, gradients                   | the same, each unit's gradient freed early  |
+| 3     | optimizer state, gradients, parameters       | all-gather fwd (+ bwd), reduce-scatter grads|
+
+`fsdp()` is stage 3; `hsdp()` shards over one axis and replicates (data parallel) over another.
+Units default to the model's repeated blocks (a module path ending in a number, e.g. `layers.3`)
+plus one root unit for the remaining parameters; `units=` takes module-path globs instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Shard
+
+from autopar.errors import PlanError
+from autopar.strategies import InputRule, Strategy
+from autopar.strategies.data_parallel import data_parallel
+
+STAGES = {1: "optimizer state", 2: "optimizer state and gradients", 3: "optimizer state, gradients and parameters"}
+
+
+@dataclass(frozen=True)
+class ShardedState:
+    """What `zero()` declares beyond data parallelism; read by passes/shard_parameters.py."""
+
+    stage: int
+    reshard_after_forward: bool = True  # stage 3: free gathered blocks after forward, re-gather in backward
+    prefetch: bool = True  # stage 3: launch the next unit's all-gather while this one computes
+    units: tuple[str, ...] | None = None  # module-path globs, one unit each; None: repeated blocks + root
+
+
+def zero(*, stage: int, axis: str = "dp", batch_dim: int = 0, reshard_after_forward: bool = True,
+         prefetch: bool = True, units: tuple[str, ...] | list[str] | None = None) -> Strategy:
+    """ZeRO stage 1, 2 or 3 on `axis` (which is then also the data-parallel axis)."""
+    if stage not in STAGES:
+        raise PlanError(f"unknown ZeRO stage {stage!r}: choose 1 (shards {STAGES[1]}), 2 ({STAGES[2]}) or "
+                        f"3 ({STAGES[3]}); plain data parallelism is data_parallel()")
+    state = ShardedState(stage=stage, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
+                         units=tuple(units) if units is not None else None)
+    return Strategy(name=f"zero{stage}", axis=axis, inputs=(InputRule(index=None, placement=Shard(batch_dim)),),
+                    sharded_state=state)
+
+
+def fsdp(*, axis: str = "dp", **options) -> Strategy:
+    """Fully sharded data parallelism: ZeRO stage 3."""
+    return zero(stage=3, axis=axis, **options)
+
+
+def hsdp(*, shard_axis: str = "dp_shard", replicate_axis: str = "dp_rep", **options) -> tuple[Strategy, Strategy]:
+    """Hybrid sharding: FSDP inside `shard_axis`, plain data parallelism across `replicate_axis`."""
+    if shard_axis == replicate_axis:
+        raise PlanError(f"hsdp() needs two different axes, got shard_axis = replicate_axis = {shard_axis!r}")
+    return fsdp(axis=shard_axis, **options), data_parallel(axis=replicate_axis)
