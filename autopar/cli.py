@@ -1,7 +1,7 @@
 """The `autopar` command line.
 
     autopar plan    TARGET --mesh dp=2,tp=2 [--strategy dp,sp] [--node 8] [--symbolic b=0,s=1]
-                    [--params-only] [--save plan.json]
+                    [--params-only] [--save plan.json] [--compare-stages]
     autopar graph   TARGET --mesh ... --rank R [--diff] [--html out.html]
     autopar check   TARGET --mesh ... --baseline comm.json [--tolerance PCT] [--update]
     autopar diff    a.json b.json
@@ -9,8 +9,10 @@
 
 TARGET is `module:function` or `file.py[:function]` (default `example`): a function with no
 arguments returning `(model, example_inputs)` (a global batch). `--strategy` lists strategy
-names: dp (data_parallel on axis dp), tp (tensor_parallel on tp), sp (sequence_parallel on tp);
-by default dp for a `dp` axis and tp for a `tp` axis. Exit codes: 0 fine, 1 communication grew
+names: dp (data_parallel on axis dp), zero1 / zero2 / zero3 / fsdp (ZeRO on dp), hsdp (FSDP on
+dp_shard, replicated on dp_rep), tp (tensor_parallel on tp), sp (sequence_parallel on tp); by
+default dp for a `dp` axis and tp for a `tp` axis. `--compare-stages` prints DDP and ZeRO-1/2/3
+side by side on the dp axis (memory per category per rank, bytes per step). Exit codes: 0 fine, 1 communication grew
 (check, diff), 2 bad input (a plan-time error, printed with its fix).
 """
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any, Callable
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
 
-STRATEGY_NAMES = ("dp", "tp", "sp")
+STRATEGY_NAMES = ("dp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "tp", "sp")
 
 
 def load_target(target: str) -> Callable[[], Any]:
@@ -50,9 +52,11 @@ def load_target(target: str) -> Callable[[], Any]:
 def strategies_for(names: str | None, mesh: Mesh) -> list[Any]:
     from autopar.strategies.data_parallel import data_parallel
     from autopar.strategies.tensor_parallel import sequence_parallel, tensor_parallel
+    from autopar.strategies.zero import fsdp, hsdp, zero
 
     chosen = names.split(",") if names else [a for a in ("dp", "tp") if a in mesh.names]
-    makers = {"dp": data_parallel, "tp": tensor_parallel, "sp": sequence_parallel}
+    makers = {"dp": data_parallel, "tp": tensor_parallel, "sp": sequence_parallel, "fsdp": fsdp, "hsdp": hsdp,
+              **{f"zero{k}": (lambda k=k: zero(stage=k)) for k in (1, 2, 3)}}
     unknown = [n for n in chosen if n not in makers]
     if unknown:
         raise PlanError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGY_NAMES)}")
@@ -75,6 +79,17 @@ def _plan(args: argparse.Namespace, *, explain: bool = False):
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    if args.compare_stages:
+        from autopar.stage_compare import compare_stages, stage_table
+
+        model, inputs = load_target(args.target)()
+        mesh = Mesh.parse(args.mesh, ranks_per_node=args.node)
+        mesh.require_axis("dp", wanted_by="--compare-stages")
+        rows = compare_stages(model, mesh, strategies=strategies_for(args.strategy, mesh), example_inputs=inputs,
+                              dynamic_dims=_symbolic(args.symbolic))
+        print(f"ZeRO stages on dp, mesh {mesh}: bytes per rank (memory after a step; communication per step)\n")
+        print(stage_table(rows))
+        return 0
     the_plan = _plan(args, explain=bool(args.save))
     print(the_plan.report(activations=not args.params_only))
     if args.save:
@@ -145,7 +160,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 def _planning_arguments(command: argparse.ArgumentParser) -> None:
     command.add_argument("target", help="module:function or file.py[:function] returning (model, example_inputs)")
     command.add_argument("--mesh", required=True, help="axes, e.g. dp=2,tp=2")
-    command.add_argument("--strategy", help="comma-separated: dp, tp, sp")
+    command.add_argument("--strategy", help="comma-separated: " + ", ".join(STRATEGY_NAMES))
     command.add_argument("--node", type=int, help="ranks per node (axes spanning nodes are 'inter')")
     command.add_argument("--symbolic", help="symbolic input dims, e.g. b=0,s=1")
 
@@ -157,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     _planning_arguments(plan_cmd)
     plan_cmd.add_argument("--params-only", action="store_true", help="placement table of parameters only")
     plan_cmd.add_argument("--save", help="also write the plan file (JSON) here")
+    plan_cmd.add_argument("--compare-stages", action="store_true",
+                          help="DDP and ZeRO-1/2/3 on the dp axis side by side: memory and communication")
     graph_cmd = commands.add_parser("graph", help="print one rank's emitted graph")
     _planning_arguments(graph_cmd)
     graph_cmd.add_argument("--rank", type=int, default=0)

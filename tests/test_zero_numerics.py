@@ -63,3 +63,82 @@ def test_hf_llama_sharded_state_matches_single_device(case):
     batches = [token_batch(batch=8, seq=16, vocab=128, seed=step) for step in range(STEPS)]
     mesh, strategies = CASES[case]
     run_and_check(tiny_llama, batches, mesh, strategies, single_device(tiny_llama, batches))
+
+
+MICRO_BATCHES = 2
+
+
+def _accumulating_rank(rank: int, world: int, build, batch, mesh: str, strategies: list, no_sync: bool) -> dict:
+    """One AdamW step over MICRO_BATCHES micro-batches; no_sync around all but the last."""
+    import torch
+
+    from autopar.runtime.comm_counter import CommCounter
+    from tests.numerics import EPS, LR
+
+    torch.manual_seed(0)
+    module = autopar.parallelize(build(), mesh, strategies=strategies, example_inputs=[t[:4] for t in batch])
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
+    group_to_axis = {name: axis for axis, name in module.groups.items()}
+    with CommCounter() as counter:
+        for micro in range(MICRO_BATCHES):
+            local = module.local_batch(*[t[micro * 4:(micro + 1) * 4] for t in batch])
+            last = micro == MICRO_BATCHES - 1
+            with (module.no_sync() if no_sync and not last else _nothing()):
+                module(*local).backward()
+        grads = {n: p.grad.detach().clone() for n, p in module.named_parameters()}
+        optimizer.step()
+    measured = counter.by_key(group_to_axis)
+    expected: dict = {}
+    for (phase, kind, axis), (calls, nbytes) in module.plan.comm.accumulation(
+            micro_batches=MICRO_BATCHES, no_sync=no_sync).items():
+        old = expected.get((kind, axis), (0, 0))
+        expected[(kind, axis)] = (old[0] + calls, old[1] + nbytes)
+    return {"grads": grads, "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+            "measured": measured, "expected": expected, "placements": module.plan.parameter_placements(),
+            "zero": {p.fqn: (u.axis, p.rows) for u in module.plan.units for p in u.params}}
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _accumulated_reference(build, batch) -> dict:
+    import torch
+
+    from tests.numerics import EPS, LR
+
+    torch.manual_seed(0)
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    for micro in range(MICRO_BATCHES):
+        model(*[t[micro * 4:(micro + 1) * 4] for t in batch]).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    optimizer.step()
+    return {"losses": [], "grads": [grads], "params": [{n: p.detach().clone() for n, p in model.named_parameters()}]}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case,no_sync", [("zero3_dp4", True), ("zero3_dp4", False), ("zero1_dp4", True),
+                                          ("zero3_tp_2x2", True)])
+def test_gradient_accumulation_without_regathering(case, no_sync):
+    """2 micro-batches, one step: gradients and parameters equal one device's accumulated step; with
+    no_sync, ZeRO-3 gathers each unit once for both micro-batches and reduces once (the ledger's
+    `accumulation` view, compared with what the process groups saw)."""
+    build = functools.partial(GPT, CONFIG)
+    batch = example_batch(CONFIG, batch=8, seed=7)
+    mesh, strategies = CASES[case]
+    results = launch(_accumulating_rank, autopar.Mesh.parse(mesh).world_size, build, batch, mesh, strategies,
+                     no_sync, timeout_s=180)
+    for result in results:
+        result.update(losses=[], grads=[result["grads"]], params=[result["params"]])
+    assert_matches(_accumulated_reference(build, batch), results, mesh)
+    for result in results:
+        assert result["measured"] == result["expected"]
+    gathers = results[0]["expected"].get(("all_gather", "dp"), (0, 0))[0]
+    units = 3  # root + 2 blocks
+    if case.startswith("zero3"):
+        assert gathers == (units if no_sync else MICRO_BATCHES * (2 * units - 1))

@@ -107,3 +107,16 @@ def test_optimizer_that_cannot_run_on_shards_is_refused_before_its_step():
     assert launch(_step_with, 2, "LBFGS", timeout_s=90)[0].startswith("LBFGS cannot run on ZeRO shards")
     assert launch(_step_with, 2, "Adafactor", timeout_s=90)[0].startswith("Adafactor cannot run on ZeRO shards")
     assert launch(_step_with, 2, "SGD", timeout_s=90) == ["stepped", "stepped"]
+
+
+def test_cli_compares_stages_side_by_side(capsys):
+    from autopar.cli import main
+
+    assert main(["plan", "examples/gpt.py", "--mesh", "dp=4", "--compare-stages"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split() for line in lines if line.split() and line.split()[0] in
+            ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")}
+    assert list(rows) == ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+    held = {name: int(row[7].replace(",", "")) for name, row in rows.items()}
+    assert held["DDP"] > held["ZeRO-1"] > held["ZeRO-2"] > held["ZeRO-3"]
+    assert rows["DDP"][9] == rows["ZeRO-1"][9] == rows["ZeRO-2"][9]  # same wire bytes: 2(N-1)/N Psi

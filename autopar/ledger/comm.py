@@ -69,6 +69,26 @@ class CommLedger:
             row[1] += self.number(e.logical_bytes)
         return {k: (v[0], v[1]) for k, v in result.items()}
 
+    def accumulation(self, *, micro_batches: int, no_sync: bool) -> dict[tuple[str, str, str], tuple[int, int]]:
+        """by_key() for one optimizer step over `micro_batches` forward/backward passes. With
+        `no_sync` (ParallelModule.no_sync around all but the last), gradients are reduced once and
+        ZeRO-3 units are gathered once and kept, never re-gathered in backward; without it every
+        micro-batch repeats the step's gathers and reductions."""
+        result: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+        for e in self.entries:
+            state = e.module.startswith(("unit ", "bucket "))
+            if e.phase == "optimizer":
+                times = 1
+            elif state and no_sync:
+                times = 0 if e.phase == "backward" else 1
+            else:
+                times = micro_batches
+            if times:
+                row = result[(e.phase, e.kind, e.axis)]
+                row[0] += times
+                row[1] += times * self.number(e.logical_bytes)
+        return {k: (v[0], v[1]) for k, v in result.items()}
+
     def table(self) -> str:
         grouped: dict[tuple, list[CommEntry]] = defaultdict(list)
         for e in self.entries:

@@ -54,7 +54,8 @@ class GradSynchronizer:
     goes on; at the end of backward every `param.grad` becomes a view of its reduced slice (no
     copy back). Gradients must be zeroed or set to None between backward passes (optimizer.zero_grad,
     either way): the reduction sums Partial gradients, so gradients left from a synchronised step
-    would be counted once per rank. Accumulate micro-batches by summing their losses."""
+    would be counted once per rank. Accumulate micro-batches under `ParallelModule.no_sync()` (the
+synchronising backward then reduces the accumulated sum), or by summing their losses."""
 
     def __init__(self, module: torch.nn.Module, buckets: list[Bucket], groups: dict[str, str]) -> None:
         self.buckets = buckets
@@ -70,6 +71,7 @@ class GradSynchronizer:
         self._ready: list[set[str]] = [set() for _ in buckets]
         self._launched: dict[int, torch.Tensor] = {}
         self._callback_queued = False
+        self.enabled = True  # False under ParallelModule.no_sync: gradients accumulate in param.grad
         for fqn in self._slot:
             self.params[fqn].register_post_accumulate_grad_hook(self._make_hook(fqn))
 
@@ -80,6 +82,8 @@ class GradSynchronizer:
 
     def _make_hook(self, fqn: str):
         def hook(param: torch.Tensor) -> None:
+            if not self.enabled:
+                return
             if not self._callback_queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
                 self._callback_queued = True

@@ -11,6 +11,7 @@ Under ZeRO/FSDP (`strategies.zero`) the parameters of each unit are this rank's 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -87,6 +88,23 @@ class ParallelModule(torch.nn.Module):
         self.graph.recompile()
         del self._fulls
         return state
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation: backward passes inside add gradients up locally and move nothing;
+        the first backward after it reduces the sum. Under ZeRO-3 the gathered parameters stay
+        gathered from the first micro-batch's forward to the end of that synchronising backward
+        (one all-gather per unit for all micro-batches, none in backward), at the memory cost of
+        the unsharded parameters and gradients (the ledger's `accumulation` view shows both)."""
+        self.grad_sync.enabled = False
+        if self.sharded is not None:
+            self.sharded.start_accumulating()
+        try:
+            yield
+        finally:
+            self.grad_sync.enabled = True
+            if self.sharded is not None:
+                self.sharded.stop_accumulating()
 
     def local_batch(self, *global_inputs: Any) -> list[Any]:
         """This rank's slice of a global batch, in the traced input order."""

@@ -124,6 +124,9 @@ class ShardedState(UnitCalls):
         self._reducing: dict[int, torch.Tensor] = {}
         self._stage1_ready: list[int] = []
         self._callback_queued = False
+        self.accumulating = False  # no_sync: add full gradients into _accumulated, reduce nothing
+        self.holding = False  # no_sync and the backward after it: gathered units are not released
+        self._accumulated: dict[int, torch.Tensor] = {}
         self._shard_ids = {id(p) for params in shards.values() for p in params}
         self_ref = weakref.ref(self)
         self._hooks = [register_optimizer_step_pre_hook(
@@ -169,7 +172,7 @@ class ShardedState(UnitCalls):
         return self.full[index]
 
     def _store(self, index: int, fulls: list[torch.Tensor]) -> None:
-        self.release(index)
+        self._drop(index)
         self.full[index] = fulls
         for i, full in enumerate(fulls):
             self._owner[full.untyped_storage().data_ptr()] = (index, i)
@@ -181,19 +184,33 @@ class ShardedState(UnitCalls):
                 self._launch(index)
 
     def release(self, index: int) -> None:
+        if not self.holding:
+            self._drop(index)
+
+    def _drop(self, index: int) -> None:
         for full in self.full.pop(index, []):
             self._owner.pop(full.untyped_storage().data_ptr(), None)
 
     def release_all(self) -> None:
         for index in [i for i in self.full if self.units[i].stage == 3]:
-            self.release(index)
+            self._drop(index)
+
+    # ---- gradient accumulation without re-gathering (ParallelModule.no_sync)
+    def start_accumulating(self) -> None:
+        """Micro-batches until `stop_accumulating`: gathered units stay gathered (no re-gather in
+        backward, none in the next forward) and full gradients add up locally, unreduced."""
+        self.accumulating = self.holding = True
+
+    def stop_accumulating(self) -> None:
+        """The next backward reduces the accumulated gradients; units stay gathered until it ends."""
+        self.accumulating = False
 
     # ---- saved-tensor hooks (resharded units)
     def pack(self, tensor: torch.Tensor) -> Any:
         owner = self._owner.get(tensor.untyped_storage().data_ptr()) if tensor.numel() else None
         if owner is None:
             observe_saved(tensor)  # these hooks hide saves from outer ones (activation measurement)
-        if owner is None or not self.units[owner[0]].reshard:
+        if owner is None or not self.units[owner[0]].reshard or self.holding:
             return tensor
         return _Saved(owner[0], owner[1], tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset())
 
@@ -222,12 +239,25 @@ class ShardedState(UnitCalls):
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
+        flat = grad_layout(unit, grads, unit.dtype)
         if unit.stage == 1:  # ZeRO-1 keeps the full gradients until the end of backward
-            self._grad_buffers[index].copy_(grad_layout(unit, grads, unit.dtype))
-            self._stage1_ready.append(index)
+            buffer = self._grad_buffers[index]
+            buffer.add_(flat) if index in self._accumulated else buffer.copy_(flat)
+            self._accumulated[index] = buffer
+            if not self.accumulating:
+                self._stage1_ready.append(index)
             return
+        if self.accumulating:
+            if index in self._accumulated:
+                self._accumulated[index].add_(flat)
+            else:
+                self._accumulated[index] = flat
+            return
+        earlier = self._accumulated.pop(index, None)
+        if earlier is not None:
+            flat = flat.add_(earlier)
         self._land_reductions()  # at most one reduce-scatter in flight: its input is a whole unit's gradient
-        self._launch_reduction(index, grad_layout(unit, grads, unit.dtype))
+        self._launch_reduction(index, flat)
 
     def _launch_reduction(self, index: int, flat: torch.Tensor) -> None:
         unit = self.units[index]
@@ -250,9 +280,13 @@ class ShardedState(UnitCalls):
     def _finish_backward(self) -> None:
         for index in self._stage1_ready:
             self._launch_reduction(index, self._grad_buffers[index])
+            self._accumulated.pop(index, None)
         self._stage1_ready = []
         self._land_reductions()
         self._callback_queued = False
+        if self.holding and not self.accumulating:  # the synchronising backward after no_sync is done
+            self.holding = False
+            self.release_all()
 
     # ---- optimizer
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:

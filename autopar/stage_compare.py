@@ -1,0 +1,49 @@
+"""Compare ZeRO stages side by side for one model and mesh: the question a user picks a stage by.
+
+`compare_stages` plans the model once per stage with the data-parallel axis' strategy replaced
+(stage 0 = `data_parallel`, 1-3 = `zero(stage=k)`, other axes' strategies kept) and tabulates,
+per rank, the memory ledger's categories and the bytes moved per step on that axis (logical S
+and NCCL bus-bandwidth wire bytes). `autopar plan ... --compare-stages` prints it.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tabulate import tabulate
+
+from autopar.ledger.memory import CATEGORIES, build_memory_ledger
+
+_REPLACEABLE = {"data_parallel", "zero1", "zero2", "zero3"}
+
+
+def _with_stage(strategies: Sequence[Any], axis: str, stage: int) -> list[Any]:
+    from autopar.strategies.data_parallel import data_parallel
+    from autopar.strategies.zero import zero
+
+    kept = [s for s in strategies if not (getattr(s, "axis", None) == axis and getattr(s, "name", "") in _REPLACEABLE)]
+    return kept + [data_parallel(axis=axis) if stage == 0 else zero(stage=stage, axis=axis)]
+
+
+def compare_stages(model: Any, mesh: Any, *, strategies: Sequence[Any], example_inputs: Sequence[Any],
+                   axis: str = "dp", stages: Sequence[int] = (0, 1, 2, 3), **plan_options: Any) -> list[dict[str, Any]]:
+    """One row per stage: memory bytes per category (rank 0) and communication on `axis` per step."""
+    from autopar.plan import plan
+
+    rows = []
+    for stage in stages:
+        the_plan = plan(model, mesh, strategies=_with_stage(strategies, axis, stage), example_inputs=example_inputs,
+                        **plan_options)
+        memory = build_memory_ledger(the_plan).by_category()
+        comm = the_plan.comm
+        rows.append({"stage": stage, **memory,
+                     "held": sum(v for k, v in memory.items() if k != "transient"),
+                     "comm bytes": comm.number(comm.total(axis=axis)),
+                     "comm wire bytes": comm.number(comm.total(axis=axis, wire=True))})
+    return rows
+
+
+def stage_table(rows: list[dict[str, Any]]) -> str:
+    headers = ["stage", *CATEGORIES, "held", "comm bytes", "comm wire bytes"]
+    names = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+    body = [[names[r["stage"]], *(f"{r[h]:,}" for h in headers[1:])] for r in rows]
+    return tabulate(body, headers=headers, tablefmt="simple")
