@@ -27,7 +27,8 @@ class CompileContext:
     strategy: ResolvedStrategy
     placeholders: dict[str, PlaceholderInfo]
     symbols: dict[sympy.Symbol, sympy.Symbol] = field(default_factory=dict)
-    units: list = field(default_factory=list)  # ShardUnits of ZeRO/FSDP (passes/shard_parameters.py)
+    units: list = field(default_factory=list)
+    master_dtypes: dict = field(default_factory=dict)  # mixed precision: FQN -> dtype of the master weights  # ShardUnits of ZeRO/FSDP (passes/shard_parameters.py)
     explain: bool = False  # record the alternatives DTensor weighed for each op (autopar explain)
 
     def axis_size(self, axis_index: int) -> int:

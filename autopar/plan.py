@@ -8,6 +8,7 @@ print the placement table and ledger (`report`).
 from __future__ import annotations
 
 import math
+from copy import deepcopy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -112,6 +113,41 @@ class Plan:
                          for r in self.pass_records], headers=["pass", "time", "nodes in", "nodes out"])
 
 
+def _declared_param_dtype(strategies: Sequence[Any], mesh: Mesh) -> torch.dtype | None:
+    """The mixed-precision compute dtype a ZeRO strategy declares (on an axis of size > 1)."""
+    flat = [s for item in strategies for s in (item if isinstance(item, (tuple, list)) else (item,))]
+    for strategy in flat:
+        state = getattr(strategy, "sharded_state", None)
+        if state is not None and state.param_dtype is not None and mesh.size(strategy.axis) > 1:
+            return state.param_dtype
+    return None
+
+
+def _with_param_dtype(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
+    """Mixed precision is traced as it runs: a copy whose floating-point parameters are `dtype`
+    (buffers keep theirs, as FSDP2's MixedPrecisionPolicy does), so dtype-dependent code such as
+    an RMSNorm's `.to(input_dtype)` records the compute dtype."""
+    if dtype is None:
+        return model
+    copy = deepcopy(model)
+    for parameter in copy.parameters():
+        if parameter.is_floating_point():
+            parameter.data = parameter.data.to(dtype)
+    return copy
+
+
+def _keep_master_weights(traced: TracedProgram, model: torch.nn.Module) -> dict[str, torch.dtype]:
+    """The traced state holds the original (fp32) trainable parameters, the masters the optimizer
+    updates (frozen ones stay in the compute dtype: nothing updates them)."""
+    originals = dict(model.named_parameters(remove_duplicate=False))
+    masters = {}
+    for info in traced.placeholders.values():
+        if info.kind == "parameter" and info.requires_grad and info.target in originals:
+            traced.state[info.target] = originals[info.target].detach()
+            masters[info.target] = originals[info.target].dtype
+    return masters
+
+
 def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, strategies: Sequence[Any],
          example_inputs: Sequence[Any], example_kwargs: dict | None = None, dynamic_dims: dict[str, int] | None = None,
          ranks_per_node: int | None = None, bucket_cap_mb: float = 25.0, explain: bool = False) -> Plan:
@@ -119,11 +155,15 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, strateg
 
     `explain=True` also records, for every op DTensor decided, the alternatives it weighed."""
     mesh = Mesh.parse(mesh, ranks_per_node=ranks_per_node)
-    traced = trace_model(model, tuple(example_inputs), example_kwargs, dynamic_dims=dynamic_dims)
+    param_dtype = _declared_param_dtype(strategies, mesh)
+    traced = trace_model(_with_param_dtype(model, param_dtype), tuple(example_inputs), example_kwargs,
+                         dynamic_dims=dynamic_dims)
+    masters = _keep_master_weights(traced, model) if param_dtype is not None else {}
     param_names = [i.target for i in traced.placeholders.values() if i.kind == "parameter"]
     strategy = resolve_strategies(mesh, list(strategies), param_names)
     context = CompileContext(mesh=mesh, device_mesh=mesh.device_mesh(plan_rank=0), strategy=strategy,
-                             placeholders=traced.placeholders, symbols=traced.symbols, explain=explain)
+                             placeholders=traced.placeholders, symbols=traced.symbols, explain=explain,
+                             master_dtypes=masters)
     graph_module, records = run_passes(traced.graph_module, context, default_passes())
     params = []
     for node in graph_module.graph.nodes:

@@ -46,11 +46,13 @@ class ShardUnit:
     axis: str
     group_size: int
     stage: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # compute dtype: what is gathered and what the graph reads
     params: tuple[UnitParam, ...]
     extra_axes: tuple[str, ...]  # gradient still partial on these after the reduce-scatter (HSDP, SP norms)
     reshard: bool  # stage 3: freed after forward, gathered again in backward
     prefetch: bool
+    master_dtype: torch.dtype = torch.float32  # the shards the optimizer updates (mixed precision: fp32)
+    reduce_dtype: torch.dtype = torch.float32  # gradients are reduce-scattered in this dtype
 
     @property
     def shard_numel(self) -> int:

@@ -28,6 +28,7 @@ import torch
 import torch.fx
 
 from autopar.context import CompileContext
+from autopar.errors import PlanError
 from autopar.ir import SPEC, local_shape, module_path
 from autopar.passes.insert_grad_reductions import GRAD_SYNC
 from autopar.runtime import sharded_state
@@ -74,9 +75,11 @@ def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declar
         nodes = [n for _, n in members]
         self_contained = bool(name) and all(_inside(user, name) for n in nodes for user in n.users)
         reshard = declared.stage == 3 and declared.reshard_after_forward and self_contained
+        master = ctx.master_dtypes.get(params[0].fqn, dtype)
         units.append((ShardUnit(index=index, name=name, axis=axis, group_size=size, stage=declared.stage,
                                 dtype=dtype, params=params, extra_axes=extra, reshard=reshard,
-                                prefetch=declared.prefetch), nodes))
+                                prefetch=declared.prefetch, master_dtype=master,
+                                reduce_dtype=declared.reduce_dtype or dtype), nodes))
     return units
 
 
@@ -126,6 +129,21 @@ def _insert_boundaries(graph: torch.fx.Graph, unit: ShardUnit, calls) -> None:
             user.replace_input_with(node, boundary)
 
 
+def _check_mixed_precision(gm: torch.fx.GraphModule, ctx: CompileContext, declared) -> None:
+    """Mixed precision keeps fp32 masters only in units: every other trainable parameter is refused."""
+    if declared.param_dtype is None:
+        return
+    in_units = {p.fqn for u in ctx.units for p in u.params}
+    for node in gm.graph.nodes:
+        info = ctx.placeholders.get(node.name)
+        if node.op == "placeholder" and info is not None and info.kind == "parameter" and info.requires_grad \
+                and node.users and info.target not in in_units:
+            raise PlanError(f"mixed precision (param_dtype={declared.param_dtype}) keeps fp32 master weights in "
+                            f"ZeRO units only, and parameter {info.target!r} is in none (0-d, or its gradient is not "
+                            f"reduced over the sharded axis). fix: drop param_dtype, or make the parameter 1-d+ and "
+                            f"data-parallel on the axis")
+
+
 def shard_parameters(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule:
     declared = ctx.strategy.sharded_state()
     if declared is None:
@@ -136,6 +154,7 @@ def shard_parameters(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.
     for unit, nodes in units:
         _rewrite_unit(gm.graph, unit, nodes, calls)
     ctx.units = [unit for unit, _ in units]
+    _check_mixed_precision(gm, ctx, state)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -117,6 +117,7 @@ class CommLedger:
 def _unit_entries(unit, entry) -> list[CommEntry]:
     """ZeRO/FSDP: what one unit moves per step (autopar.runtime.sharded_state)."""
     gathered = unit.gathered_numel * unit.dtype.itemsize
+    reduced = unit.gathered_numel * unit.reduce_dtype.itemsize
     name, tensors = f"unit {unit.index} {unit.name or '<root>'}", ",".join(p.fqn for p in unit.params[:3]) + (
         "..." if len(unit.params) > 3 else "")
     entries = []
@@ -130,10 +131,10 @@ def _unit_entries(unit, entry) -> list[CommEntry]:
         entries.append(entry("optimizer", "all_gather", unit.axis, name, tensors,
                              f"ZeRO-{unit.stage} updated parameters after the step", unit.dtype, gathered))
     entries.append(entry("grad_sync", "reduce_scatter", unit.axis, name, tensors,
-                         "gradients to their owners", unit.dtype, gathered))
+                         "gradients to their owners", unit.reduce_dtype, reduced))
     for axis in unit.extra_axes:
         entries.append(entry("grad_sync", "all_reduce", axis, name, tensors, "gradient shard over a replicated axis",
-                             unit.dtype, unit.shard_numel * unit.dtype.itemsize))
+                             unit.reduce_dtype, unit.shard_numel * unit.reduce_dtype.itemsize))
     return entries
 
 

@@ -96,7 +96,7 @@ def _parameter_entries(plan: Any, optimizer: str) -> list[MemoryEntry]:
             continue
         if info.target in zero:
             unit, param = zero[info.target]
-            kept = param.shard_numel * itemsize
+            kept = param.shard_numel * unit.master_dtype.itemsize  # mixed precision: fp32 masters
             entries.append(MemoryEntry("parameters", f"ZeRO-{unit.stage} shards", kept))
             if unit.stage < 3:
                 entries.append(MemoryEntry("parameters", f"ZeRO-{unit.stage} replicated compute copy",
@@ -117,7 +117,7 @@ def _parameter_entries(plan: Any, optimizer: str) -> list[MemoryEntry]:
     for unit in plan.units:
         if unit.stage == 1:
             entries.append(MemoryEntry("gradients", "ZeRO-1 full-gradient buffer",
-                                       sympy.Integer(unit.gathered_numel * unit.dtype.itemsize)))
+                                       sympy.Integer(unit.gathered_numel * unit.reduce_dtype.itemsize)))
     return entries
 
 

@@ -67,7 +67,7 @@ class ParallelModule(torch.nn.Module):
                     compute, local = local, shard_of(local, unit[1].rows, plan.mesh.coordinate(rank, unit[0].axis))
                     self._shards.setdefault(unit[0].index, []).append(local)
                     if unit[0].stage < 3:
-                        self._fulls.setdefault(unit[0].index, []).append(compute)
+                        self._fulls.setdefault(unit[0].index, []).append(compute.to(unit[0].dtype))
                 local.requires_grad_(info.requires_grad)
                 self._inputs.append(_set_path(self, info.target, local, parameter=True))
             else:

@@ -120,7 +120,8 @@ class ShardedState(UnitCalls):
         self._pending: dict[int, torch.Tensor] = {}
         self._owner: dict[int, tuple[int, int]] = {full.untyped_storage().data_ptr(): (index, i)
                                                    for index, fulls in self.full.items() for i, full in enumerate(fulls)}
-        self._grad_buffers = {u.index: torch.zeros(u.gathered_numel, dtype=u.dtype) for u in units if u.stage == 1}
+        self._grad_buffers = {u.index: torch.zeros(u.gathered_numel, dtype=u.reduce_dtype) for u in units
+                              if u.stage == 1}
         self._reducing: dict[int, torch.Tensor] = {}
         self._stage1_ready: list[int] = []
         self._callback_queued = False
@@ -153,7 +154,7 @@ class ShardedState(UnitCalls):
     # ---- forward
     def _launch(self, index: int) -> None:
         unit = self.units[index]
-        send = torch.cat([p.detach().reshape(-1) for p in self.shards[index]])
+        send = torch.cat([p.detach().reshape(-1) for p in self.shards[index]]).to(unit.dtype)  # mixed precision: cast first
         self._pending[index] = _c10d.all_gather_into_tensor(send, unit.group_size, self.groups[unit.axis])
 
     def _finish(self, index: int) -> list[torch.Tensor]:
@@ -239,7 +240,7 @@ class ShardedState(UnitCalls):
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
-        flat = grad_layout(unit, grads, unit.dtype)
+        flat = grad_layout(unit, grads, unit.reduce_dtype)
         if unit.stage == 1:  # ZeRO-1 keeps the full gradients until the end of backward
             buffer = self._grad_buffers[index]
             buffer.add_(flat) if index in self._accumulated else buffer.copy_(flat)
@@ -270,6 +271,7 @@ class ShardedState(UnitCalls):
             shard_grad = _c10d.wait_tensor(pending)
             for axis in unit.extra_axes:
                 shard_grad = _c10d.wait_tensor(_c10d.all_reduce(shard_grad, "sum", self.groups[axis]))
+            shard_grad = shard_grad.to(unit.master_dtype)
             for param, grad in zip(self.shards[index], shard_views(unit, shard_grad)):
                 if param.grad is None:
                     param.grad = grad
