@@ -65,6 +65,8 @@ def explain(document: Any, name: str) -> str:
         origin = node.get("origin") or {}
         lines.append(f"{node['name']}  ({node['kind']} {node['target']}, module {node['module'] or '<top>'})")
         lines.append(f"  placement: {','.join(node['placements'])}   global {node['shape']} -> local {node['local_shape']}")
+        if node.get("stored"):
+            lines.append(f"  stored: {node['stored']}")
         if node.get("source"):
             lines.append(f"  source: {node['source']}")
         if "seed" in origin:

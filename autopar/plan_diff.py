@@ -2,7 +2,8 @@
 
 Three tables: placements that changed (parameters by FQN, activations by node name, grouped by
 module), collectives that appeared or vanished (phase, kind, axis, module: count before and
-after), and bytes per rank per step by axis, link and kind before and after. `grew` is true when
+after), bytes per rank per step by axis, link and kind before and after, and the memory ledger's
+categories before and after (rank 0). `grew` is true when
 any (axis, link, kind) moves more bytes in b than in a; the CLI's exit code says so.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ class PlanDiff:
     collectives: list[list[object]]
     volumes: list[list[object]]
     grew: bool
+    memory: list[list[object]] = ()
 
     def report(self) -> str:
         parts = [
@@ -31,6 +33,8 @@ class PlanDiff:
                 if self.collectives else "(none)"),
             "Bytes per rank per step\n" + tabulate(
                 self.volumes, headers=["axis", "link", "collective", "bytes before", "bytes after", "change"]),
+            "Memory per rank (rank 0)\n" + (tabulate(self.memory, headers=["category", "bytes before", "bytes after",
+                                                                            "change"]) if self.memory else "(none)"),
             "communication grew" if self.grew else "no communication grew",
         ]
         return "\n\n".join(parts)
@@ -61,4 +65,7 @@ def diff_plans(before: PlanDocument, after: PlanDocument) -> PlanDiff:
         a, b = v_old.get(key, 0), v_new.get(key, 0)
         grew = grew or b > a
         volumes.append([*key, a, b, f"{(b - a) / a:+.1%}" if a else "new"])
-    return PlanDiff(placements=placements, collectives=collectives, volumes=volumes, grew=grew)
+    m_old, m_new = before.memory.by_category(), after.memory.by_category()
+    memory = [[c, m_old[c], m_new[c], f"{(m_new[c] - m_old[c]) / m_old[c]:+.1%}" if m_old[c] else "new" if m_new[c] else ""]
+              for c in m_old if m_old[c] or m_new[c]] if before.data.get("memory") and after.data.get("memory") else []
+    return PlanDiff(placements=placements, collectives=collectives, volumes=volumes, grew=grew, memory=memory)

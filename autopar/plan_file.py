@@ -77,8 +77,21 @@ def _node_entry(node: torch.fx.Node, plan: Any) -> dict[str, Any] | None:
                        if node.target in CONJUGATES else None),
         "grad_sync": list(node.meta.get(GRAD_SYNC, [])),
         "origin": node.meta.get(ORIGIN, ""),
+        "stored": _stored(node, plan),
     }
     return entry
+
+
+def _stored(node: torch.fx.Node, plan: Any) -> str | None:
+    """How a ZeRO-sharded parameter is kept between uses (its placement is its gathered compute form)."""
+    from autopar.passes.shard_parameters import ZERO_SHARD
+
+    if ZERO_SHARD not in node.meta:
+        return None
+    index, shape = node.meta[ZERO_SHARD]
+    unit = plan.units[index]
+    return (f"ZeRO-{unit.stage} unit {index} ({unit.name or 'root'}): dim-0 shard {'x'.join(map(str, shape))} "
+            f"per rank on {unit.axis}, gathered before use")
 
 
 def _entry_data(entry: CommEntry, ledger: CommLedger) -> dict[str, Any]:
