@@ -1,7 +1,8 @@
 """`plan()`: trace, run the passes, and collect what they decided into a `Plan`.
 
 A Plan needs no process group: it holds the planned graph (placements on every node, inserted
-collectives), the gradient buckets, the communication ledger, and can emit any rank's graph
+collectives), the gradient buckets, ZeRO units, the communication ledger, builds the memory
+ledger (`memory`), and can emit any rank's graph
 (`rank_graph`), shard a parameter or a global batch for a rank (`shard`, `local_inputs`), and
 print the placement table and ledger (`report`).
 """
@@ -32,6 +33,7 @@ from autopar.trace import TracedProgram, trace_model
 from autopar.zero_units import ShardUnit, shard_of
 
 if TYPE_CHECKING:
+    from autopar.ledger.memory import MemoryLedger
     from autopar.plan_file import PlanDocument
 
 
@@ -62,6 +64,12 @@ class Plan:
     def units(self) -> list["ShardUnit"]:
         """ZeRO/FSDP units (empty without a sharded-state strategy), by index."""
         return self.context.units
+
+    def memory(self, *, rank: int = 0, optimizer: str = "adamw") -> "MemoryLedger":
+        """The per-rank memory ledger (autopar.ledger.memory)."""
+        from autopar.ledger.memory import build_memory_ledger
+
+        return build_memory_ledger(self, rank=rank, optimizer=optimizer)
 
     def local_parameter(self, fqn: str, full: torch.Tensor, rank: int) -> torch.Tensor:
         """What `rank` holds of parameter `fqn` (or of its gradient) given the full tensor."""

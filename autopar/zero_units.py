@@ -50,9 +50,10 @@ class ShardUnit:
     params: tuple[UnitParam, ...]
     extra_axes: tuple[str, ...]  # gradient still partial on these after the reduce-scatter (HSDP, SP norms)
     reshard: bool  # stage 3: freed after forward, gathered again in backward
-    prefetch: bool
+    prefetch: bool  # forward: the next unit's all-gather is launched when this one is gathered
     master_dtype: torch.dtype = torch.float32  # the shards the optimizer updates (mixed precision: fp32)
     reduce_dtype: torch.dtype = torch.float32  # gradients are reduce-scattered in this dtype
+    backward_prefetch: bool = False  # backward: the previous block's all-gather is launched early
 
     @property
     def shard_numel(self) -> int:

@@ -4,6 +4,7 @@ and show, step by step, that the loss equals the single-device run.
     python examples/train_gpt.py                      # starts 4 gloo processes itself
     torchrun --nproc-per-node=4 examples/train_gpt.py # or under torchrun
     python examples/train_gpt.py --mesh tp=4 --no-sp --steps 3
+    python examples/train_gpt.py --zero 3              # FSDP on dp (ZeRO-3) with SP on tp
 
 Rank 0 prints the plan (parameter placements, passes, communication ledger), then a table of
 losses: autopar, single device, relative error. Exits non-zero if any step differs by more than
@@ -28,8 +29,9 @@ CONFIG = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, d_model=64, 
 TOLERANCE = 1e-5
 
 
-def strategies(mesh: autopar.Mesh, sequence_parallel: bool) -> list:
-    chosen = [autopar.data_parallel()] if "dp" in mesh.names else []
+def strategies(mesh: autopar.Mesh, sequence_parallel: bool, zero_stage: int = 0) -> list:
+    data = autopar.zero(stage=zero_stage) if zero_stage else autopar.data_parallel()
+    chosen = [data] if "dp" in mesh.names else []
     if "tp" in mesh.names:
         chosen.append(autopar.sequence_parallel() if sequence_parallel else autopar.tensor_parallel())
     return chosen
@@ -53,12 +55,14 @@ def train_single_device(steps: int) -> list[float]:
     return losses
 
 
-def train_rank(rank: int, world_size: int, mesh_text: str, sequence_parallel: bool, steps: int) -> list[float]:
+def train_rank(rank: int, world_size: int, mesh_text: str, sequence_parallel: bool, steps: int,
+               zero_stage: int = 0) -> list[float]:
     mesh = autopar.Mesh.parse(mesh_text)
     torch.manual_seed(0)
     model = GPT(CONFIG)
     data = batches(steps)
-    module = autopar.parallelize(model, mesh, strategies=strategies(mesh, sequence_parallel), example_inputs=data[0])
+    module = autopar.parallelize(model, mesh, strategies=strategies(mesh, sequence_parallel, zero_stage),
+                                 example_inputs=data[0])
     if rank == 0:
         print(module.plan.report(activations=False), flush=True)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
@@ -86,18 +90,20 @@ def main() -> int:
     parser.add_argument("--mesh", default="dp=2,tp=2")
     parser.add_argument("--no-sp", action="store_true", help="plain tensor parallelism, no sequence parallelism")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+                        help="ZeRO stage on the dp axis (0: plain data parallelism)")
     args = parser.parse_args()
     sequence_parallel = not args.no_sp
     if "RANK" in os.environ:  # under torchrun
         init_from_env()
         losses = train_rank(torch.distributed.get_rank(), torch.distributed.get_world_size(), args.mesh,
-                            sequence_parallel, args.steps)
+                            sequence_parallel, args.steps, args.zero)
         ok = report(losses, train_single_device(args.steps)) if torch.distributed.get_rank() == 0 else True
         torch.distributed.destroy_process_group()
         return 0 if ok else 1
     world = autopar.Mesh.parse(args.mesh).world_size
     print(f"starting {world} CPU processes (gloo) for mesh {args.mesh}", flush=True)
-    results = launch(train_rank, world, args.mesh, sequence_parallel, args.steps, timeout_s=300)
+    results = launch(train_rank, world, args.mesh, sequence_parallel, args.steps, args.zero, timeout_s=300)
     return 0 if report(results[0], train_single_device(args.steps)) else 1
 
 

@@ -78,7 +78,8 @@ def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declar
         master = ctx.master_dtypes.get(params[0].fqn, dtype)
         units.append((ShardUnit(index=index, name=name, axis=axis, group_size=size, stage=declared.stage,
                                 dtype=dtype, params=params, extra_axes=extra, reshard=reshard,
-                                prefetch=declared.prefetch, master_dtype=master,
+                                prefetch=declared.prefetch, backward_prefetch=declared.backward_prefetch,
+                                master_dtype=master,
                                 reduce_dtype=declared.reduce_dtype or dtype), nodes))
     return units
 
@@ -101,11 +102,27 @@ def _rewrite_unit(graph: torch.fx.Graph, unit: ShardUnit, nodes: list[torch.fx.N
         node.meta[ZERO_SHARD] = (unit.index, param.shard_shape)
     if not unit.reshard:
         return
-    users = [user for item in gathered for user in item.users]
+    users = [user for view in _aliases(gathered) for user in view.users]
     last_use = max(users, key=order.__getitem__)
     with graph.inserting_after(last_use):
         graph.call_function(calls.release_unit, (), {"unit": unit.index})
     _insert_boundaries(graph, unit, calls)
+
+
+def _returns_alias(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
+
+
+def _aliases(nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The nodes plus every view of them (permute, reshape, ...): a use of a view is a use of the
+    gathered storage, so release_unit must follow the last of those too."""
+    found, stack = [], list(nodes)
+    while stack:
+        node = stack.pop()
+        found.append(node)
+        stack.extend(user for user in node.users if _returns_alias(user) and user not in found)
+    return found
 
 
 def _insert_boundaries(graph: torch.fx.Graph, unit: ShardUnit, calls) -> None:

@@ -11,7 +11,8 @@ Categories (bytes per rank, sympy expressions in the traced symbols and numbers)
   exp_avg_sq of the parameter's size and dtype and a 4-byte float32 `step`);
 - activations: tensors autograd saves for backward (`ledger/activations.py`, from the emitted graph);
 - transient: not held after the step: ZeRO-3 gathered units alive at once (the kept root unit,
-  plus one resharded block, two with prefetch) and reduce-scatter inputs in flight.
+  plus one resharded block, two with prefetching) and reduce-scatter inputs in flight (at most
+  two: the one being laid out and the one landing). An upper bound, not measured exactly.
 `measure_held_bytes` measures the first four on a live ParallelModule and optimizer, with the
 same definitions (distinct storages), for tests to compare exactly.
 
@@ -133,7 +134,7 @@ def _transient_entries(plan: Any) -> list[MemoryEntry]:
         entries.append(MemoryEntry("transient", "ZeRO-3 units kept gathered forward to backward",
                                    sum(gathered[u.index] for u in kept)))
     if resharded:
-        alive = 2 if any(u.prefetch for u in resharded) else 1
+        alive = 2 if any(u.prefetch or u.backward_prefetch for u in resharded) else 1
         largest = sorted((gathered[u.index] for u in resharded), reverse=True)[:alive]
         entries.append(MemoryEntry("transient", f"ZeRO-3 resharded blocks gathered at once ({alive})", sum(largest)))
     reducing = [gathered[u.index] for u in units if u.stage > 1]

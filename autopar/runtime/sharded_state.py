@@ -14,7 +14,8 @@ The planned graph calls three methods of `UnitCalls` (inserted by passes/shard_p
   in forward. Autograd's saved copies are replaced by handles (`pack`/`unpack`, installed as
   saved-tensor hooks by ParallelModule), so nothing keeps them alive.
 - `unit_boundary` marks tensors leaving a resharded block: its backward all-gathers the block
-  again before the block's backward unpacks a parameter, and prefetches the block before it.
+  again before the block's backward unpacks a parameter (and, with `backward_prefetch`, launches
+  the all-gather of the block before it).
 Optimizer steps are watched with torch.optim's global step hooks: an optimizer over shards must
 update elementwise (SGD, Adam, AdamW, ...); others are refused before their first step.
 """
@@ -226,7 +227,7 @@ class ShardedState(UnitCalls):
     def before_backward(self, index: int) -> None:
         if index not in self.full:
             self._store(index, self._finish(index))
-            if self.units[index].prefetch:
+            if self.units[index].backward_prefetch:
                 self._prefetch_backward(self.order.index(index) - 1)
 
     def _prefetch_backward(self, position: int) -> None:
@@ -240,7 +241,10 @@ class ShardedState(UnitCalls):
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
+        if unit.stage > 1 and not self.accumulating:
+            self._land_reductions()  # at most one reduce-scatter (a whole unit's gradient) in flight
         flat = grad_layout(unit, grads, unit.reduce_dtype)
+        del grads[:]  # the full gradients are in `flat` now: drop them before the next allocation
         if unit.stage == 1:  # ZeRO-1 keeps the full gradients until the end of backward
             buffer = self._grad_buffers[index]
             buffer.add_(flat) if index in self._accumulated else buffer.copy_(flat)
@@ -257,7 +261,6 @@ class ShardedState(UnitCalls):
         earlier = self._accumulated.pop(index, None)
         if earlier is not None:
             flat = flat.add_(earlier)
-        self._land_reductions()  # at most one reduce-scatter in flight: its input is a whole unit's gradient
         self._launch_reduction(index, flat)
 
     def _launch_reduction(self, index: int, flat: torch.Tensor) -> None:
