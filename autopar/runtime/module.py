@@ -17,8 +17,10 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from autopar.ir import shard_dim
 from autopar.plan import Plan, shard
 from autopar.runtime import sharded_state
+from autopar.runtime.collectives import raw_all_reduce
 from autopar.runtime.grad_sync import GradSynchronizer
 from autopar.zero_units import shard_of
 
@@ -105,6 +107,41 @@ class ParallelModule(torch.nn.Module):
             self.grad_sync.enabled = True
             if self.sharded is not None:
                 self.sharded.stop_accumulating()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` over the whole model, not over this rank's shards.
+
+        Each gradient's contribution (sum of |g|^p, or max for inf) is summed over the mesh axes
+        its parameter is sharded on (tensor-parallel shards, ZeRO dim-0 shards; padding rows are
+        zero) and counted once over the axes it is replicated on: one scalar all-reduce per set of
+        axes. Returns the total norm; gradients are scaled in place like PyTorch's
+        (by min(1, max_norm / (norm + 1e-6)))."""
+        norm_type = float(norm_type)
+        by_axes: dict[tuple[str, ...], list[torch.Tensor]] = {}
+        for fqn, param in self.named_parameters():
+            if param.grad is not None:
+                by_axes.setdefault(self._sharded_axes(fqn), []).append(param.grad)
+        total = torch.zeros((), dtype=torch.float32)
+        for axes, grads in by_axes.items():
+            if norm_type == float("inf"):
+                local = torch.stack([g.detach().abs().max().float() for g in grads]).max()
+            else:
+                local = torch.stack([g.detach().float().abs().pow(norm_type).sum() for g in grads]).sum()
+            for axis in axes:
+                local = raw_all_reduce(local, self.groups[axis], "max" if norm_type == float("inf") else "sum")
+            total = torch.maximum(total, local) if norm_type == float("inf") else total + local
+        norm = total if norm_type == float("inf") else total.pow(1.0 / norm_type)
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for grads in by_axes.values():
+            torch._foreach_mul_(grads, scale)
+        return norm
+
+    def _sharded_axes(self, fqn: str) -> tuple[str, ...]:
+        placements = self.plan.parameter_placements()[fqn]
+        axes = [axis for axis, p in zip(self.plan.mesh.names, placements) if shard_dim(p) is not None]
+        if fqn in self._unit_of:
+            axes.append(self._unit_of[fqn][0].axis)
+        return tuple(axes)
 
     def local_batch(self, *global_inputs: Any) -> list[Any]:
         """This rank's slice of a global batch, in the traced input order."""
