@@ -140,10 +140,14 @@ def _settle_free_reductions(node: torch.fx.Node, users: list[torch.fx.Node], nee
         if node.op == "placeholder":
             node.meta.setdefault(GRAD_SYNC, []).append(name)
         elif node.target is collectives.all_gather and node.kwargs["group"] == name:
-            node.kwargs = dict(node.kwargs, grad_partial=True)
+            regather = ctx.strategy.regathers(name)
+            node.kwargs = dict(node.kwargs, grad_partial=True, **({"regather": True} if regather else {}))
             node.meta[COLLECTIVE] = node.meta[COLLECTIVE] + [collective_info(
                 "reduce_scatter", name, "backward", node.meta[SPEC], ctx.mesh.shape, node.meta["val"],
-                node.args[0].name, module_path(node), "conjugate of the all_gather: gradient is partial")]
+                node.args[0].name, module_path(node), "conjugate of the all_gather: gradient is partial")] + ([
+                collective_info("all_gather", name, "backward", node.meta[SPEC], ctx.mesh.shape, node.meta["val"],
+                                node.args[0].name, module_path(node), "the shard saved for backward gathered again")]
+                if regather else [])
         elif node.op == "call_function" and node.target not in CONJUGATES and (params := _parameter_only_upstream(node)):
             _sync_parameters(params, name)  # e.g. position embeddings under data parallelism: sync the weight
         else:

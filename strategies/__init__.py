@@ -60,6 +60,7 @@ class Strategy:
     inputs: tuple[InputRule, ...] = ()
     modules: tuple[ModuleLayout, ...] = ()
     sharded_state: "ShardedState | None" = None  # ZeRO / FSDP on this axis (strategies/zero.py)
+    regather_in_backward: bool = False  # all-gathers on this axis keep their input for backward, not output
 
 
 def _matches(pattern: str, path: str) -> bool:
@@ -84,6 +85,10 @@ class ResolvedStrategy:
         found = [(s.axis, s.sharded_state) for axis in self.mesh.names for s in self._for_axis(axis)
                  if s.sharded_state is not None]
         return found[0] if found else None
+
+    def regathers(self, axis: str) -> bool:
+        """Whether all-gathers on `axis` save their shard and gather again in backward (Megatron SP)."""
+        return any(s.regather_in_backward for s in self._for_axis(axis))
 
     def param_placements(self, fqn: str) -> tuple[Placement, ...]:
         return tuple(placement for placement, _ in self._param_choices(fqn))

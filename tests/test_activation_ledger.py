@@ -83,7 +83,9 @@ def plans() -> dict[str, autopar.Plan]:
 
     return {"none": one("tp=1", []), "tp2": one("tp=2", [autopar.tensor_parallel()]),
             "tp4": one("tp=4", [autopar.tensor_parallel()]), "sp2": one("tp=2", [autopar.sequence_parallel()]),
-            "sp4": one("tp=4", [autopar.sequence_parallel()])}
+            "sp4": one("tp=4", [autopar.sequence_parallel()]),
+            "sp2_regather": one("tp=2", [autopar.sequence_parallel(regather_in_backward=True)]),
+            "sp4_regather": one("tp=4", [autopar.sequence_parallel(regather_in_backward=True)])}
 
 
 def per_layer(ledger) -> list[tuple[sympy.Expr, sympy.Expr]]:
@@ -168,3 +170,21 @@ def test_korthikanti_selective_recomputation(plans, t, device):
     # of q, k and v that the two bmms save and the o_proj input
     assert not any(e.op == "aten._softmax.default" or e.module.endswith("attn.attn_dropout") for e in ledger.entries)
     assert len([e for e in ledger.entries if e.op == "aten.clone.default"]) == 4 * STANDARD.n_layer
+
+
+@pytest.mark.timeout(300)
+@DEVICES
+@pytest.mark.parametrize("t", [2, 4])
+def test_korthikanti_sequence_parallel_regathering_like_megatron(plans, t, device):
+    """With `regather_in_backward` autopar saves the sequence shard and gathers it again in backward,
+    as Megatron does: the ledger is Korthikanti's TP+SP formula exactly (plus LayerNorm statistics),
+    and 34·s·b·h/t with selective recomputation; one backward all-gather per block input appears."""
+    plan = plans[f"sp{t}_regather"]
+    ledger = saved_activations(plan, rank=t - 1, device=device)
+    assert_layers(ledger, s * b * h / t * (34 + sympy.Rational(5 * a, h) * s), layer_norm_statistics(device, s * b / t))
+    recomputed = saved_activations(plan, rank=0, recompute="attention", device=device)
+    assert_layers(recomputed, 34 * s * b * h / t, layer_norm_statistics(device, s * b / t))
+    regathers = [e for e in plan.comm.entries if e.why == "the shard saved for backward gathered again"]
+    gathers = [e for e in plan.comm.entries if e.phase == "forward" and e.kind == "all_gather"]
+    assert len(regathers) == len(gathers) == 2 * STANDARD.n_layer  # attention and MLP inputs of each block
+    assert all(r.kind == "all_gather" and r.logical_bytes == g.logical_bytes for r, g in zip(regathers, gathers))

@@ -42,6 +42,7 @@ from tabulate import tabulate
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar.ir import SPEC, hint, local_numel, local_shape, module_path
+from autopar.runtime.collectives import regathered_source
 
 if TYPE_CHECKING:
     from autopar.plan import Plan
@@ -132,6 +133,8 @@ class _SavedTensorRecorder(torch.fx.Interpreter):
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         # an op that saves its own output (softmax, dropout's mask, layer norm's statistics) does so
         # before run_node registers it: producers are looked up once the whole graph has run
+        source = regathered_source(tensor)  # Megatron SP: the shard is kept, gathered again in backward
+        tensor = source if source is not None else tensor
         key = StorageWeakRef(tensor.untyped_storage())
         if key not in self.saved:
             self.saved[key] = _Saved(tensor.untyped_storage(), tensor, None, self.running)

@@ -8,7 +8,7 @@ Megatron calls f and g, generalised to any dimension:
 |------------------------------|-------------------------------------------|
 | all_reduce (Partial -> R)    | identity                                  |
 | reduce_scatter (P -> S(d))   | all_gather on d                           |
-| all_gather (S(d) -> R)       | slice (grad replicated) or reduce_scatter (grad partial) |
+| all_gather (S(d) -> R)       | slice (grad replicated) or reduce_scatter (grad partial); with `regather`, its output is saved as the shard and gathered again |
 | shard_slice (R -> S(d))      | all_gather on d, or zero-pad (grad partial) |
 | all_to_all (S(a) -> S(b))    | all_to_all (S(b) -> S(a))                 |
 | partial_from_replicate       | identity                                  |
@@ -19,7 +19,11 @@ and NCCL and appear by name in traced graphs.
 """
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 _c10d = torch.ops._c10d_functional
 
@@ -79,16 +83,19 @@ class _ReduceScatter(torch.autograd.Function):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, size, index, dim, grad_partial):
+    def forward(ctx, x, group, size, index, dim, grad_partial, regather=False):
         ctx.args = (group, size, index, dim, grad_partial)
-        return raw_all_gather(x, group, size, dim)
+        gathered = raw_all_gather(x, group, size, dim)
+        if regather:
+            _remember_shard(gathered, x.detach(), (group, size, dim))
+        return gathered
 
     @staticmethod
     def backward(ctx, grad):
         group, size, index, dim, grad_partial = ctx.args
         if grad_partial:
-            return raw_reduce_scatter(grad, group, size, dim), None, None, None, None, None
-        return torch.chunk(grad, size, dim=dim)[index].contiguous(), None, None, None, None, None
+            return raw_reduce_scatter(grad, group, size, dim), None, None, None, None, None, None
+        return torch.chunk(grad, size, dim=dim)[index].contiguous(), None, None, None, None, None, None
 
 
 class _ShardSlice(torch.autograd.Function):
@@ -147,8 +154,70 @@ def reduce_scatter(x: torch.Tensor, *, group: str, size: int, dim: int) -> torch
     return _ReduceScatter.apply(x, group, size, dim)
 
 
-def all_gather(x: torch.Tensor, *, group: str, size: int, index: int, dim: int, grad_partial: bool) -> torch.Tensor:
-    return _AllGather.apply(x, group, size, index, dim, grad_partial)
+def all_gather(x: torch.Tensor, *, group: str, size: int, index: int, dim: int, grad_partial: bool,
+               regather: bool = False) -> torch.Tensor:
+    return _AllGather.apply(x, group, size, index, dim, grad_partial, regather)
+
+
+# Megatron's sequence-parallel memory saving (`regather=True`): autograd keeps the shard an
+# all-gather took in, not the gathered tensor, and backward gathers it again. `_AllGather`
+# remembers its output's storage; the saved-tensor hooks ParallelModule installs
+# (`pack_regathered` / `unpack_regathered`) swap a saved view of it for the shard + geometry.
+class _Regatherable:
+    """One re-gatherable all-gather output: the shard, how to gather it, and the gathered tensor
+    while backward still has saved views of it to unpack (gathered once, however many users)."""
+
+    def __init__(self, gathered: torch.Tensor, shard: torch.Tensor, how: tuple[str, int, int]) -> None:
+        self.alive = weakref.ref(gathered)
+        self.shard, self.how = shard, how
+        self.packed = 0
+        self.regathered: torch.Tensor | None = None
+
+    def unpack(self, shape: tuple, stride: tuple, offset: int) -> torch.Tensor:
+        if self.regathered is None:
+            self.regathered = raw_all_gather(self.shard, *self.how)
+        view = torch.as_strided(self.regathered, shape, stride, offset)
+        self.packed -= 1
+        if self.packed <= 0:
+            self.regathered = None
+        return view
+
+
+# keyed by storage identity (StorageWeakRef works for fake tensors too, whose data pointers are all 0)
+_regatherable: dict[StorageWeakRef, _Regatherable] = {}
+
+
+def _remember_shard(gathered: torch.Tensor, shard: torch.Tensor, how: tuple[str, int, int]) -> None:
+    for key in [k for k, entry in _regatherable.items() if entry.alive() is None]:
+        del _regatherable[key]
+    _regatherable[StorageWeakRef(gathered.untyped_storage())] = _Regatherable(gathered, shard, how)
+
+
+def _regatherable_entry(tensor: torch.Tensor) -> _Regatherable | None:
+    if not _regatherable or not tensor.numel():
+        return None
+    entry = _regatherable.get(StorageWeakRef(tensor.untyped_storage()))
+    return entry if entry is not None and entry.alive() is not None else None
+
+
+def regathered_source(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The shard a saved tensor can be gathered again from, if it is (a view of) a re-gatherable output."""
+    entry = _regatherable_entry(tensor)
+    return entry.shard if entry is not None else None
+
+
+def pack_regathered(tensor: torch.Tensor) -> Any:
+    """(entry, shape, stride, offset) for a saved view of a re-gatherable output, else None."""
+    entry = _regatherable_entry(tensor)
+    if entry is None:
+        return None
+    entry.packed += 1
+    return (entry, tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset())
+
+
+def unpack_regathered(saved: tuple) -> torch.Tensor:
+    entry, shape, stride, offset = saved
+    return entry.unpack(shape, stride, offset)
 
 
 def shard_slice(x: torch.Tensor, *, group: str, size: int, index: int, dim: int, grad_partial: bool) -> torch.Tensor:

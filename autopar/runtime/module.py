@@ -12,6 +12,7 @@ Under ZeRO/FSDP (`strategies.zero`) the parameters of each unit are this rank's 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,6 +21,8 @@ from torch.utils import _pytree as pytree
 from autopar.ir import shard_dim
 from autopar.plan import Plan, shard
 from autopar.runtime import sharded_state
+from autopar.ledger.measure_activations import observe_saved
+from autopar.runtime import collectives
 from autopar.runtime.collectives import raw_all_reduce
 from autopar.runtime.grad_sync import GradSynchronizer
 from autopar.zero_units import shard_of
@@ -38,6 +41,11 @@ def _set_path(root: torch.nn.Module, fqn: str, value: torch.Tensor, *, parameter
     else:
         module.register_buffer(leaf, value)
     return module, leaf
+
+
+@dataclass(frozen=True)
+class _Regathered:
+    how: tuple
 
 
 class ParallelModule(torch.nn.Module):
@@ -77,6 +85,24 @@ class ParallelModule(torch.nn.Module):
                 self._inputs.append(_set_path(self, "_state." + info.target, state_copy, parameter=False))
         self.grad_sync = GradSynchronizer(self, plan.buckets, groups)
         self.sharded = self._bind_sharded_state() if plan.units else None
+        self._regathers = any(n.kwargs.get("regather") for n in self.graph.graph.nodes if n.op == "call_function")
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        """Saved-tensor policy: a re-gatherable all-gather output is kept as its shard (Megatron SP);
+        a gathered ZeRO parameter as a handle (sharded_state); anything else as it is."""
+        regather = collectives.pack_regathered(tensor) if self._regathers else None
+        if regather is not None:
+            observe_saved(regather[0].shard)  # what autograd keeps now is the shard
+            return _Regathered(regather)
+        if self.sharded is not None:
+            return self.sharded.pack(tensor)
+        observe_saved(tensor)
+        return tensor
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, _Regathered):
+            return collectives.unpack_regathered(saved.how)
+        return self.sharded.unpack(saved) if self.sharded is not None else saved
 
     def _bind_sharded_state(self) -> "sharded_state.ShardedState":
         by_name = dict(self.named_parameters())
@@ -150,11 +176,11 @@ class ParallelModule(torch.nn.Module):
     def forward(self, *inputs: Any) -> Any:
         user = iter(pytree.tree_leaves(list(inputs)))
         args = [next(user) if slot == "input" else None if slot is None else getattr(*slot) for slot in self._inputs]
-        if self.sharded is None:
+        if self.sharded is None and not self._regathers:
             outputs = self.graph(*args)
         else:
-            with torch.autograd.graph.saved_tensors_hooks(self.sharded.pack, self.sharded.unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 outputs = self.graph(*args)
-            if not torch.is_grad_enabled():  # no backward will come to free them
+            if self.sharded is not None and not torch.is_grad_enabled():  # no backward will come to free them
                 self.sharded.release_all()
         return pytree.tree_unflatten(list(outputs), self.plan.traced.out_spec)
