@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import traceback
 from datetime import timedelta
@@ -44,9 +45,17 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: floa
     except BaseException:
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as handle:
             handle.write(traceback.format_exc())
-        raise
-    finally:
         dist.destroy_process_group()
+        raise
+    # no rank tears its process group down while a peer is still inside a collective; then leave
+    # without interpreter finalisation: a gloo worker thread destroyed during static destruction
+    # aborted one rank ("terminate called without an active exception") once in CI, after a
+    # clean run whose result was already saved
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
