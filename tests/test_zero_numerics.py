@@ -173,8 +173,9 @@ def _mixed_precision_reference(build, batches, dtype) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stage,reduce_dtype", [(3, "float32"), (2, "bfloat16")])
-def test_mixed_precision_bf16_compute_fp32_masters(stage, reduce_dtype):
+@pytest.mark.parametrize("model,stage,reduce_dtype", [("gpt", 3, "float32"), ("gpt", 2, "bfloat16"),
+                                                      ("llama", 3, "float32")])
+def test_mixed_precision_bf16_compute_fp32_masters(model, stage, reduce_dtype):
     """bf16 parameters, activations and all-gathers; fp32 shards, gradients and AdamW state.
 
     Compared with one device running the same recipe, the bound is bf16's, not fp32's: each rank
@@ -188,8 +189,12 @@ def test_mixed_precision_bf16_compute_fp32_masters(stage, reduce_dtype):
     practice, so errors are relative to at least 1e-3 here, not fp32's 1e-4."""
     import torch
 
-    build = functools.partial(GPT, CONFIG)
-    batches = [example_batch(CONFIG, batch=8, seed=step) for step in range(STEPS)]
+    if model == "gpt":
+        build = functools.partial(GPT, CONFIG)
+        batches = [example_batch(CONFIG, batch=8, seed=step) for step in range(STEPS)]
+    else:  # HF Llama: its RMSNorm computes in fp32 and casts back to the (traced) bf16 input dtype
+        build = tiny_llama
+        batches = [token_batch(batch=8, seq=16, vocab=128, seed=step) for step in range(STEPS)]
     strategies = [autopar.zero(stage=stage, param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, reduce_dtype))]
     results = launch(distributed_rank, 4, build, batches, "dp=4", strategies, timeout_s=180)
     for result in results:
@@ -256,3 +261,12 @@ def test_clip_grad_norm_over_shards_equals_one_device(case):
     results = launch(_clipping_rank, autopar.Mesh.parse(mesh).world_size, build, batches, mesh, strategies,
                      timeout_s=180)
     assert_matches(_clipping_reference(build, batches), results, mesh)
+
+
+@pytest.mark.timeout(300)
+def test_hsdp_with_sequence_parallel_on_a_3d_mesh():
+    """8 ranks: FSDP within dp_shard, replicated over dp_rep, Megatron TP+SP on tp."""
+    build = functools.partial(GPT, CONFIG)
+    batches = [example_batch(CONFIG, batch=8, seed=step) for step in range(STEPS)]
+    run_and_check(build, batches, "dp_rep=2,dp_shard=2,tp=2", [autopar.hsdp(), autopar.sequence_parallel()],
+                  single_device(build, batches))
