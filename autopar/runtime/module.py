@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
 from autopar.ir import shard_dim
-from autopar.plan import Plan, shard
-from autopar.runtime import sharded_state
 from autopar.ledger.measure_activations import observe_saved
-from autopar.runtime import collectives
+from autopar.plan import Plan, shard
+from autopar.runtime import collectives, sharded_state
 from autopar.runtime.collectives import raw_all_reduce
 from autopar.runtime.grad_sync import GradSynchronizer
 from autopar.zero_units import shard_of
@@ -41,6 +41,19 @@ def _set_path(root: torch.nn.Module, fqn: str, value: torch.Tensor, *, parameter
     else:
         module.register_buffer(leaf, value)
     return module, leaf
+
+
+def _unshard(tensor: torch.Tensor, placement: Any, group: str, size: int) -> torch.Tensor:
+    """The inverse of `plan.shard` on one axis."""
+    dim = shard_dim(placement)
+    if dim is None:
+        return tensor
+    gathered = collectives.raw_all_gather(tensor, group, size, dim)
+    if not isinstance(placement, _StridedShard):
+        return gathered
+    # each rank holds its chunk of every block: regroup (rank, block) pieces block by block
+    pieces = [torch.chunk(rank_part, placement.split_factor, dim=dim) for rank_part in torch.chunk(gathered, size, dim=dim)]
+    return torch.cat([pieces[r][k] for k in range(placement.split_factor) for r in range(size)], dim=dim)
 
 
 @dataclass(frozen=True)
@@ -161,6 +174,26 @@ class ParallelModule(torch.nn.Module):
         for grads in by_axes.values():
             torch._foreach_mul_(grads, scale)
         return norm
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole (and the buffers), under the original names, on every rank: ZeRO
+        units all-gathered, then tensor-parallel shards gathered axis by axis (innermost first).
+        For export or a single-device checkpoint; collective, so every rank must call it."""
+        local = {fqn: param.detach() for fqn, param in self.named_parameters()}
+        if self.sharded is not None:
+            for unit in self.plan.units:
+                for param, full in zip(unit.params, self.sharded._finish(unit.index)):
+                    local[param.fqn] = full.to(self.sharded.shards[unit.index][0].dtype)
+        placements = self.plan.parameter_placements()
+        result = {}
+        for fqn, tensor in local.items():
+            for axis, placement in reversed(list(zip(self.plan.mesh.names, placements[fqn]))):
+                tensor = _unshard(tensor, placement, self.groups[axis], self.plan.mesh.size(axis))
+            result[fqn] = tensor
+        for fqn, buffer in self.named_buffers():
+            result[fqn.removeprefix("_state.")] = buffer.detach().clone()
+        return result
 
     def _sharded_axes(self, fqn: str) -> tuple[str, ...]:
         placements = self.plan.parameter_placements()[fqn]
