@@ -15,7 +15,8 @@ other parameter) it
   `unit_boundary` on every tensor leaving the block, whose backward gathers the unit again
   (and prefetches the one before) just before the block's backward needs it.
 A unit is resharded only when all its parameters are used inside its own module; the root unit
-is never (like FSDP2's root, it is needed again first in backward). The runtime that executes
+only with `reshard_root` (FSDP2 keeps its root gathered: it is needed again first in backward),
+its boundary then sits on the graph's outputs. The runtime that executes
 the three calls (bound methods of `sharded_state.UnitCalls`) is `autopar.runtime.sharded_state`.
 """
 from __future__ import annotations
@@ -74,7 +75,8 @@ def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declar
         params = tuple(p for p, _ in members)
         nodes = [n for _, n in members]
         self_contained = bool(name) and all(_inside(user, name) for n in nodes for user in n.users)
-        reshard = declared.stage == 3 and declared.reshard_after_forward and self_contained
+        reshard = declared.stage == 3 and declared.reshard_after_forward and (
+            self_contained or (not name and declared.reshard_root))
         master = ctx.master_dtypes.get(params[0].fqn, dtype)
         units.append((ShardUnit(index=index, name=name, axis=axis, group_size=size, stage=declared.stage,
                                 dtype=dtype, params=params, extra_axes=extra, reshard=reshard,
@@ -126,7 +128,19 @@ def _aliases(nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
 
 
 def _insert_boundaries(graph: torch.fx.Graph, unit: ShardUnit, calls) -> None:
-    """`unit_boundary` on every floating-point tensor computed in the block and read outside it."""
+    """`unit_boundary` on every floating-point tensor computed in the block and read outside it;
+    for the root unit, on the graph's outputs (its backward is the first to run)."""
+    if not unit.name:
+        output = next(n for n in graph.nodes if n.op == "output")
+        for node in output.all_input_nodes:
+            value = node.meta.get("val")
+            if isinstance(value, torch.Tensor) and value.dtype.is_floating_point:
+                with graph.inserting_before(output):
+                    boundary = graph.call_function(calls.unit_boundary, (node,), {"unit": unit.index})
+                boundary.meta.update({k: v for k, v in node.meta.items() if k != "nn_module_stack"})
+                boundary.meta[ZERO_UNIT] = unit.index
+                output.replace_input_with(node, boundary)
+        return
     for node in list(graph.nodes):
         if node.op != "call_function" or not _inside(node, unit.name):
             continue

@@ -36,13 +36,15 @@ class ShardedState:
     reshard_after_forward: bool = True  # stage 3: free gathered blocks after forward, re-gather in backward
     prefetch: bool = True  # stage 3: launch the next unit's all-gather while this one computes (forward)
     backward_prefetch: bool = False  # stage 3: in backward, gather the previous block while this one runs
+    reshard_root: bool = False  # stage 3: free the root unit after forward too (3 Psi exactly; FSDP2 keeps it)
     units: tuple[str, ...] | None = None  # module-path globs, one unit each; None: repeated blocks + root
     param_dtype: torch.dtype | None = None  # mixed precision: compute and all-gather in this dtype
     reduce_dtype: torch.dtype | None = None  # gradients reduce-scattered in this dtype (default param_dtype)
 
 
 def zero(*, stage: int, axis: str = "dp", batch_dim: int = 0, reshard_after_forward: bool = True,
-         prefetch: bool = True, backward_prefetch: bool = False, units: tuple[str, ...] | list[str] | None = None,
+         prefetch: bool = True, backward_prefetch: bool = False, reshard_root: bool = False,
+         units: tuple[str, ...] | list[str] | None = None,
          param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> Strategy:
     """ZeRO stage 1, 2 or 3 on `axis` (which is then also the data-parallel axis).
 
@@ -61,7 +63,7 @@ def zero(*, stage: int, axis: str = "dp", batch_dim: int = 0, reshard_after_forw
         raise PlanError(f"unknown ZeRO stage {stage!r}: choose 1 (shards {STAGES[1]}), 2 ({STAGES[2]}) or "
                         f"3 ({STAGES[3]}); plain data parallelism is data_parallel()")
     state = ShardedState(stage=stage, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
-                         backward_prefetch=backward_prefetch,
+                         backward_prefetch=backward_prefetch, reshard_root=reshard_root,
                          units=tuple(units) if units is not None else None, param_dtype=param_dtype,
                          reduce_dtype=reduce_dtype or param_dtype)
     return Strategy(name=f"zero{stage}", axis=axis, inputs=(InputRule(index=None, placement=Shard(batch_dim)),),

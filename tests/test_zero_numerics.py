@@ -45,8 +45,9 @@ def test_example_gpt_sharded_state_matches_single_device(case):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("options", [{"backward_prefetch": True}, {"reshard_after_forward": False, "prefetch": False}],
-                         ids=["reshard_prefetch_both_ways", "keep_gathered"])
+@pytest.mark.parametrize("options", [{"backward_prefetch": True, "reshard_root": True},
+                                     {"reshard_after_forward": False, "prefetch": False}],
+                         ids=["reshard_all_prefetch_both_ways", "keep_gathered"])
 def test_uneven_shards_are_padded_not_refused(options):
     build = functools.partial(GPT, UNEVEN)
     batches = [example_batch(UNEVEN, batch=8, seed=step) for step in range(STEPS)]

@@ -43,8 +43,9 @@ def test_zero3_moves_one_and_a_half_times_ddp_and_zero12_the_same():
     assert by_stage[3] == 3 * 3 * padded // 4 - 3 * root.gathered_numel * 4 // 4
     keep_all = _grad_and_param_wire_bytes(plan_gpt("dp=4", [autopar.zero(stage=3, reshard_after_forward=False)]))
     assert keep_all == by_stage[1]
-    resharded_all = _grad_and_param_wire_bytes(plan_gpt("dp=4", [autopar.zero(stage=3, units=("*",))]))
-    assert resharded_all / ddp == pytest.approx(1.5, rel=(padded - parameters) / parameters + 1e-12)
+    for everything_resharded in (autopar.zero(stage=3, reshard_root=True), autopar.zero(stage=3, units=("*",))):
+        ratio = _grad_and_param_wire_bytes(plan_gpt("dp=4", [everything_resharded])) / ddp
+        assert ratio == pytest.approx(1.5, rel=(padded - parameters) / parameters + 1e-12)
 
 
 def test_hsdp_splits_traffic_by_axis_and_link():
