@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from copy import deepcopy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -49,6 +49,13 @@ def shard(tensor: torch.Tensor, placements: Sequence[Placement], mesh: Mesh, ran
     return tensor.contiguous()
 
 
+def local_tensor(full: torch.Tensor, placements: Sequence[Placement], mesh: Mesh, rank: int, *,
+                 zero: tuple[str, int] | None = None) -> torch.Tensor:
+    """`shard`, then for a ZeRO parameter (`zero` = (axis, rows)) the rank's padded dim-0 rows."""
+    local = shard(full, placements, mesh, rank)
+    return shard_of(local, zero[1], mesh.coordinate(rank, zero[0])) if zero is not None else local
+
+
 @dataclass
 class Plan:
     mesh: Mesh
@@ -59,6 +66,7 @@ class Plan:
     pass_records: list[PassRecord]
     buckets: list[Bucket]
     comm: CommLedger
+    _document: "PlanDocument | None" = field(default=None, repr=False, compare=False)
 
     @property
     def units(self) -> list["ShardUnit"]:
@@ -70,15 +78,6 @@ class Plan:
         from autopar.ledger.memory import build_memory_ledger
 
         return build_memory_ledger(self, rank=rank, optimizer=optimizer)
-
-    def local_parameter(self, fqn: str, full: torch.Tensor, rank: int) -> torch.Tensor:
-        """What `rank` holds of parameter `fqn` (or of its gradient) given the full tensor."""
-        local = shard(full, self.parameter_placements()[fqn], self.mesh, rank)
-        for unit in self.units:
-            for param in unit.params:
-                if param.fqn == fqn:
-                    return shard_of(local, param.rows, self.mesh.coordinate(rank, unit.axis))
-        return local
 
     def rank_graph(self, rank: int, groups: dict[str, str] | None = None) -> torch.fx.GraphModule:
         return emit_rank_graph(self.graph_module, self.context, rank=rank, groups=groups)
@@ -105,9 +104,12 @@ class Plan:
                 else value for value, node in zip(inputs, nodes)]
 
     def document(self) -> "PlanDocument":
+        """The plan as data (built once: it runs the activation ledger's fake execution)."""
         from autopar.plan_file import PlanDocument, plan_document
 
-        return PlanDocument(plan_document(self))
+        if self._document is None:
+            self._document = PlanDocument(plan_document(self))
+        return self._document
 
     def placement_table(self, *, activations: bool = True) -> str:
         return self.document().placement_table(activations=activations)

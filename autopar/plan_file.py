@@ -188,7 +188,8 @@ class PlanDocument:
 
 
 def save_plan(plan_or_document: Any, path: "str | Path") -> None:
-    data = plan_or_document.data if isinstance(plan_or_document, PlanDocument) else plan_document(plan_or_document)
+    document = plan_or_document if isinstance(plan_or_document, PlanDocument) else plan_or_document.document()
+    data = document.data
     Path(path).write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
 
 

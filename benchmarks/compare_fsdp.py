@@ -53,7 +53,6 @@ import contextlib
 import gc
 import statistics
 import sys
-import time
 import types
 import warnings
 from collections import defaultdict
@@ -75,10 +74,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples`, `ben
 
 import autopar  # noqa: E402
 from autopar.runtime.comm_counter import CommCounter  # noqa: E402
-from autopar.runtime.launch import launch  # noqa: E402
-from benchmarks.compare_step_time import (KINDS, QUICK_DEFAULTS, WORLD_SIZE, CollectiveBytes, as_float,  # noqa: E402
-                                          batch_slice, failure_reason, median_step_ms, mib)
-from examples.gpt import GPT, GPTConfig, example_batch  # noqa: E402
+from benchmarks.compare_step_time import (KINDS, QUICK_DEFAULTS, WORLD_SIZE, CollectiveBytes,  # noqa: E402
+                                          alternate_steps, as_float, batch_slice, build_model, median_step_ms,
+                                          mib, run_rows)
+from examples.gpt import GPTConfig, example_batch  # noqa: E402
 
 TOTAL = "Total"  # MemTracker's key for the sum over categories
 # MemTracker's post-accumulate-grad hook passes `param.grad` even when it is None; nothing is tracked then
@@ -109,11 +108,6 @@ class Program:
         loss.backward()
         self.optimizer.step()
         return loss.detach()
-
-
-def build_model(settings: Settings) -> GPT:
-    torch.manual_seed(0)
-    return GPT(settings.model)
 
 
 def adamw(params, settings: Settings) -> torch.optim.Optimizer:
@@ -242,15 +236,8 @@ def measure(programs: dict[str, Program], settings: Settings) -> dict[str, dict[
         dist.barrier()
         loss, results[name]["memory"] = memory_step(program)
         results[name]["losses"].append(as_float(loss))
-    for index in range(2, settings.warmup + settings.steps):
-        for name, program in programs.items():
-            dist.barrier()
-            start = time.perf_counter()
-            loss = program.step()
-            elapsed = time.perf_counter() - start
-            results[name]["losses"].append(as_float(loss))
-            if index >= settings.warmup:
-                results[name]["times"].append(elapsed)
+    alternate_steps({name: program.step for name, program in programs.items()}, results, first=2,
+                    warmup=settings.warmup, timed=settings.steps)
     return results
 
 
@@ -335,21 +322,6 @@ def print_report(summaries: list[tuple[list[Any], list[list[Any]], list[str]]], 
         print("\nNotes:\n" + "\n".join(f"- {note}" for note in notes))
 
 
-def run_rows(row_names: list[str], settings: Settings, *, timeout_s: float) -> list[tuple]:
-    summaries = []
-    for row_name in row_names:
-        start = time.perf_counter()
-        try:
-            ranks = launch(run_row, WORLD_SIZE, row_name, settings, timeout_s=timeout_s)
-        except RuntimeError as error:
-            summaries.append(([row_name, *["n/a"] * 13], [], [f"{row_name}: failed: {failure_reason(str(error))}"]))
-            print(f"{row_name}: failed in {time.perf_counter() - start:.0f} s", flush=True)
-            continue
-        summaries.append(summarize_row(row_name, ranks))
-        print(f"{row_name}: done in {time.perf_counter() - start:.0f} s", flush=True)
-    return summaries
-
-
 def parse_settings(argv: list[str] | None = None) -> tuple[Settings, list[str], float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"defaults for a smoke run: {QUICK_DEFAULTS}")
@@ -380,7 +352,8 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, list[str], 
 
 def main() -> None:
     settings, rows, timeout_s = parse_settings()
-    print_report(run_rows(rows, settings, timeout_s=timeout_s), rows, settings)
+    print_report(run_rows(rows, settings, timeout_s=timeout_s, run=run_row, summarize=summarize_row, columns=13),
+                 rows, settings)
 
 
 if __name__ == "__main__":

@@ -272,16 +272,23 @@ def measure(steps: dict[str, StepFn], settings: Settings, notes: list[str]) -> d
         except Exception as error:
             notes.append(f"PyTorch step failed: {type(error).__name__}: {str(error).splitlines()[0]}")
             steps = {"autopar": steps["autopar"]}
-    for index in range(1, settings.warmup + settings.steps):
+    alternate_steps(steps, results, first=1, warmup=settings.warmup, timed=settings.steps)
+    return results
+
+
+def alternate_steps(steps: dict[str, Callable[[], torch.Tensor]], results: dict[str, dict[str, Any]], *,
+                    first: int, warmup: int, timed: int) -> None:
+    """Steps `first` .. warmup+timed-1 of each contender, alternating, a barrier before each: the
+    loss of every step, the wall time of each step past the warm-up (the report keeps the slowest rank)."""
+    for index in range(first, warmup + timed):
         for name, step in steps.items():
             dist.barrier()
             start = time.perf_counter()
             loss = step()
             elapsed = time.perf_counter() - start
             results[name]["losses"].append(as_float(loss))
-            if index >= settings.warmup:
+            if index >= warmup:
                 results[name]["times"].append(elapsed)
-    return results
 
 
 def run_row(rank: int, world_size: int, row_name: str, settings: Settings) -> dict[str, Any]:
@@ -371,16 +378,21 @@ def failure_reason(text: str, *, limit: int = 400) -> str:
     return " ".join(line.strip() for line in lines[start:])[:limit]
 
 
-def run_rows(row_names: list[str], settings: Settings, *, timeout_s: float) -> list[tuple]:
+def run_rows(row_names: list[str], settings: Any, *, timeout_s: float, run: Callable | None = None,
+             summarize: Callable | None = None, columns: int = 9) -> list[tuple]:
+    """Each row on WORLD_SIZE processes (`run`, default this file's run_row), summarised; a failed
+    row becomes `columns` n/a cells and a note."""
+    run, summarize = run or run_row, summarize or summarize_row
     summaries = []
     for row_name in row_names:
         start = time.perf_counter()
         try:
-            ranks = launch(run_row, WORLD_SIZE, row_name, settings, timeout_s=timeout_s)
+            ranks = launch(run, WORLD_SIZE, row_name, settings, timeout_s=timeout_s)
         except RuntimeError as error:
-            summaries.append(([row_name, *["n/a"] * 9], [], [f"{row_name}: failed: {failure_reason(str(error))}"]))
+            summaries.append(([row_name, *["n/a"] * columns], [], [f"{row_name}: failed: {failure_reason(str(error))}"]))
+            print(f"{row_name}: failed in {time.perf_counter() - start:.0f} s", flush=True)
             continue
-        summaries.append(summarize_row(row_name, ranks))
+        summaries.append(summarize(row_name, ranks))
         print(f"{row_name}: done in {time.perf_counter() - start:.0f} s", flush=True)
     return summaries
 

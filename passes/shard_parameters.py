@@ -133,31 +133,28 @@ def _insert_boundaries(graph: torch.fx.Graph, unit: ShardUnit, calls) -> None:
     if not unit.name:
         output = next(n for n in graph.nodes if n.op == "output")
         for node in output.all_input_nodes:
-            value = node.meta.get("val")
-            if isinstance(value, torch.Tensor) and value.dtype.is_floating_point:
-                with graph.inserting_before(output):
-                    boundary = graph.call_function(calls.unit_boundary, (node,), {"unit": unit.index})
-                boundary.meta.update({k: v for k, v in node.meta.items() if k != "nn_module_stack"})
-                boundary.meta[ZERO_UNIT] = unit.index
-                output.replace_input_with(node, boundary)
+            _boundary(graph, node, [output], unit, calls)
         return
     for node in list(graph.nodes):
         if node.op != "call_function" or not _inside(node, unit.name):
             continue
-        value = node.meta.get("val")
-        if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
-            continue
-        outside = [u for u in node.users if not _inside(u, unit.name) and u.op != "output"
+        outside = [u for u in node.users if not _inside(u, unit.name)
                    and sharded_state.unit_call(u.target) != "release_unit"]
-        outside += [u for u in node.users if u.op == "output"]
-        if not outside:
-            continue
-        with graph.inserting_after(node):
-            boundary = graph.call_function(calls.unit_boundary, (node,), {"unit": unit.index})
-        boundary.meta.update({k: v for k, v in node.meta.items() if k not in ("nn_module_stack",)})
-        boundary.meta[ZERO_UNIT] = unit.index
-        for user in outside:
-            user.replace_input_with(node, boundary)
+        _boundary(graph, node, outside, unit, calls)
+
+
+def _boundary(graph: torch.fx.Graph, node: torch.fx.Node, users: list[torch.fx.Node], unit: ShardUnit,
+              calls) -> None:
+    """Route `users`' reads of a floating-point `node` through one unit_boundary."""
+    value = node.meta.get("val")
+    if not users or not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
+        return
+    with graph.inserting_after(node):
+        boundary = graph.call_function(calls.unit_boundary, (node,), {"unit": unit.index})
+    boundary.meta.update({k: v for k, v in node.meta.items() if k != "nn_module_stack"})
+    boundary.meta[ZERO_UNIT] = unit.index
+    for user in users:
+        user.replace_input_with(node, boundary)
 
 
 def _check_mixed_precision(gm: torch.fx.GraphModule, ctx: CompileContext, declared) -> None:

@@ -9,8 +9,7 @@ import torch
 import autopar
 from autopar.ledger.measure_activations import measure_saved_activations
 from autopar.ledger.memory import build_memory_ledger, measure_held_bytes
-from autopar.plan import shard
-from autopar.zero_units import shard_of
+from autopar.plan import local_tensor
 from autopar.runtime.comm_counter import CommCounter
 
 STEPS = 3
@@ -22,28 +21,49 @@ LR = 1e-2
 EPS = 1e-3
 
 
-def single_device(build: Callable[[], torch.nn.Module], batches: list[tuple]) -> dict[str, Any]:
+def reference_trainer(build: Callable[[], torch.nn.Module]) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The single-device model (seeded like every rank) and its AdamW."""
     torch.manual_seed(0)
     model = build()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses, grads, params = [], [], []
+    return model, torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+
+
+def parallel_trainer(build: Callable[[], torch.nn.Module], example_inputs: Any, mesh: str,
+                     strategies: list) -> tuple[Any, torch.optim.Optimizer]:
+    """This rank's ParallelModule of the same seeded model, and AdamW over its parameters (shards)."""
+    torch.manual_seed(0)
+    module = autopar.parallelize(build(), mesh, strategies=strategies, example_inputs=example_inputs)
+    return module, torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
+
+
+def parameter_layout(module: Any) -> dict[str, Any]:
+    """What `assert_matches` needs to cut the reference for a rank: placements and ZeRO rows."""
+    return {"placements": module.plan.parameter_placements(),
+            "zero": {p.fqn: (u.axis, p.rows) for u in module.plan.units for p in u.params}}
+
+
+def single_device(build: Callable[[], torch.nn.Module], batches: list[tuple], *,
+                  clip_norm: float | None = None) -> dict[str, Any]:
+    """Losses, gradients and parameters per step; with `clip_norm`, gradients are clipped (and the
+    norms recorded) before the step."""
+    model, optimizer = reference_trainer(build)
+    losses, grads, params, norms = [], [], [], []
     for batch in batches:
         optimizer.zero_grad()
         loss = model(*batch)
         loss.backward()
         losses.append(loss.detach())
+        if clip_norm is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm))
         grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
         optimizer.step()
         params.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return {"losses": losses, "grads": grads, "params": params}
+    return {"losses": losses, "grads": grads, "params": params, "norms": norms}
 
 
 def distributed_rank(rank: int, world_size: int, build: Callable[[], torch.nn.Module], batches: list[tuple],
                      mesh: str, strategies: list) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model = build()
-    module = autopar.parallelize(model, mesh, strategies=strategies, example_inputs=batches[0])
-    optimizer = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
+    module, optimizer = parallel_trainer(build, batches[0], mesh, strategies)
     group_to_axis = {name: axis for axis, name in module.groups.items()}
     losses, grads, params, measured, memory = [], [], [], [], {}
     for batch in batches:
@@ -66,9 +86,8 @@ def distributed_rank(rank: int, world_size: int, build: Callable[[], torch.nn.Mo
             memory.update(measured=dict(measure_held_bytes(module, optimizer), activations=saved.bytes),
                           ledger=build_memory_ledger(module.plan, rank=rank).by_category())
     ledger = module.plan.comm.by_key()
-    zero = {p.fqn: (u.axis, p.rows) for u in module.plan.units for p in u.params}
     return {"losses": losses, "grads": grads, "params": params, "measured": measured, "ledger": ledger,
-            "placements": module.plan.parameter_placements(), "zero": zero, "memory": memory}
+            "memory": memory, **parameter_layout(module)}
 
 
 # Some gradients are mathematically zero and numerically rounding noise (~1e-9): the key-projection bias,
@@ -99,10 +118,8 @@ def assert_matches(reference: dict[str, Any], results: list[dict[str, Any]], mes
             for kind in ("grads", "params"):
                 for name, full in reference[kind][step].items():
                     name_here = aliases.get(name, name)
-                    expected = shard(full, result["placements"][name_here], parsed, rank)
-                    if name_here in result.get("zero", {}):  # ZeRO: this rank's padded dim-0 rows
-                        axis, rows = result["zero"][name_here]
-                        expected = shard_of(expected, rows, parsed.coordinate(rank, axis))
+                    expected = local_tensor(full, result["placements"][name_here], parsed, rank,
+                                            zero=result.get("zero", {}).get(name_here))
                     error = max_relative_error(result[kind][step][aliases.get(name, name)], expected, noise_floor)
                     assert error <= bound[kind], f"rank {rank} step {step} {kind} {name} rel err {error}"
 

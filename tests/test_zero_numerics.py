@@ -4,15 +4,20 @@ equals the bytes each step hands to the process groups (forward, backward, optim
 bytes held in parameters, gradients and optimizer state after a step equal the memory ledger."""
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 
 import pytest
+import torch
 
 import autopar
+from autopar.runtime.comm_counter import CommCounter
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
 from tests.numerics import (STEPS, assert_ledger_equals_measured, assert_matches, assert_memory_equals_ledger,
-                            distributed_rank, single_device)
+                            distributed_rank, max_relative_error, parallel_trainer, parameter_layout,
+                            reference_trainer, single_device)
 
 CONFIG = GPTConfig(vocab_size=128, seq_len=16, n_layer=2, n_head=4, d_model=32, d_ff=64)
 # vocabulary 126 and d_ff 66 do not divide by 4 ranks: embedding, lm_head and MLP rows are padded
@@ -72,20 +77,13 @@ MICRO_BATCHES = 2
 
 def _accumulating_rank(rank: int, world: int, build, batch, mesh: str, strategies: list, no_sync: bool) -> dict:
     """One AdamW step over MICRO_BATCHES micro-batches; no_sync around all but the last."""
-    import torch
-
-    from autopar.runtime.comm_counter import CommCounter
-    from tests.numerics import EPS, LR
-
-    torch.manual_seed(0)
-    module = autopar.parallelize(build(), mesh, strategies=strategies, example_inputs=[t[:4] for t in batch])
-    optimizer = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
+    module, optimizer = parallel_trainer(build, [t[:4] for t in batch], mesh, strategies)
     group_to_axis = {name: axis for axis, name in module.groups.items()}
     with CommCounter() as counter:
         for micro in range(MICRO_BATCHES):
             local = module.local_batch(*[t[micro * 4:(micro + 1) * 4] for t in batch])
             last = micro == MICRO_BATCHES - 1
-            with (module.no_sync() if no_sync and not last else _nothing()):
+            with (module.no_sync() if no_sync and not last else contextlib.nullcontext()):
                 module(*local).backward()
         grads = {n: p.grad.detach().clone() for n, p in module.named_parameters()}
         optimizer.step()
@@ -96,26 +94,11 @@ def _accumulating_rank(rank: int, world: int, build, batch, mesh: str, strategie
         old = expected.get((kind, axis), (0, 0))
         expected[(kind, axis)] = (old[0] + calls, old[1] + nbytes)
     return {"grads": grads, "params": {n: p.detach().clone() for n, p in module.named_parameters()},
-            "measured": measured, "expected": expected, "placements": module.plan.parameter_placements(),
-            "zero": {p.fqn: (u.axis, p.rows) for u in module.plan.units for p in u.params}}
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+            "measured": measured, "expected": expected, **parameter_layout(module)}
 
 
 def _accumulated_reference(build, batch) -> dict:
-    import torch
-
-    from tests.numerics import EPS, LR
-
-    torch.manual_seed(0)
-    model = build()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    model, optimizer = reference_trainer(build)
     for micro in range(MICRO_BATCHES):
         model(*[t[micro * 4:(micro + 1) * 4] for t in batch]).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -148,16 +131,8 @@ def test_gradient_accumulation_without_regathering(case, no_sync):
 
 def _mixed_precision_reference(build, batches, dtype) -> dict:
     """One device, FSDP-style mixed precision: a `dtype` copy computes, fp32 masters are updated."""
-    import copy
-
-    import torch
-
-    from tests.numerics import EPS, LR
-
-    torch.manual_seed(0)
-    master = build()
+    master, optimizer = reference_trainer(build)
     compute = copy.deepcopy(master)
-    optimizer = torch.optim.AdamW(master.parameters(), lr=LR, eps=EPS)
     losses, grads, params = [], [], []
     for batch in batches:
         for low, high in zip(compute.parameters(), master.parameters()):
@@ -188,8 +163,6 @@ def test_mixed_precision_bf16_compute_fp32_masters(model, stage, reduce_dtype):
     their relative error is their gradients' (measured: 1.7e-2, i.e. 1.7e-4 absolute against lr 1e-2).
     The key-bias gradient is mathematically zero (softmax cancels it) and bf16 noise (~1e-5) in
     practice, so errors are relative to at least 1e-3 here, not fp32's 1e-4."""
-    import torch
-
     if model == "gpt":
         build = functools.partial(GPT, CONFIG)
         batches = [example_batch(CONFIG, batch=8, seed=step) for step in range(STEPS)]
@@ -212,56 +185,35 @@ MAX_NORM = 0.05  # below the example's gradient norms (measured 0.54-0.55): ever
 
 
 def _clipping_rank(rank: int, world: int, build, batches, mesh: str, strategies: list) -> dict:
-    import torch
-
-    from tests.numerics import EPS, LR
-
-    torch.manual_seed(0)
-    module = autopar.parallelize(build(), mesh, strategies=strategies, example_inputs=batches[0])
-    optimizer = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
-    norms, grads, params = [], [], []
+    module, optimizer = parallel_trainer(build, batches[0], mesh, strategies)
+    losses, norms, grads, params = [], [], [], []
     for batch in batches:
         optimizer.zero_grad()
-        module(*module.local_batch(*batch)).backward()
+        loss = module(*module.local_batch(*batch))
+        loss.backward()
+        losses.append(loss.detach())
         norms.append(module.clip_grad_norm_(MAX_NORM))
         grads.append({n: p.grad.detach().clone() for n, p in module.named_parameters()})
         optimizer.step()
         params.append({n: p.detach().clone() for n, p in module.named_parameters()})
-    return {"losses": norms, "grads": grads, "params": params, "placements": module.plan.parameter_placements(),
-            "zero": {p.fqn: (u.axis, p.rows) for u in module.plan.units for p in u.params}}
-
-
-def _clipping_reference(build, batches) -> dict:
-    import torch
-
-    from tests.numerics import EPS, LR
-
-    torch.manual_seed(0)
-    model = build()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    norms, grads, params = [], [], []
-    for batch in batches:
-        optimizer.zero_grad()
-        model(*batch).backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-        optimizer.step()
-        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return {"losses": norms, "grads": grads, "params": params}
+    return {"losses": losses, "norms": norms, "grads": grads, "params": params, **parameter_layout(module)}
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", ["zero2_dp4", "zero3_tp_2x2", "hsdp_2x2"])
 def test_clip_grad_norm_over_shards_equals_one_device(case):
     """clip_grad_norm_ on shards would see a quarter of the gradient; ParallelModule.clip_grad_norm_
-    reduces the norm over the sharded axes (not the replicated ones): the norm ("losses" here),
-    clipped gradients and parameters equal torch.nn.utils.clip_grad_norm_ on one device."""
+    reduces the norm over the sharded axes (not the replicated ones): the norms, clipped gradients
+    and parameters equal torch.nn.utils.clip_grad_norm_ on one device."""
     build = functools.partial(GPT, CONFIG)
     batches = [example_batch(CONFIG, batch=8, seed=step) for step in range(STEPS)]
     mesh, strategies = CASES[case]
     results = launch(_clipping_rank, autopar.Mesh.parse(mesh).world_size, build, batches, mesh, strategies,
                      timeout_s=180)
-    assert_matches(_clipping_reference(build, batches), results, mesh)
+    reference = single_device(build, batches, clip_norm=MAX_NORM)
+    assert_matches(reference, results, mesh)
+    for result in results:
+        assert all(max_relative_error(n, r) <= 1e-5 for n, r in zip(result["norms"], reference["norms"], strict=True))
 
 
 @pytest.mark.timeout(300)
@@ -274,13 +226,7 @@ def test_hsdp_with_sequence_parallel_on_a_3d_mesh():
 
 
 def _trained_full_state(rank: int, world: int, build, batches, mesh: str, strategies: list) -> dict:
-    import torch
-
-    from tests.numerics import EPS, LR
-
-    torch.manual_seed(0)
-    module = autopar.parallelize(build(), mesh, strategies=strategies, example_inputs=batches[0])
-    optimizer = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
+    module, optimizer = parallel_trainer(build, batches[0], mesh, strategies)
     for batch in batches:
         optimizer.zero_grad()
         module(*module.local_batch(*batch)).backward()
@@ -293,10 +239,6 @@ def _trained_full_state(rank: int, world: int, build, batches, mesh: str, strate
 def test_full_state_dict_gathers_the_trained_model(case):
     """After 3 steps every rank can rebuild the whole model: equal to the one-device parameters
     (GPT-2's fused q|k|v is block-sharded on tp: its gather regroups the blocks)."""
-    import torch
-
-    from tests.numerics import max_relative_error
-
     build = functools.partial(GPT, UNEVEN)  # uneven rows: the padding must not leak into the result
     batches = [example_batch(UNEVEN, batch=8, seed=step) for step in range(STEPS)]
     mesh, strategies = ("dp=4", [autopar.zero(stage=1)]) if case == "zero1_dp4" else (

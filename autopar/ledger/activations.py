@@ -240,23 +240,15 @@ def _entry(plan: "Plan", saved: _Saved, planned: dict[str, torch.fx.Node]) -> Ac
                            shape=tuple(tensor.shape), dtype=tensor.dtype, bytes=expr, number=nbytes, internal=internal)
 
 
-def _descendants(node: torch.fx.Node) -> set[torch.fx.Node]:
+def _reachable(node: torch.fx.Node, *, forward: bool) -> set[torch.fx.Node]:
+    """Nodes reachable from `node` through its users (forward) or its inputs (backward)."""
     seen, stack = set(), [node]
     while stack:
-        for user in stack.pop().users:
-            if user not in seen:
-                seen.add(user)
-                stack.append(user)
-    return seen
-
-
-def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        for arg in stack.pop().all_input_nodes:
-            if arg not in seen:
-                seen.add(arg)
-                stack.append(arg)
+        current = stack.pop()
+        for neighbour in (current.users if forward else current.all_input_nodes):
+            if neighbour not in seen:
+                seen.add(neighbour)
+                stack.append(neighbour)
     return seen
 
 
@@ -277,9 +269,9 @@ def attention_core(gm: torch.fx.GraphModule, placeholder_kinds: dict[str, str]) 
     core: set[torch.fx.Node] = set()
     index = 0
     while index < len(matmuls):
-        first, descendants = matmuls[index], _descendants(matmuls[index])
+        first, descendants = matmuls[index], _reachable(matmuls[index], forward=True)
         partner = next((m for m in matmuls[index + 1:] if m in descendants), None)
-        region = ({first} | (descendants & _ancestors(partner))) if partner is not None else set()
+        region = ({first} | (descendants & _reachable(partner, forward=False))) if partner is not None else set()
         if partner is None or any(state & set(n.all_input_nodes) for n in region):
             index += 1
             continue

@@ -71,7 +71,7 @@ class ParallelModule(torch.nn.Module):
         # per graph input: (owner module, attribute) of a parameter or buffer, "input" for user data,
         # None for a parameter the graph never reads (e.g. the second name of a tied weight)
         self._inputs: list[tuple[torch.nn.Module, str] | str | None] = []
-        placements = plan.parameter_placements()
+        placements = self._placements = plan.parameter_placements()
         self._unit_of = {p.fqn: (u, p) for u in plan.units for p in u.params}
         self._shards: dict[int, list[torch.Tensor]] = {}
         self._fulls: dict[int, list[torch.Tensor]] = {}
@@ -102,13 +102,15 @@ class ParallelModule(torch.nn.Module):
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         """Saved-tensor policy: a re-gatherable all-gather output is kept as its shard (Megatron SP);
-        a gathered ZeRO parameter as a handle (sharded_state); anything else as it is."""
+        a gathered ZeRO parameter as a handle (sharded_state); anything else as it is. These hooks
+        hide saves from outer ones, so activations are reported to a measurement here."""
         regather = collectives.pack_regathered(tensor) if self._regathers else None
         if regather is not None:
             observe_saved(regather[0].shard)  # what autograd keeps now is the shard
             return _Regathered(regather)
-        if self.sharded is not None:
-            return self.sharded.pack(tensor)
+        owner = self.sharded.owner(tensor) if self.sharded is not None else None
+        if owner is not None:
+            return self.sharded.pack(tensor, owner)
         observe_saved(tensor)
         return tensor
 
@@ -185,10 +187,9 @@ class ParallelModule(torch.nn.Module):
             for unit in self.plan.units:
                 for param, full in zip(unit.params, self.sharded._finish(unit.index)):
                     local[param.fqn] = full.to(self.sharded.shards[unit.index][0].dtype)
-        placements = self.plan.parameter_placements()
         result = {}
         for fqn, tensor in local.items():
-            for axis, placement in reversed(list(zip(self.plan.mesh.names, placements[fqn]))):
+            for axis, placement in reversed(list(zip(self.plan.mesh.names, self._placements[fqn]))):
                 tensor = _unshard(tensor, placement, self.groups[axis], self.plan.mesh.size(axis))
             result[fqn] = tensor
         for fqn, buffer in self.named_buffers():
@@ -196,7 +197,7 @@ class ParallelModule(torch.nn.Module):
         return result
 
     def _sharded_axes(self, fqn: str) -> tuple[str, ...]:
-        placements = self.plan.parameter_placements()[fqn]
+        placements = self._placements[fqn]
         axes = [axis for axis, p in zip(self.plan.mesh.names, placements) if shard_dim(p) is not None]
         if fqn in self._unit_of:
             axes.append(self._unit_of[fqn][0].axis)

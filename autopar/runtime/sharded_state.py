@@ -30,7 +30,6 @@ import torch.fx
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from autopar.errors import PlanError
-from autopar.ledger.measure_activations import observe_saved
 from autopar.zero_units import ShardUnit, gather_layout, grad_layout, shard_views
 
 _c10d = torch.ops._c10d_functional
@@ -208,11 +207,13 @@ class ShardedState(UnitCalls):
         self.accumulating = False
 
     # ---- saved-tensor hooks (resharded units)
-    def pack(self, tensor: torch.Tensor) -> Any:
-        owner = self._owner.get(tensor.untyped_storage().data_ptr()) if tensor.numel() else None
-        if owner is None:
-            observe_saved(tensor)  # these hooks hide saves from outer ones (activation measurement)
-        if owner is None or not self.units[owner[0]].reshard or self.holding:
+    def owner(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        """(unit, parameter) when `tensor` is (a view of) a gathered parameter, else None."""
+        return self._owner.get(tensor.untyped_storage().data_ptr()) if tensor.numel() else None
+
+    def pack(self, tensor: torch.Tensor, owner: tuple[int, int]) -> Any:
+        """A saved gathered parameter: a handle when its unit is freed after forward, else itself."""
+        if not self.units[owner[0]].reshard or self.holding:
             return tensor
         return _Saved(owner[0], owner[1], tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset())
 
