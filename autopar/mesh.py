@@ -97,6 +97,19 @@ class Mesh:
         stride = math.prod(self.shape[index + 1:])
         return (rank // stride) % self.shape[index]
 
+    def neighbour(self, rank: int, axis: str, offset: int) -> int:
+        """The global rank whose coordinate on `axis` is this rank's plus `offset` (modulo the axis
+        size), all other coordinates equal: a pipeline peer, a ring neighbour."""
+        index = self.names.index(axis)
+        stride = math.prod(self.shape[index + 1:])
+        here = self.coordinate(rank, axis)
+        return rank + (((here + offset) % self.shape[index]) - here) * stride
+
+    def group_ranks(self, rank: int, axis: str, coordinates: "tuple[int, ...] | None" = None) -> list[int]:
+        """The global ranks of `rank`'s group along `axis` (optionally only those coordinates on it)."""
+        chosen = range(self.size(axis)) if coordinates is None else coordinates
+        return [self.neighbour(rank, axis, c - self.coordinate(rank, axis)) for c in chosen]
+
     def link(self, axis: str) -> str:
         """'intra' if every group along `axis` stays inside one node, else 'inter'."""
         per_node = self.ranks_per_node or self.world_size

@@ -55,7 +55,7 @@ def _node_entry(node: torch.fx.Node, plan: Any) -> dict[str, Any] | None:
     spec = _first_spec(node)
     if spec is None or node.target is operator.getitem:
         return None
-    from autopar.passes.insert_collectives import CONJUGATES
+    from autopar.comm_kinds import comm_step
     from autopar.passes.insert_grad_reductions import GRAD_SYNC
 
     info = plan.context.placeholders.get(node.name)
@@ -63,7 +63,7 @@ def _node_entry(node: torch.fx.Node, plan: Any) -> dict[str, Any] | None:
     local = local_shape(shape, spec.placements, plan.mesh.shape)
     if info is not None:
         kind, what = info.kind, info.target
-    elif node.target in CONJUGATES:
+    elif comm_step(node.target) is not None:
         kind, what = "collective", _op_name(node.target)
     else:
         kind, what = "op", _op_name(node.target)
@@ -74,7 +74,7 @@ def _node_entry(node: torch.fx.Node, plan: Any) -> dict[str, Any] | None:
         "inputs": [_producer(n).name for n in node.all_input_nodes],
         "rule": rule.local_kernel.__name__ if rule is not None and rule.local_kernel is not None else None,
         "collective": ({k: v for k, v in node.kwargs.items() if k in ("group", "dim", "reduce_op", "grad_partial")}
-                       if node.target in CONJUGATES else None),
+                       if comm_step(node.target) is not None else None),
         "grad_sync": list(node.meta.get(GRAD_SYNC, [])),
         "origin": node.meta.get(ORIGIN, ""),
         "stored": _stored(node, plan),

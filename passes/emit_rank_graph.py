@@ -1,8 +1,9 @@
 """Pass 4: emit the executable graph of one rank.
 
-Copies the planned graph and binds it to a rank: collective steps get the rank's process-group
-name and its coordinate on the axis; nodes an autopar rule lowered call their local kernel
-(`autopar.runtime.local_ops`) with the rank's group / shard index; shape arguments DTensor
+Copies the planned graph and binds it to a rank: communication steps get their keyword arguments
+bound as the registry (`autopar.comm_kinds`) says — the rank's process-group name, its coordinate
+on the axis, the global rank of a pipeline peer; nodes an autopar rule lowered call their local
+kernel (`autopar.runtime.local_ops`) with arguments bound the same way; shape arguments DTensor
 rewrote to local sizes replace the global ones; `view`s become `reshape`s (a shard's strides
 may differ from the traced tensor's); dead nodes (unused outputs of multi-output ops)
 are removed. The result is an ordinary `torch.fx.GraphModule` over local tensors, whose code
@@ -16,36 +17,11 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
+from autopar.comm_kinds import bind, comm_step
 from autopar.context import CompileContext
 from autopar.ir import LOCAL_ARGS, RULE
-from autopar.passes.insert_collectives import CONJUGATES
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
-
-
-def _bind_collective(node: torch.fx.Node, ctx: CompileContext, rank: int, groups: dict[str, str]) -> None:
-    kwargs = dict(node.kwargs)
-    axis = kwargs["group"]
-    kwargs["group"] = groups[axis]
-    if "index" in kwargs:
-        kwargs["index"] = ctx.mesh.coordinate(rank, axis)
-    node.kwargs = kwargs
-
-
-def _kernel_kwargs(spec: dict[str, tuple[str, str]], ctx: CompileContext, rank: int, groups: dict[str, str]) -> dict[str, Any]:
-    bound: dict[str, Any] = {}
-    for name, (kind, axis) in spec.items():
-        if kind == "index":
-            bound[name] = ctx.mesh.coordinate(rank, axis)
-        elif kind == "size":
-            bound[name] = ctx.mesh.size(axis)
-        elif kind == "group":
-            bound[name] = groups[axis]
-        elif kind == "groups":
-            bound[name] = tuple(groups[a] for a in axis.split(",") if a)
-        else:
-            bound[name] = None
-    return bound
 
 
 def _localize_args(node: torch.fx.Node) -> None:
@@ -69,13 +45,16 @@ def emit_rank_graph(gm: torch.fx.GraphModule, ctx: CompileContext, *, rank: int,
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target in CONJUGATES:
-            _bind_collective(node, ctx, rank, groups)
+        step = comm_step(node.target)
+        if step is not None:
+            node.kwargs = bind(dict(node.kwargs), step.binds, ctx.mesh, rank, groups)
             continue
         rule = node.meta.get(RULE)
         if rule is not None and rule.local_kernel is not None:
             node.target = rule.local_kernel
-            node.kwargs = dict(node.kwargs, **_kernel_kwargs(rule.kernel_kwargs, ctx, rank, groups))
+            unbound = {name: axis for name, (_, axis) in rule.kernel_kwargs.items()}
+            binds = {name: how for name, (how, _) in rule.kernel_kwargs.items()}
+            node.kwargs = dict(node.kwargs, **bind(unbound, binds, ctx.mesh, rank, groups))
         if LOCAL_ARGS in node.meta:
             _localize_args(node)
         if node.target in _VIEWS:

@@ -7,8 +7,9 @@ gathers innermost axis first (Shard(d) -> Replicate: all_gather), then local sli
 first (Replicate -> Shard(d): shard_slice, no communication), Shard(a) -> Shard(b) as all_to_all,
 and Replicate -> Partial as partial_from_replicate. Each step is a call to a function of
 `autopar.runtime.collectives` whose backward is the conjugate step; the node records its spec
-and a forward and backward `CollectiveInfo` for the ledger. One chain is built per (tensor,
-target placements) however many consumers need it.
+and a forward and backward `CollectiveInfo` for the ledger (the kinds come from the registry,
+`autopar.comm_kinds.STEPS`). One chain is built per (tensor, target placements) however many
+consumers need it.
 """
 from __future__ import annotations
 
@@ -22,22 +23,11 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils import _pytree as pytree
 
+from autopar.comm_kinds import STEPS
 from autopar.context import CompileContext
 from autopar.errors import PlanError
 from autopar.ir import ARG_SPECS, COLLECTIVE, SPEC, CollectiveInfo, describe, local_numel, module_path
 from autopar.runtime import collectives
-
-# forward function -> (forward kind, backward kind); None = no communication. An all_gather's
-# backward is a local slice unless insert_grad_reductions finds its gradient partial.
-CONJUGATES = {
-    collectives.all_reduce: ("all_reduce", None),
-    collectives.reduce_scatter: ("reduce_scatter", "all_gather"),
-    collectives.all_gather: ("all_gather", None),
-    collectives.shard_slice: (None, "all_gather"),
-    collectives.all_to_all: ("all_to_all", "all_to_all"),
-    collectives.partial_from_replicate: (None, None),
-    collectives.grad_all_reduce: (None, "all_reduce"),
-}
 
 
 def _step(src: Placement, dst: Placement, axis: str, size: int) -> tuple[Any, dict[str, Any]] | None:
@@ -109,7 +99,7 @@ def _insert_chain(graph: torch.fx.Graph, producer: torch.fx.Node, target: DTenso
         origin = producer if producer.op != "placeholder" else before
         current.meta["nn_module_stack"] = origin.meta.get("nn_module_stack", {})
         current.meta["stack_trace"] = origin.meta.get("stack_trace")
-        forward_kind, backward_kind = CONJUGATES[function]
+        forward_kind, backward_kind = STEPS[function].forward, STEPS[function].backward
         why = f"{describe(spec.placements)} -> {describe(tuple(placements))} for {before.name}"
         current.meta[COLLECTIVE] = [
             info for info in (

@@ -25,7 +25,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from autopar.context import CompileContext
 from autopar.ir import COLLECTIVE, SPEC, module_path
 from autopar.runtime import collectives
-from autopar.passes.insert_collectives import CONJUGATES, collective_info
+from autopar.comm_kinds import comm_step
+from autopar.passes.insert_collectives import collective_info
 
 aten = torch.ops.aten
 REQUIRES_GRAD = "autopar_requires_grad"
@@ -64,7 +65,7 @@ def _mark_requires_grad(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
 
 def _partial_axes(consumer: torch.fx.Node, axes: list[int], passed_through: dict[torch.fx.Node, set[int]]) -> set[int]:
     """Axes on which `consumer` hands back a Partial gradient for a replicated input."""
-    if consumer.target in CONJUGATES:
+    if comm_step(consumer.target) is not None:
         return passed_through.get(consumer, set()) & set(axes)
     if consumer.op != "call_function" or not consumer.meta.get(REQUIRES_GRAD):
         return set()
@@ -87,7 +88,7 @@ def _parameter_only_upstream(node: torch.fx.Node) -> list[torch.fx.Node] | None:
         if current.op == "placeholder":
             params.append(current)
             continue
-        if current.op != "call_function" or current.target in CONJUGATES:
+        if current.op != "call_function" or comm_step(current.target) is not None:
             return None
         frontier += [n for n in current.all_input_nodes if n.meta.get(REQUIRES_GRAD)]
     return params
@@ -105,11 +106,12 @@ def insert_grad_reductions(gm: torch.fx.GraphModule, ctx: CompileContext) -> tor
         axes = [a for a, p in enumerate(spec.placements) if isinstance(p, Replicate)]
         if not axes:
             continue
-        users = [u for u in node.users if u.meta.get(REQUIRES_GRAD) or u.op == "output" or u.target in CONJUGATES]
+        users = [u for u in node.users if u.meta.get(REQUIRES_GRAD) or u.op == "output" or comm_step(u.target) is not None]
         needs = {user: _partial_axes(user, axes, passed_through) for user in users}
-        if node.target in VIEW_LIKE or node.target in CONJUGATES:  # let a Partial gradient through, reduce it once
+        step = comm_step(node.target)
+        if node.target in VIEW_LIKE or step is not None:  # let a Partial gradient through, reduce it once
             for axis in axes:
-                if node.target in CONJUGATES and node.kwargs["group"] == ctx.mesh.names[axis]:
+                if step is not None and node.kwargs["group"] == ctx.mesh.names[axis]:
                     continue
                 if users and all(axis in needs[u] for u in users):
                     passed_through.setdefault(node, set()).add(axis)
@@ -148,7 +150,7 @@ def _settle_free_reductions(node: torch.fx.Node, users: list[torch.fx.Node], nee
                 collective_info("all_gather", name, "backward", node.meta[SPEC], ctx.mesh.shape, node.meta["val"],
                                 node.args[0].name, module_path(node), "the shard saved for backward gathered again")]
                 if regather else [])
-        elif node.op == "call_function" and node.target not in CONJUGATES and (params := _parameter_only_upstream(node)):
+        elif node.op == "call_function" and comm_step(node.target) is None and (params := _parameter_only_upstream(node)):
             _sync_parameters(params, name)  # e.g. position embeddings under data parallelism: sync the weight
         else:
             continue

@@ -18,6 +18,7 @@ import sympy
 import torch
 from tabulate import tabulate
 
+from autopar.comm_kinds import wire_bytes
 from autopar.mesh import Mesh
 
 
@@ -36,9 +37,7 @@ class CommEntry:
 
     @property
     def wire_bytes(self) -> sympy.Expr:
-        n = self.group_size
-        factor = sympy.Rational(2 * (n - 1), n) if self.kind == "all_reduce" else sympy.Rational(n - 1, n)
-        return sympy.simplify(factor * self.logical_bytes)
+        return wire_bytes(self.kind, self.group_size, self.logical_bytes)
 
 
 @dataclass

@@ -1,0 +1,129 @@
+"""The vocabulary of communication, as data: one registry read by every pass, the emitter, the
+ledgers, plan files and views.
+
+Two tables:
+- `KINDS`: what moves on the wire. Each `CommKind` says whether it joins a group of ranks along
+  a mesh axis or one peer (point-to-point), and its wire bytes per logical byte S for a group
+  of n ranks, NCCL's bus-bandwidth convention: all-reduce 2(n-1)/n, all-gather / reduce-scatter /
+  all-to-all (n-1)/n, broadcast 1, send / recv 1 (wire = logical for point-to-point).
+- `STEPS`: the graph steps that move a tensor (functions of `autopar.runtime.collectives` and
+  `autopar.runtime.p2p`), each with the kind it issues in forward, its conjugate kind in
+  backward, and how its keyword arguments bind to one rank (`BINDINGS`): `group` (axis name ->
+  process-group name), `index` (axis name -> the rank's coordinate on it), `size`, `groups`
+  (comma-separated axes -> names), `peer` ((axis, offset) -> the global rank of that neighbour),
+  `none`. The emitter binds steps and lowered kernels (`op_rules.RuleResult.kernel_kwargs`) with
+  the same table.
+
+Adding a kind of communication is adding entries here (and its runtime function); nothing else
+keeps its own list.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import sympy
+
+from autopar.mesh import Mesh
+from autopar.runtime import collectives, p2p
+
+
+@dataclass(frozen=True)
+class CommKind:
+    name: str
+    peer: bool  # point-to-point (one peer rank) rather than a group along an axis
+    wire_factor: Callable[[int], sympy.Expr]  # wire bytes per logical byte, for a group of n ranks
+
+
+def _ring(n: int) -> sympy.Expr:
+    return sympy.Rational(n - 1, n)
+
+
+KINDS: dict[str, CommKind] = {kind.name: kind for kind in (
+    CommKind("all_reduce", False, lambda n: sympy.Rational(2 * (n - 1), n)),
+    CommKind("all_gather", False, _ring),
+    CommKind("reduce_scatter", False, _ring),
+    CommKind("all_to_all", False, _ring),
+    CommKind("broadcast", False, lambda n: sympy.Integer(1)),
+    CommKind("send", True, lambda n: sympy.Integer(1)),
+    CommKind("recv", True, lambda n: sympy.Integer(1)),
+)}
+
+
+def wire_bytes(kind: str, group_size: int, logical: sympy.Expr) -> sympy.Expr:
+    return sympy.simplify(KINDS[kind].wire_factor(group_size) * logical)
+
+
+def _bind_peer(value: Any, mesh: Mesh, rank: int, groups: dict[str, str]) -> int:
+    axis, offset = value
+    return mesh.neighbour(rank, axis, offset)
+
+
+# binding kind -> (unbound value, mesh, rank, groups) -> what the rank's code receives
+BINDINGS: dict[str, Callable[[Any, Mesh, int, dict[str, str]], Any]] = {
+    "group": lambda axis, mesh, rank, groups: groups[axis],
+    "groups": lambda axes, mesh, rank, groups: tuple(groups[a] for a in axes.split(",") if a),
+    "index": lambda axis, mesh, rank, groups: mesh.coordinate(rank, axis),
+    "size": lambda axis, mesh, rank, groups: mesh.size(axis),
+    "peer": _bind_peer,
+    "none": lambda value, mesh, rank, groups: None,
+}
+
+
+@dataclass(frozen=True)
+class CommStep:
+    """A graph step that moves one tensor: the kinds it issues and how its kwargs bind to a rank."""
+
+    function: Callable[..., Any]
+    forward: str | None  # kind issued in forward (None: local, no communication)
+    backward: str | None  # the conjugate kind issued in backward
+    binds: tuple[tuple[str, str], ...]  # (keyword argument, binding kind)
+
+    @property
+    def name(self) -> str:
+        return self.function.__name__
+
+
+STEPS: dict[Callable[..., Any], CommStep] = {}
+
+
+def register_step(function: Callable[..., Any], *, forward: str | None, backward: str | None,
+                  binds: dict[str, str]) -> None:
+    for kind in (forward, backward):
+        if kind is not None and kind not in KINDS:
+            raise ValueError(f"unknown communication kind {kind!r}; known: {sorted(KINDS)}")
+    if function in STEPS:
+        raise ValueError(f"communication step {function.__name__} is already registered")
+    STEPS[function] = CommStep(function, forward, backward, tuple(binds.items()))
+
+
+def comm_step(target: Any) -> CommStep | None:
+    """The registry entry of a graph node's target, if it is a communication step."""
+    try:
+        return STEPS.get(target)
+    except TypeError:  # unhashable targets are not steps
+        return None
+
+
+def bind(values: dict[str, Any], binds: "tuple[tuple[str, str], ...] | dict[str, str]", mesh: Mesh, rank: int,
+         groups: dict[str, str]) -> dict[str, Any]:
+    """`values` with every declared keyword bound for `rank` (see BINDINGS)."""
+    bound = dict(values)
+    for name, how in (binds.items() if isinstance(binds, dict) else binds):
+        if name in bound:
+            bound[name] = BINDINGS[how](bound[name], mesh, rank, groups)
+    return bound
+
+
+# An all_gather's backward is a local slice unless insert_grad_reductions finds its gradient partial
+# (then a reduce_scatter: the pass records it); grad_all_reduce is Megatron's f.
+register_step(collectives.all_reduce, forward="all_reduce", backward=None, binds={"group": "group"})
+register_step(collectives.reduce_scatter, forward="reduce_scatter", backward="all_gather", binds={"group": "group"})
+register_step(collectives.all_gather, forward="all_gather", backward=None, binds={"group": "group", "index": "index"})
+register_step(collectives.shard_slice, forward=None, backward="all_gather", binds={"group": "group", "index": "index"})
+register_step(collectives.all_to_all, forward="all_to_all", backward="all_to_all", binds={"group": "group"})
+register_step(collectives.partial_from_replicate, forward=None, backward=None, binds={"group": "group", "index": "index"})
+register_step(collectives.grad_all_reduce, forward=None, backward="all_reduce", binds={"group": "group"})
+# pipeline boundaries: a forward send's backward receives the gradient, a forward recv's sends it
+register_step(p2p.send_activation, forward="send", backward="recv", binds={"group": "group", "peer": "peer"})
+register_step(p2p.recv_activation, forward="recv", backward="send", binds={"group": "group", "peer": "peer"})

@@ -1,0 +1,141 @@
+"""Point-to-point steps at pipeline-stage boundaries, as autograd functions with conjugate backwards.
+
+`split_pipeline` cuts the planned graph into stage graphs and joins them with these steps:
+
+| forward                                    | backward                                        |
+|--------------------------------------------|-------------------------------------------------|
+| send_activation(x) -> token: isend x       | receive the gradient of x from the peer         |
+| recv_activation(token) -> x: receive x     | isend the gradient of x back to the peer        |
+
+A sending stage returns the (0-d) tokens of its sends; backward of those tokens is what pulls
+the gradients in. A receiving stage has one `token` input (a 0-d tensor that requires grad),
+so autograd reaches every receive when it computes gradients back to that token — which is also
+how a zero-bubble schedule asks for "input gradients only" (`stage_backward_input`).
+
+Sends are asynchronous (`dist.isend`; gloo and NCCL make progress without the sender waiting)
+and waited at the end of the step (`Exchange.finish`); receives block until their tensor is
+there. Messages are matched by tag: (boundary value, micro-batch, direction), so the order in
+which a schedule posts them does not matter. The micro-batch comes from the `Exchange` the stage
+runner makes current (`Exchange.microbatch`). A peer that is this rank itself (two virtual
+stages of one rank) hands the tensor over in memory, moving nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+_FORWARD, _BACKWARD = 0, 1
+
+
+def _tag(value: int, microbatch: int, direction: int) -> int:
+    return (microbatch * 4096 + value) * 2 + direction
+
+
+@dataclass
+class Exchange:
+    """Point-to-point state of one rank for one step: the current micro-batch, sends in flight,
+    and the in-memory mailbox between two stages of this rank."""
+
+    rank: int
+    microbatch: int = 0
+    pending: list[Any] = field(default_factory=list)
+    mailbox: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def send(self, tensor: torch.Tensor, peer: int, group: str, tag: int) -> None:
+        if peer == self.rank:
+            self.mailbox[tag] = tensor
+            return
+        tensor = tensor.contiguous()
+        work = dist.isend(tensor, dst=peer, group=_group(group), tag=tag)
+        self.pending.append((work, tensor))  # the buffer must outlive the send
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, peer: int, group: str, tag: int) -> torch.Tensor:
+        if peer == self.rank:
+            return self.mailbox.pop(tag)
+        buffer = torch.empty(shape, dtype=dtype)
+        dist.irecv(buffer, src=peer, group=_group(group), tag=tag).wait()
+        return buffer
+
+    def finish(self) -> None:
+        """Wait for every send of the step (their buffers are released then)."""
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+        if self.mailbox:
+            raise RuntimeError(f"pipeline step ended with {len(self.mailbox)} undelivered in-memory messages")
+
+
+_current: list[Exchange] = []
+
+
+def _group(name: str) -> Any:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def current() -> Exchange:
+    if not _current:
+        raise RuntimeError("a pipeline send/recv ran outside a pipeline schedule; pipeline-parallel modules "
+                           "train with module.train_step(...)")
+    return _current[-1]
+
+
+@contextlib.contextmanager
+def active(exchange: Exchange, microbatch: int) -> Iterator[Exchange]:
+    exchange.microbatch = microbatch
+    _current.append(exchange)
+    try:
+        yield exchange
+    finally:
+        _current.pop()
+
+
+class _Send(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, peer, value):
+        exchange = current()
+        ctx.args = (tuple(x.shape), x.dtype, peer, group, _tag(value, exchange.microbatch, _BACKWARD), exchange)
+        exchange.send(x.detach(), peer, group, _tag(value, exchange.microbatch, _FORWARD))
+        return x.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _token_grad):
+        shape, dtype, peer, group, tag, exchange = ctx.args
+        return exchange.recv(shape, dtype, peer, group, tag), None, None, None
+
+
+class _Recv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, token, group, peer, value, shape, dtype):
+        exchange = current()
+        ctx.args = (peer, group, _tag(value, exchange.microbatch, _BACKWARD), exchange)
+        return exchange.recv(tuple(shape), dtype, peer, group, _tag(value, exchange.microbatch, _FORWARD))
+
+    @staticmethod
+    def backward(ctx, grad):
+        peer, group, tag, exchange = ctx.args
+        exchange.send(grad, peer, group, tag)
+        return None, None, None, None, None, None
+
+
+def send_activation(x: torch.Tensor, *, group: str, peer: int, value: int) -> torch.Tensor:
+    """Send `x` to `peer` (forward); its gradient comes back from `peer` in backward. Returns a token."""
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        exchange = current()
+        exchange.send(x.detach(), peer, group, _tag(value, exchange.microbatch, _FORWARD))
+        return x.new_zeros(())
+    return _Send.apply(x, group, peer, value)
+
+
+def recv_activation(token: torch.Tensor, *, group: str, peer: int, value: int, shape: list[int],
+                    dtype: torch.dtype, requires_grad: bool = True) -> torch.Tensor:
+    """Receive a value from `peer` (forward); send its gradient back in backward."""
+    if not (requires_grad and torch.is_grad_enabled()):
+        exchange = current()
+        return exchange.recv(tuple(shape), dtype, peer, group, _tag(value, exchange.microbatch, _FORWARD))
+    return _Recv.apply(token, group, peer, value, shape, dtype)
