@@ -13,8 +13,9 @@ from autopar.api import ParallelModule, Plan, parallelize, plan
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
 from autopar.strategies.data_parallel import data_parallel
+from autopar.strategies.pipeline import pipeline_parallel
 from autopar.strategies.tensor_parallel import sequence_parallel, tensor_parallel
 from autopar.strategies.zero import fsdp, hsdp, zero
 
-__all__ = ["Mesh", "ParallelModule", "Plan", "PlanError", "data_parallel", "fsdp", "hsdp", "parallelize", "plan",
-           "sequence_parallel", "tensor_parallel", "zero"]
+__all__ = ["Mesh", "ParallelModule", "Plan", "PlanError", "data_parallel", "fsdp", "hsdp", "parallelize",
+           "pipeline_parallel", "plan", "sequence_parallel", "tensor_parallel", "zero"]

@@ -110,15 +110,24 @@ class Mesh:
         chosen = range(self.size(axis)) if coordinates is None else coordinates
         return [self.neighbour(rank, axis, c - self.coordinate(rank, axis)) for c in chosen]
 
-    def link(self, axis: str) -> str:
-        """'intra' if every group along `axis` stays inside one node, else 'inter'."""
+    @staticmethod
+    def split_group(key: str) -> tuple[str, tuple[int, ...] | None]:
+        """A group key is an axis name, or `axis@i,j` for the ranks at coordinates i, j of the axis
+        (a tied parameter's pipeline stages): (axis, coordinates or None)."""
+        axis, _, coordinates = key.partition("@")
+        return axis, tuple(int(c) for c in coordinates.split(",")) if coordinates else None
+
+    def group_size(self, key: str) -> int:
+        axis, coordinates = self.split_group(key)
+        return len(coordinates) if coordinates is not None else self.size(axis)
+
+    def link(self, key: str) -> str:
+        """'intra' if every group along the axis (or `axis@i,j` sub-group) stays inside one node, else 'inter'."""
         per_node = self.ranks_per_node or self.world_size
-        index = self.names.index(axis)
-        stride = math.prod(self.shape[index + 1:])
+        axis, coordinates = self.split_group(key)
         for rank in range(self.world_size):
-            first = rank - self.coordinate(rank, axis) * stride
-            last = first + (self.shape[index] - 1) * stride
-            if first // per_node != last // per_node:
+            nodes = {member // per_node for member in self.group_ranks(rank, axis, coordinates)}
+            if len(nodes) > 1:
                 return "inter"
         return "intra"
 

@@ -1,10 +1,12 @@
 """`plan()`: trace, run the passes, and collect what they decided into a `Plan`.
 
-A Plan needs no process group: it holds the planned graph (placements on every node, inserted
-collectives), the gradient buckets, ZeRO units, the communication ledger, builds the memory
-ledger (`memory`), and can emit any rank's graph
-(`rank_graph`), shard a parameter or a global batch for a rank (`shard`, `local_inputs`), and
-print the placement table and ledger (`report`).
+A Plan needs no process group: it holds the `Program` (the planned graph — placements on every
+node, inserted collectives — and its stage graphs), each stage's gradient buckets and ZeRO
+units, the communication ledger, builds the memory ledger (`memory`), and can emit any rank's
+graph of any of its stages (`rank_graph`), shard a parameter or a global batch for a rank
+(`shard`, `local_inputs`), and print the placement table and ledger (`report`). Under pipeline
+parallelism the model is traced at one micro-batch (the global batch's first 1/m along the
+batch dimension): every shape in the graphs and ledgers is a micro-batch's.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch.fx
 from tabulate import tabulate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.utils import _pytree as pytree
 
 from autopar.context import CompileContext
 from autopar.errors import PlanError
@@ -27,6 +30,7 @@ from autopar.mesh import Mesh
 from autopar.passes import PassRecord, default_passes, run_passes
 from autopar.passes.emit_rank_graph import emit_rank_graph
 from autopar.passes.insert_grad_reductions import GRAD_SYNC
+from autopar.program import PipelineLayout, Program, Stage
 from autopar.runtime.grad_sync import Bucket, plan_buckets
 from autopar.strategies import ResolvedStrategy, resolve_strategies
 from autopar.trace import TracedProgram, trace_model
@@ -61,17 +65,39 @@ class Plan:
     mesh: Mesh
     strategy: ResolvedStrategy
     traced: TracedProgram
-    graph_module: torch.fx.GraphModule
+    program: Program
     context: CompileContext
     pass_records: list[PassRecord]
-    buckets: list[Bucket]
     comm: CommLedger
     _document: "PlanDocument | None" = field(default=None, repr=False, compare=False)
 
     @property
+    def graph_module(self) -> torch.fx.GraphModule:
+        """The whole planned graph (all stages): placements and inserted collectives."""
+        return self.program.graph_module
+
+    @property
+    def stages(self) -> list[Stage]:
+        return self.program.stages
+
+    @property
+    def pipeline(self) -> PipelineLayout | None:
+        return self.program.pipeline
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """Every stage's gradient buckets, in stage order."""
+        return [bucket for stage in self.stages for bucket in stage.buckets]
+
+    @property
     def units(self) -> list["ShardUnit"]:
-        """ZeRO/FSDP units (empty without a sharded-state strategy), by index."""
+        """ZeRO/FSDP units (empty without a sharded-state strategy), by index, over all stages."""
         return self.context.units
+
+    def stages_of_rank(self, rank: int) -> list[Stage]:
+        """The stages `rank` runs: one without a pipeline, `virtual_stages` with one."""
+        coordinate = self.mesh.coordinate(rank, self.pipeline.axis) if self.pipeline is not None else None
+        return self.program.stages_of_rank(coordinate)
 
     def memory(self, *, rank: int = 0, optimizer: str = "adamw") -> "MemoryLedger":
         """The per-rank memory ledger (autopar.ledger.memory)."""
@@ -79,8 +105,11 @@ class Plan:
 
         return build_memory_ledger(self, rank=rank, optimizer=optimizer)
 
-    def rank_graph(self, rank: int, groups: dict[str, str] | None = None) -> torch.fx.GraphModule:
-        return emit_rank_graph(self.graph_module, self.context, rank=rank, groups=groups)
+    def rank_graph(self, rank: int, groups: dict[str, str] | None = None, *, stage: int | None = None
+                   ) -> torch.fx.GraphModule:
+        """The graph `rank` runs for `stage` (default: the rank's first stage)."""
+        chosen = self.stages[stage] if stage is not None else self.stages_of_rank(rank)[0]
+        return emit_rank_graph(chosen.graph_module, self.context, rank=rank, groups=groups)
 
     def placeholder_nodes(self, kind: str) -> list[torch.fx.Node]:
         return [n for n in self.graph_module.graph.nodes
@@ -123,14 +152,65 @@ class Plan:
                          for r in self.pass_records], headers=["pass", "time", "nodes in", "nodes out"])
 
 
+def _flat(strategies: Sequence[Any]) -> list[Any]:
+    return [s for item in strategies for s in (item if isinstance(item, (tuple, list)) else (item,))]
+
+
 def _declared_param_dtype(strategies: Sequence[Any], mesh: Mesh) -> torch.dtype | None:
     """The mixed-precision compute dtype a ZeRO strategy declares (on an axis of size > 1)."""
-    flat = [s for item in strategies for s in (item if isinstance(item, (tuple, list)) else (item,))]
-    for strategy in flat:
+    for strategy in _flat(strategies):
         state = getattr(strategy, "sharded_state", None)
         if state is not None and state.param_dtype is not None and mesh.size(strategy.axis) > 1:
             return state.param_dtype
     return None
+
+
+def _declared_pipeline(strategies: Sequence[Any], mesh: Mesh) -> Any:
+    """The pipeline declaration (strategies/pipeline.py) on an axis of size > 1, if any."""
+    for strategy in _flat(strategies):
+        declared = getattr(strategy, "pipeline", None)
+        if declared is not None and strategy.axis in mesh.names and mesh.size(strategy.axis) > 1:
+            return declared
+    return None
+
+
+def _one_microbatch(args: tuple, kwargs: dict, declared: Any) -> tuple[tuple, dict]:
+    """The example inputs cut to their first micro-batch: the pipeline traces one micro-batch."""
+    dim, count = declared.batch_dim, declared.microbatches
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > dim]
+    if not tensors:
+        raise PlanError("pipeline parallelism splits the batch into micro-batches, and no input is a tensor with a "
+                        f"batch dimension {dim}; fix: pass the batch as tensors, or set batch_dim=")
+    batch = tensors[0].shape[dim]
+    if batch % count:
+        raise PlanError(f"a global batch of {batch} (dimension {dim} of the first input) cannot be split into "
+                        f"{count} micro-batches; fix: make the global batch a multiple of microbatches x the "
+                        f"data-parallel degree")
+    cut = lambda t: t.narrow(dim, 0, batch // count) if (  # noqa: E731
+        isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == batch) else t
+    return pytree.tree_map(cut, (tuple(args), kwargs))
+
+
+def _check_microbatch_divides(strategy: ResolvedStrategy, mesh: Mesh, declared: Any, rows: int) -> None:
+    """The micro-batch must split over every axis that shards the batch (dp, ZeRO, ...)."""
+    placements = strategy.input_placements(0)
+    degree = math.prod(mesh.size(axis) for axis, p in zip(mesh.names, placements)
+                       if isinstance(p, Shard) and p.dim == declared.batch_dim)
+    if rows % degree:
+        raise PlanError(f"the global batch gives micro-batches of {rows} rows ({declared.microbatches} micro-batches), "
+                        f"which do not split over the {degree} data-parallel ranks; fix: make the global batch a "
+                        f"multiple of microbatches x {degree}")
+
+
+def _stage_buckets(stage: Stage, context: CompileContext, mesh: Mesh, cap_bytes: int) -> list[Bucket]:
+    params = []
+    for node in stage.graph_module.graph.nodes:
+        info = context.placeholders.get(node.name)
+        if node.op == "placeholder" and info.kind == "parameter":
+            spec = node.meta[SPEC]
+            numel = math.prod(local_shape(spec.tensor_meta.shape, spec.placements, mesh.shape))
+            params.append((info.target, numel, spec.tensor_meta.dtype, tuple(node.meta.get(GRAD_SYNC, ()))))
+    return plan_buckets(params, cap_bytes=cap_bytes)
 
 
 def _with_param_dtype(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
@@ -166,24 +246,23 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, strateg
     `explain=True` also records, for every op DTensor decided, the alternatives it weighed."""
     mesh = Mesh.parse(mesh, ranks_per_node=ranks_per_node)
     param_dtype = _declared_param_dtype(strategies, mesh)
-    traced = trace_model(_with_param_dtype(model, param_dtype), tuple(example_inputs), example_kwargs,
-                         dynamic_dims=dynamic_dims)
+    pipelined = _declared_pipeline(strategies, mesh)
+    args, kwargs = tuple(example_inputs), example_kwargs or {}
+    if pipelined is not None:
+        args, kwargs = _one_microbatch(args, kwargs, pipelined)
+    traced = trace_model(_with_param_dtype(model, param_dtype), args, kwargs, dynamic_dims=dynamic_dims)
     masters = _keep_master_weights(traced, model) if param_dtype is not None else {}
     param_names = [i.target for i in traced.placeholders.values() if i.kind == "parameter"]
     strategy = resolve_strategies(mesh, list(strategies), param_names)
+    if pipelined is not None:
+        first = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        _check_microbatch_divides(strategy, mesh, pipelined, first.shape[pipelined.batch_dim])
     context = CompileContext(mesh=mesh, device_mesh=mesh.device_mesh(plan_rank=0), strategy=strategy,
                              placeholders=traced.placeholders, symbols=traced.symbols, explain=explain,
                              master_dtypes=masters)
-    graph_module, records = run_passes(traced.graph_module, context, default_passes())
-    params = []
-    for node in graph_module.graph.nodes:
-        info = context.placeholders.get(node.name)
-        if node.op == "placeholder" and info.kind == "parameter":
-            spec = node.meta[SPEC]
-            numel = math.prod(local_shape(spec.tensor_meta.shape, spec.placements, mesh.shape))
-            params.append((info.target, numel, spec.tensor_meta.dtype, tuple(node.meta.get(GRAD_SYNC, ()))))
-    buckets = plan_buckets(params, cap_bytes=int(bucket_cap_mb * 2**20))
-    comm = build_comm_ledger(graph_module.graph, mesh, buckets, {p[0]: p[2] for p in params},
-                             traced.symbols, traced.symbol_values, units=context.units)
-    return Plan(mesh=mesh, strategy=strategy, traced=traced, graph_module=graph_module, context=context,
-                pass_records=records, buckets=buckets, comm=comm)
+    program, records = run_passes(Program(graph_module=traced.graph_module), context, default_passes())
+    for stage in program.stages:
+        stage.buckets = _stage_buckets(stage, context, mesh, int(bucket_cap_mb * 2**20))
+    comm = build_comm_ledger(program, mesh, traced.symbols, traced.symbol_values)
+    return Plan(mesh=mesh, strategy=strategy, traced=traced, program=program, context=context,
+                pass_records=records, comm=comm)

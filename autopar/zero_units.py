@@ -54,6 +54,7 @@ class ShardUnit:
     master_dtype: torch.dtype = torch.float32  # the shards the optimizer updates (mixed precision: fp32)
     reduce_dtype: torch.dtype = torch.float32  # gradients are reduce-scattered in this dtype
     backward_prefetch: bool = False  # backward: the previous block's all-gather is launched early
+    pipeline_stage: int = 0  # the pipeline stage whose graph gathers it (0 without a pipeline)
 
     @property
     def shard_numel(self) -> int:

@@ -1,9 +1,12 @@
 """The compiler passes, one per file, and the runner that applies them in order.
 
-Order: `propagate_placements` -> `insert_collectives` -> `insert_grad_reductions` ->
-`shard_parameters` (ZeRO/FSDP units; a no-op without a sharded-state strategy), then
-`emit_rank_graph` once per rank. `run_passes` names the pass that failed, times each one and
-records how many nodes it added (`PassRecord`), so `autopar plan` can show what each pass did.
+Every pass maps a `Program` (autopar.program) to a `Program`. Order: `propagate_placements` ->
+`insert_collectives` -> `insert_grad_reductions` (these three decide the whole graph) ->
+`split_pipeline` (the stage graphs: one, the whole graph, without a pipeline) ->
+`shard_parameters` (ZeRO/FSDP units per stage; a no-op without a sharded-state strategy), then
+`emit_rank_graph` once per (rank, stage). `run_passes` names the pass that failed, times each
+one and records how many nodes it added over all stage graphs (`PassRecord`), so `autopar plan`
+can show what each pass did.
 """
 from __future__ import annotations
 
@@ -11,12 +14,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import torch.fx
-
 from autopar.context import CompileContext
 from autopar.errors import PlanError
+from autopar.program import Program
 
-Pass = Callable[[torch.fx.GraphModule, CompileContext], torch.fx.GraphModule]
+Pass = Callable[[Program, CompileContext], Program]
 
 
 @dataclass(frozen=True)
@@ -27,19 +29,19 @@ class PassRecord:
     nodes_after: int
 
 
-def run_passes(gm: torch.fx.GraphModule, ctx: CompileContext, passes: list[Pass]) -> tuple[torch.fx.GraphModule, list[PassRecord]]:
+def run_passes(program: Program, ctx: CompileContext, passes: list[Pass]) -> tuple[Program, list[PassRecord]]:
     records = []
     for compiler_pass in passes:
-        before = len(gm.graph.nodes)
+        before = program.node_count()
         start = time.perf_counter()
         try:
-            gm = compiler_pass(gm, ctx)
+            program = compiler_pass(program, ctx)
         except PlanError:
             raise
         except Exception as error:
             raise PlanError(f"pass {compiler_pass.__name__} failed: {type(error).__name__}: {error}") from error
-        records.append(PassRecord(compiler_pass.__name__, time.perf_counter() - start, before, len(gm.graph.nodes)))
-    return gm, records
+        records.append(PassRecord(compiler_pass.__name__, time.perf_counter() - start, before, program.node_count()))
+    return program, records
 
 
 def default_passes() -> list[Pass]:
@@ -47,5 +49,6 @@ def default_passes() -> list[Pass]:
     from autopar.passes.insert_grad_reductions import insert_grad_reductions
     from autopar.passes.propagate_placements import propagate_placements
     from autopar.passes.shard_parameters import shard_parameters
+    from autopar.passes.split_pipeline import split_pipeline
 
-    return [propagate_placements, insert_collectives, insert_grad_reductions, shard_parameters]
+    return [propagate_placements, insert_collectives, insert_grad_reductions, split_pipeline, shard_parameters]

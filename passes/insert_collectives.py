@@ -27,6 +27,7 @@ from autopar.comm_kinds import STEPS
 from autopar.context import CompileContext
 from autopar.errors import PlanError
 from autopar.ir import ARG_SPECS, COLLECTIVE, SPEC, CollectiveInfo, describe, local_numel, module_path
+from autopar.program import Program
 from autopar.runtime import collectives
 
 
@@ -112,7 +113,8 @@ def _insert_chain(graph: torch.fx.Graph, producer: torch.fx.Node, target: DTenso
     return current
 
 
-def insert_collectives(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule:
+def insert_collectives(program: Program, ctx: CompileContext) -> Program:
+    gm = program.graph_module
     graph = gm.graph
     chains: dict[tuple[torch.fx.Node, tuple[Placement, ...]], torch.fx.Node] = {}
     for node in list(graph.nodes):
@@ -136,5 +138,5 @@ def insert_collectives(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.f
             node.args, node.kwargs = pytree.tree_unflatten(leaves, tree)
     graph.lint()
     gm.recompile()
-    return gm
+    return program
 

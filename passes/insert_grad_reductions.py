@@ -27,6 +27,7 @@ from autopar.ir import COLLECTIVE, SPEC, module_path
 from autopar.runtime import collectives
 from autopar.comm_kinds import comm_step
 from autopar.passes.insert_collectives import collective_info
+from autopar.program import Program
 
 aten = torch.ops.aten
 REQUIRES_GRAD = "autopar_requires_grad"
@@ -94,8 +95,9 @@ def _parameter_only_upstream(node: torch.fx.Node) -> list[torch.fx.Node] | None:
     return params
 
 
-def insert_grad_reductions(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule:
+def insert_grad_reductions(program: Program, ctx: CompileContext) -> Program:
     """Walks the graph backwards (consumers before producers), as the gradients flow."""
+    gm = program.graph_module
     _mark_requires_grad(gm, ctx)
     graph = gm.graph
     passed_through: dict[torch.fx.Node, set[int]] = {}
@@ -128,7 +130,7 @@ def insert_grad_reductions(gm: torch.fx.GraphModule, ctx: CompileContext) -> tor
                 user.replace_input_with(node, reduced)
     graph.lint()
     gm.recompile()
-    return gm
+    return program
 
 
 def _settle_free_reductions(node: torch.fx.Node, users: list[torch.fx.Node], needs: dict[torch.fx.Node, set[int]],

@@ -32,6 +32,7 @@ from autopar import op_rules
 from autopar.context import CompileContext
 from autopar.errors import PlanError
 from autopar.explain import dtensor_alternatives
+from autopar.program import Program
 from autopar.ir import ARG_SPECS, LOCAL_ARGS, ORIGIN, RULE, SPEC, describe, hint, module_stack, shard_dim, tensor_meta
 
 
@@ -156,8 +157,8 @@ def _propagate_with_rule(node: torch.fx.Node, rule: Any, args: tuple, kwargs: di
     return True
 
 
-def propagate_placements(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule:
-    for node in gm.graph.nodes:
+def propagate_placements(program: Program, ctx: CompileContext) -> Program:
+    for node in program.graph_module.graph.nodes:
         if node.op == "placeholder":
             node.meta[SPEC] = _seed(node, ctx)
             _check_divisible(node, node.meta[SPEC], ctx)
@@ -170,7 +171,7 @@ def propagate_placements(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch
             outputs = pytree.tree_leaves(node.args)
             node.meta[ARG_SPECS] = [_replicated(ctx, o.meta.get("val")) if isinstance(o, torch.fx.Node) else None
                                     for o in outputs]
-    return gm
+    return program
 
 
 def _propagate_node(node: torch.fx.Node, ctx: CompileContext) -> None:

@@ -1,8 +1,8 @@
 """Pass 4 (ZeRO / FSDP): group the parameters of the sharded-state axis into units and make the
 graph gather them where they are used.
 
-Runs after `insert_grad_reductions`, only when a strategy declares a `ShardedState`
-(strategies/zero.py). For each unit (a repeated block such as `layers.3`, or the root: every
+Runs after `split_pipeline`, only when a strategy declares a `ShardedState` (strategies/zero.py),
+on each stage graph (units never span stages). For each unit (a repeated block such as `layers.3`, or the root: every
 other parameter) it
 - decides each parameter's dim-0 shard rows (`autopar.zero_units`, padded when uneven) and
   takes the sharded axis out of the parameter's GRAD_SYNC axes: the unit's own reduce-scatter
@@ -32,6 +32,7 @@ from autopar.context import CompileContext
 from autopar.errors import PlanError
 from autopar.ir import SPEC, local_shape, module_path
 from autopar.passes.insert_grad_reductions import GRAD_SYNC
+from autopar.program import Program
 from autopar.runtime import sharded_state
 from autopar.zero_units import ShardUnit, UnitParam, rows_per_rank
 
@@ -55,7 +56,8 @@ def _inside(node: torch.fx.Node, unit_name: str) -> bool:
     return bool(unit_name) and (path == unit_name or path.startswith(unit_name + "."))
 
 
-def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declared) -> list[tuple[ShardUnit, list]]:
+def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declared, *, first: int,
+                stage: int) -> list[tuple[ShardUnit, list]]:
     size = ctx.mesh.size(axis)
     groups: dict[tuple, list[tuple[UnitParam, torch.fx.Node]]] = {}
     for node in gm.graph.nodes:
@@ -71,7 +73,11 @@ def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declar
         key = (_unit_name(info.target, declared.units), extra, spec.tensor_meta.dtype)
         groups.setdefault(key, []).append((UnitParam(info.target, node.name, shape, rows_per_rank(shape[0], size)), node))
     units = []
-    for index, ((name, extra, dtype), members) in enumerate(groups.items()):
+    for index, ((name, extra, dtype), members) in enumerate(groups.items(), start=first):
+        if any("@" in axis for axis in extra):
+            # held by several pipeline stages (tied) and reduced over their group too: the same
+            # parameters in the same order on every holder, whatever each stage's graph order
+            members = sorted(members, key=lambda m: m[0].fqn)
         params = tuple(p for p, _ in members)
         nodes = [n for _, n in members]
         self_contained = bool(name) and all(_inside(user, name) for n in nodes for user in n.users)
@@ -82,7 +88,7 @@ def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declar
                                 dtype=dtype, params=params, extra_axes=extra, reshard=reshard,
                                 prefetch=declared.prefetch, backward_prefetch=declared.backward_prefetch,
                                 master_dtype=master,
-                                reduce_dtype=declared.reduce_dtype or dtype), nodes))
+                                reduce_dtype=declared.reduce_dtype or dtype, pipeline_stage=stage), nodes))
     return units
 
 
@@ -172,17 +178,22 @@ def _check_mixed_precision(gm: torch.fx.GraphModule, ctx: CompileContext, declar
                             f"data-parallel on the axis")
 
 
-def shard_parameters(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule:
+def shard_parameters(program: Program, ctx: CompileContext) -> Program:
     declared = ctx.strategy.sharded_state()
     if declared is None:
-        return gm
+        return program
     axis, state = declared
-    units = _plan_units(gm, ctx, axis, state)
-    calls = sharded_state.UnitCalls([unit for unit, _ in units])
-    for unit, nodes in units:
-        _rewrite_unit(gm.graph, unit, nodes, calls)
-    ctx.units = [unit for unit, _ in units]
-    _check_mixed_precision(gm, ctx, state)
-    gm.graph.lint()
-    gm.recompile()
-    return gm
+    ctx.units = []
+    for stage in program.stages:
+        gm = stage.graph_module
+        units = _plan_units(gm, ctx, axis, state, first=len(ctx.units), stage=stage.index)
+        calls = sharded_state.UnitCalls([unit for unit, _ in units])
+        for unit, nodes in units:
+            _rewrite_unit(gm.graph, unit, nodes, calls)
+        stage.units = [unit for unit, _ in units]
+        ctx.units += stage.units
+        gm.graph.lint()
+        gm.recompile()
+    for stage in program.stages:
+        _check_mixed_precision(stage.graph_module, ctx, state)
+    return program

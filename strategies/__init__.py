@@ -7,7 +7,8 @@ PrepareModuleOutput but applied to graph edges). Strategies for different axes c
 `resolve_strategies` merges them into a `ResolvedStrategy` the planner queries, and refuses an
 axis the mesh does not have. Constructors live beside: `data_parallel.py`, `tensor_parallel.py`
 (+ sequence parallel), `zero.py` (ZeRO-1/2/3, FSDP, HSDP: a data-parallel axis that also shards
-the training state) and `layouts.py` (which modules of a model are which).
+the training state), `pipeline.py` (pipeline stages, schedule and micro-batches on an axis) and
+`layouts.py` (which modules of a model are which).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from autopar.errors import PlanError
 from autopar.mesh import Mesh
 
 if TYPE_CHECKING:
+    from autopar.strategies.pipeline import PipelineDeclaration
     from autopar.strategies.zero import ShardedState
 
 
@@ -60,6 +62,7 @@ class Strategy:
     inputs: tuple[InputRule, ...] = ()
     modules: tuple[ModuleLayout, ...] = ()
     sharded_state: "ShardedState | None" = None  # ZeRO / FSDP on this axis (strategies/zero.py)
+    pipeline: "PipelineDeclaration | None" = None  # pipeline stages on this axis (strategies/pipeline.py)
     regather_in_backward: bool = False  # all-gathers on this axis keep their input for backward, not output
 
 
@@ -84,6 +87,12 @@ class ResolvedStrategy:
         """(axis, declaration) of the one ZeRO/FSDP strategy, if any (not on a size-1 axis)."""
         found = [(s.axis, s.sharded_state) for axis in self.mesh.names for s in self._for_axis(axis)
                  if s.sharded_state is not None]
+        return found[0] if found else None
+
+    def pipeline(self) -> "tuple[str, PipelineDeclaration] | None":
+        """(axis, declaration) of the pipeline strategy, if any (not on a size-1 axis)."""
+        found = [(s.axis, s.pipeline) for axis in self.mesh.names for s in self._for_axis(axis)
+                 if s.pipeline is not None]
         return found[0] if found else None
 
     def regathers(self, axis: str) -> bool:
@@ -160,4 +169,7 @@ def resolve_strategies(mesh: Mesh, strategies: "list[Strategy] | tuple[Strategy,
     if len(sharded) > 1:
         raise PlanError(f"strategies {[s.name for s in sharded]} each shard the training state; declare one ZeRO/FSDP "
                         f"axis (hsdp() shards over one axis and replicates over another)")
+    pipelines = [s for s in strategies if s.pipeline is not None]
+    if len(pipelines) > 1:
+        raise PlanError(f"strategies {[s.name for s in pipelines]} each declare a pipeline; declare one pipeline axis")
     return ResolvedStrategy(mesh=mesh, strategies=tuple(strategies))

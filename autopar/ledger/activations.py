@@ -43,6 +43,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar.ir import SPEC, hint, local_numel, local_shape, module_path
 from autopar.runtime.collectives import regathered_source
+from autopar.runtime.p2p import PLANNING_STAND_INS
 
 if TYPE_CHECKING:
     from autopar.plan import Plan
@@ -149,14 +150,18 @@ class _SavedTensorRecorder(torch.fx.Interpreter):
         return list(self.saved.values())
 
 
-def _fake_inputs(plan: "Plan", mode: Any, device: torch.device) -> list[torch.Tensor | Any]:
-    """One fake tensor per placeholder: local shape at the hints; trainable parameters require grad."""
+def _fake_inputs(plan: "Plan", graph: torch.fx.Graph, mode: Any, device: torch.device) -> list[torch.Tensor | Any]:
+    """One fake tensor per placeholder of a stage graph: local shape at the hints; trainable
+    parameters (and a receiving stage's gradient token) require grad."""
     inputs = []
     with mode:
-        for node in plan.graph_module.graph.nodes:
+        for node in graph.nodes:
             if node.op != "placeholder":
                 continue
             value, info = node.meta.get("val"), plan.context.placeholders[node.name]
+            if info.kind == "token":
+                inputs.append(torch.zeros((), device=device, requires_grad=True))
+                continue
             if not isinstance(value, torch.Tensor):
                 inputs.append(hint(value))
                 continue
@@ -178,20 +183,25 @@ def _kernel_device(plan: "Plan", device: "str | torch.device | None") -> torch.d
 
 
 def _on_device(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
-    """Factory calls (arange, scalar_tensor, ...) of the rank graph moved to `device`."""
+    """Factory calls (arange, scalar_tensor, ...) of the rank graph moved to `device`; pipeline
+    sends and receives replaced by their planning stand-ins (nothing moves)."""
     for node in gm.graph.nodes:
         if isinstance(node.kwargs.get("device"), torch.device):
             node.kwargs = dict(node.kwargs, device=device)
+        if node.op == "call_function" and node.target in PLANNING_STAND_INS:
+            node.target = PLANNING_STAND_INS[node.target]
     gm.recompile()
     return gm
 
 
-def _saved_storages(plan: "Plan", rank: int, device: torch.device) -> tuple[torch.fx.GraphModule, list[_Saved]]:
-    gm = _on_device(plan.rank_graph(rank), device)
+def _saved_storages(plan: "Plan", rank: int, device: torch.device,
+                    stage: int | None) -> tuple[torch.fx.GraphModule, list[_Saved]]:
+    chosen = plan.stages[stage] if stage is not None else plan.stages_of_rank(rank)[0]
+    gm = _on_device(plan.rank_graph(rank, stage=chosen.index), device)
     values = [n.meta["val"] for n in plan.graph_module.graph.nodes if n.op == "placeholder"]
     mode = torch._guards.detect_fake_mode(values) or torch._subclasses.FakeTensorMode()
     recorder = _SavedTensorRecorder(gm)
-    inputs = _fake_inputs(plan, mode, device)
+    inputs = _fake_inputs(plan, chosen.graph_module.graph, mode, device)
     with mode, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
         recorder.run(*inputs)
     return gm, recorder.resolved()
@@ -281,18 +291,21 @@ def attention_core(gm: torch.fx.GraphModule, placeholder_kinds: dict[str, str]) 
 
 
 def saved_activations(plan: "Plan", *, rank: int = 0, recompute: str | None = None,
-                      device: "str | torch.device | None" = None) -> ActivationLedger:
-    """The storages autograd keeps for backward on `rank` for one step of `plan`.
+                      device: "str | torch.device | None" = None, stage: int | None = None) -> ActivationLedger:
+    """The storages autograd keeps for backward on `rank` for one forward of `stage` (default: the
+    rank's first stage; without a pipeline the whole step, with one a micro-batch).
 
     `recompute=None` keeps everything the graph saves; `"attention"` drops what selective
     recomputation of the attention core would recompute (module docstring). `device` names whose
     kernels decide what is saved (default: the traced device; cpu for a model traced on meta)."""
     if recompute not in (None, "attention"):
         raise ValueError(f"recompute={recompute!r}: expected None or 'attention'")
-    gm, saved = _saved_storages(plan, rank, _kernel_device(plan, device))
+    gm, saved = _saved_storages(plan, rank, _kernel_device(plan, device), stage)
     kinds = {name: info.kind for name, info in plan.context.placeholders.items()}
     dropped = attention_core(gm, kinds) if recompute == "attention" else set()
+    chosen = plan.stages[stage] if stage is not None else plan.stages_of_rank(rank)[0]
     planned = {node.name: node for node in plan.graph_module.graph.nodes}
+    planned.update({node.name: node for node in chosen.graph_module.graph.nodes})
     entries = []
     for item in saved:
         producer = item.producer[0] if item.producer is not None else None

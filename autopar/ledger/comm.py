@@ -1,18 +1,25 @@
-"""The communication ledger: every collective one training step performs, per rank.
+"""The communication ledger: every collective and point-to-point transfer one training step
+performs, per rank.
 
-Built from the planned graph, not from a model of it: each inserted redistribution node carries
-its forward collective and its backward conjugate (`CollectiveInfo`), lowered ops declare the
-collectives their kernels issue (`op_rules.InternalCollective`), and the gradient buckets of
-`runtime.grad_sync` add one all-reduce per bucket and axis, and ZeRO/FSDP units (`zero_units`)
-their all-gathers (forward, backward, or after the optimizer step) and reduce-scatters. Each entry has kind, mesh axis,
-link (intra/inter node), phase, count, the logical size S (all-reduce input, all-gather output,
-reduce-scatter input, all-to-all input) as a sympy expression in the traced symbols, and the
-NCCL bus-bandwidth wire bytes: 2(N-1)/N*S for all-reduce, (N-1)/N*S for the others.
+Built from the program the compiler emitted, not from a model of it: each inserted
+redistribution node and pipeline send/recv carries its forward step and its backward conjugate
+(`CollectiveInfo`), lowered ops declare the collectives their kernels issue
+(`op_rules.InternalCollective`), each stage's gradient buckets (`runtime.grad_sync`) add one
+all-reduce per bucket and axis, and ZeRO/FSDP units (`zero_units`) their all-gathers (forward,
+backward, or after the optimizer step) and reduce-scatters. Each entry has kind, mesh axis (or
+`axis@i,j` sub-group), link (intra/inter node), phase, the pipeline stage it belongs to
+(None: every rank), how many times a step performs it (`times`: once per micro-batch for what
+the stage graphs do, once per step for gradient and parameter synchronisation), the logical
+size S per call (all-reduce input, all-gather output, reduce-scatter input, all-to-all input,
+the tensor sent or received) as a sympy expression in the traced symbols, and the wire bytes
+the registry gives (`autopar.comm_kinds`: NCCL's bus-bandwidth convention; point-to-point moves
+S). `by_key(rank=)` is what one rank should measure in one step.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import sympy
 import torch
@@ -34,6 +41,8 @@ class CommEntry:
     why: str
     dtype: torch.dtype
     logical_bytes: sympy.Expr
+    stage: int | None = 0  # the pipeline stage whose rank performs it; None: every rank
+    times: int = 1  # calls per step (micro-batches for what a stage graph does)
 
     @property
     def wire_bytes(self) -> sympy.Expr:
@@ -44,28 +53,43 @@ class CommEntry:
 class CommLedger:
     entries: list[CommEntry]
     symbol_values: dict[sympy.Symbol, int]
+    stage_coordinates: dict[int, int] | None = None  # pipeline stage -> pp coordinate (None: no pipeline)
+    pipeline_axis: str | None = None
+    mesh: Mesh | None = None
 
     def number(self, expr: sympy.Expr) -> int:
         value = sympy.sympify(expr).subs(self.symbol_values)
         return int(value) if value.is_number else value
 
+    def _chosen(self, axis: str | None, phase: str | None, kind: str | None) -> list[CommEntry]:
+        return [e for e in self.entries if (axis is None or e.axis == axis) and (phase is None or e.phase == phase)
+                and (kind is None or e.kind == kind)]
+
     def total(self, *, axis: str | None = None, phase: str | None = None, kind: str | None = None,
               wire: bool = False) -> sympy.Expr:
-        chosen = [e for e in self.entries if (axis is None or e.axis == axis) and (phase is None or e.phase == phase)
-                  and (kind is None or e.kind == kind)]
-        return sympy.simplify(sum((e.wire_bytes if wire else e.logical_bytes) for e in chosen) or sympy.Integer(0))
+        """Bytes per step (each entry times its calls per step), summed over every stage."""
+        chosen = self._chosen(axis, phase, kind)
+        return sympy.simplify(sum((e.times * (e.wire_bytes if wire else e.logical_bytes)) for e in chosen)
+                              or sympy.Integer(0))
 
     def count(self, *, axis: str | None = None, phase: str | None = None, kind: str | None = None) -> int:
-        return sum(1 for e in self.entries if (axis is None or e.axis == axis) and (phase is None or e.phase == phase)
-                   and (kind is None or e.kind == kind))
+        return sum(e.times for e in self._chosen(axis, phase, kind))
 
-    def by_key(self) -> dict[tuple[str, str, str], tuple[int, int]]:
-        """(phase, kind, axis) -> (calls, logical bytes as a number): what a run should measure."""
+    def for_rank(self, rank: int) -> list[CommEntry]:
+        """The entries `rank` performs: those of its pipeline stages and those of every rank."""
+        if self.stage_coordinates is None or rank is None:
+            return list(self.entries)
+        here = self.mesh.coordinate(rank, self.pipeline_axis)
+        return [e for e in self.entries if e.stage is None or self.stage_coordinates[e.stage] == here]
+
+    def by_key(self, *, rank: int | None = None) -> dict[tuple[str, str, str], tuple[int, int]]:
+        """(phase, kind, axis) -> (calls, logical bytes as a number) per step: what `rank` should
+        measure (every stage's entries when rank is None)."""
         result: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
-        for e in self.entries:
+        for e in (self.for_rank(rank) if rank is not None else self.entries):
             row = result[(e.phase, e.kind, e.axis)]
-            row[0] += 1
-            row[1] += self.number(e.logical_bytes)
+            row[0] += e.times
+            row[1] += e.times * self.number(e.logical_bytes)
         return {k: (v[0], v[1]) for k, v in result.items()}
 
     def accumulation(self, *, micro_batches: int, no_sync: bool) -> dict[tuple[str, str, str], tuple[int, int]]:
@@ -91,14 +115,17 @@ class CommLedger:
     def table(self) -> str:
         grouped: dict[tuple, list[CommEntry]] = defaultdict(list)
         for e in self.entries:
-            grouped[(e.phase, e.module or "<top>", e.kind, e.axis, e.link)].append(e)
+            grouped[(e.stage, e.phase, e.module or "<top>", e.kind, e.axis, e.link)].append(e)
+        staged = self.stage_coordinates is not None
         rows = []
-        for (phase, module, kind, axis, link), entries in grouped.items():
-            logical = sympy.simplify(sum(e.logical_bytes for e in entries))
-            wire = sympy.simplify(sum(e.wire_bytes for e in entries))
-            rows.append([phase, module, kind, axis, link, len(entries), str(logical), self.number(logical), self.number(wire)])
-        body = tabulate(rows, headers=["phase", "module", "collective", "axis", "link", "count", "bytes/rank (S)",
-                                       "S", "wire bytes"], tablefmt="simple")
+        for (stage, phase, module, kind, axis, link), entries in grouped.items():
+            logical = sympy.simplify(sum(e.times * e.logical_bytes for e in entries))
+            wire = sympy.simplify(sum(e.times * e.wire_bytes for e in entries))
+            row = [phase, module, kind, axis, link, sum(e.times for e in entries), str(logical), self.number(logical),
+                   self.number(wire)]
+            rows.append(([("all" if stage is None else stage)] if staged else []) + row)
+        headers = ["phase", "module", "collective", "axis", "link", "count", "bytes/rank (S)", "S", "wire bytes"]
+        body = tabulate(rows, headers=(["stage"] if staged else []) + headers, tablefmt="simple")
         return body + "\n\n" + self.totals_table()
 
     def totals_table(self) -> str:
@@ -108,13 +135,14 @@ class CommLedger:
             logical, wire = self.total(axis=axis), self.total(axis=axis, wire=True)
             rows.append([axis, link, self.count(axis=axis), str(logical), self.number(logical), self.number(wire)])
         logical, wire = self.total(), self.total(wire=True)
-        rows.append(["all", "", len(self.entries), str(logical), self.number(logical), self.number(wire)])
+        rows.append(["all", "", self.count(), str(logical), self.number(logical), self.number(wire)])
         return tabulate(rows, headers=["axis", "link", "collectives", "bytes/rank (S)", "S", "wire bytes"],
                         tablefmt="simple")
 
 
-def _unit_entries(unit, entry) -> list[CommEntry]:
-    """ZeRO/FSDP: what one unit moves per step (autopar.runtime.sharded_state)."""
+def _unit_entries(unit, entry, *, pipelined: bool) -> list[CommEntry]:
+    """ZeRO/FSDP: what one unit moves per step (autopar.runtime.sharded_state). Under a pipeline
+    the units stay gathered from the first micro-batch's forward to the last one's backward."""
     gathered = unit.gathered_numel * unit.dtype.itemsize
     reduced = unit.gathered_numel * unit.reduce_dtype.itemsize
     name, tensors = f"unit {unit.index} {unit.name or '<root>'}", ",".join(p.fqn for p in unit.params[:3]) + (
@@ -123,7 +151,7 @@ def _unit_entries(unit, entry) -> list[CommEntry]:
     if unit.stage == 3:
         entries.append(entry("forward", "all_gather", unit.axis, name, tensors, "ZeRO-3 parameters before use",
                              unit.dtype, gathered))
-        if unit.reshard:
+        if unit.reshard and not pipelined:
             entries.append(entry("backward", "all_gather", unit.axis, name, tensors,
                                  "ZeRO-3 parameters again for backward (resharded after forward)", unit.dtype, gathered))
     else:
@@ -137,31 +165,45 @@ def _unit_entries(unit, entry) -> list[CommEntry]:
     return entries
 
 
-def build_comm_ledger(graph: torch.fx.Graph, mesh: Mesh, buckets: list, param_dtypes: dict[str, torch.dtype],
-                      symbols: dict[sympy.Symbol, sympy.Symbol], symbol_values: dict[sympy.Symbol, int],
-                      *, units: list = ()) -> CommLedger:
+def build_comm_ledger(program: Any, mesh: Mesh, symbols: dict[sympy.Symbol, sympy.Symbol],
+                      symbol_values: dict[sympy.Symbol, int]) -> CommLedger:
     from autopar.ir import COLLECTIVE, RULE, module_path
 
+    pipeline = program.pipeline
+    micro = pipeline.microbatches if pipeline is not None else 1
+    stage_index = 0
+
     def entry(phase: str, kind: str, axis: str, module: str, tensor: str, why: str, dtype: torch.dtype,
-              logical: sympy.Expr) -> CommEntry:
-        return CommEntry(phase=phase, kind=kind, axis=axis, link=mesh.link(axis), group_size=mesh.size(axis),
+              logical: sympy.Expr, *, times: int = 1, stage: int | None = -1) -> CommEntry:
+        return CommEntry(phase=phase, kind=kind, axis=axis, link=mesh.link(axis), group_size=mesh.group_size(axis),
                          module=module, tensor=tensor, why=why, dtype=dtype,
-                         logical_bytes=sympy.simplify(sympy.sympify(logical).subs(symbols)))
+                         logical_bytes=sympy.simplify(sympy.sympify(logical).subs(symbols)),
+                         stage=stage_index if stage == -1 else stage, times=times)
 
     entries = []
-    for node in graph.nodes:
-        for info in node.meta.get(COLLECTIVE, []):
-            entries.append(entry(info.phase, info.kind, info.axis, info.module, info.tensor, info.why, info.dtype,
-                                 info.logical_bytes))
-        rule = node.meta.get(RULE)
-        for internal in (rule.internal if rule is not None else []):
-            entries.append(entry(internal.phase, internal.kind, internal.axis, module_path(node), node.name,
-                                 internal.why, internal.dtype, internal.logical_bytes))
-    for index, bucket in enumerate(buckets):
-        for axis in bucket.axes:
-            entries.append(entry("grad_sync", "all_reduce", axis, f"bucket {index}", ",".join(bucket.params[:3])
-                                 + ("..." if len(bucket.params) > 3 else ""), "gradient synchronisation",
-                                 bucket.dtype, bucket.numel * bucket.dtype.itemsize))
-    for unit in units:
-        entries.extend(_unit_entries(unit, entry))
-    return CommLedger(entries=entries, symbol_values=symbol_values)
+    for stage in program.stages:
+        stage_index = stage.index
+        for node in stage.graph_module.graph.nodes:
+            for info in node.meta.get(COLLECTIVE, []):
+                entries.append(entry(info.phase, info.kind, info.axis, info.module, info.tensor, info.why, info.dtype,
+                                     info.logical_bytes, times=micro))
+            rule = node.meta.get(RULE)
+            for internal in (rule.internal if rule is not None else []):
+                entries.append(entry(internal.phase, internal.kind, internal.axis, module_path(node), node.name,
+                                     internal.why, internal.dtype, internal.logical_bytes, times=micro))
+        for index, bucket in enumerate(stage.buckets):
+            name = f"bucket {index}" if pipeline is None else f"bucket {stage.index}.{index}"
+            for axis in bucket.axes:
+                entries.append(entry("grad_sync", "all_reduce", axis, name, ",".join(bucket.params[:3])
+                                     + ("..." if len(bucket.params) > 3 else ""), "gradient synchronisation",
+                                     bucket.dtype, bucket.numel * bucket.dtype.itemsize))
+        for unit in stage.units:
+            entries.extend(_unit_entries(unit, entry, pipelined=pipeline is not None))
+    if pipeline is not None:
+        loss = next(n for n in program.stages[-1].graph_module.graph.nodes if n.op == "output").args[0][0]
+        dtype = loss.meta["val"].dtype
+        entries.append(entry("step", "broadcast", pipeline.axis, "", "loss", "the step's loss from the last stage to "
+                             "every pipeline rank", dtype, dtype.itemsize, stage=None))
+    coordinates = ({s.index: pipeline.coordinate(s.index) for s in program.stages} if pipeline is not None else None)
+    return CommLedger(entries=entries, symbol_values=symbol_values, stage_coordinates=coordinates,
+                      pipeline_axis=pipeline.axis if pipeline is not None else None, mesh=mesh)

@@ -55,12 +55,13 @@ class GradSynchronizer:
     copy back). Gradients must be zeroed or set to None between backward passes (optimizer.zero_grad,
     either way): the reduction sums Partial gradients, so gradients left from a synchronised step
     would be counted once per rank. Accumulate micro-batches under `ParallelModule.no_sync()` (the
-synchronising backward then reduces the accumulated sum), or by summing their losses."""
+    synchronising backward then reduces the accumulated sum), or by summing their losses; a pipeline
+    step does the same over its micro-batches (`runtime/stage.py`)."""
 
-    def __init__(self, module: torch.nn.Module, buckets: list[Bucket], groups: dict[str, str]) -> None:
+    def __init__(self, params: dict[str, torch.nn.Parameter], buckets: list[Bucket], groups: dict[str, str]) -> None:
         self.buckets = buckets
         self.groups = groups
-        self.params = dict(module.named_parameters())
+        self.params = params
         self._slot = {}
         for index, bucket in enumerate(buckets):
             offset = 0
@@ -105,6 +106,20 @@ synchronising backward then reduces the accumulated sum), or by summing their lo
             torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce_(flat, "sum", self.groups[axis]))
         # the last (usually only) axis runs asynchronously while backward goes on; _finish waits
         self._launched[index] = torch.ops._c10d_functional.all_reduce_(flat, "sum", self.groups[bucket.axes[-1]])
+
+    def synchronise_all(self) -> None:
+        """Reduce every bucket now: gradients accumulated without autograd's post-accumulate hooks
+        (a split backward's weight-gradient passes assign `.grad` directly)."""
+        for index, bucket in enumerate(self.buckets):
+            for fqn in bucket.params:
+                param = self.params[fqn]
+                if param.grad is not None:
+                    view = self._view(fqn)
+                    if param.grad.data_ptr() != view.data_ptr():
+                        view.copy_(param.grad)
+                    self._ready[index].add(fqn)
+            self._launch(index)
+        self._finish()
 
     def _finish(self) -> None:
         for index in range(len(self.buckets)):

@@ -1,35 +1,39 @@
-"""`ParallelModule`: one rank's share of the model, running its emitted graph.
+"""`ParallelModule`: one rank's share of the model, running its stage graphs.
 
 Parameters are this rank's shards as ordinary `nn.Parameter`s under the original names (so any
 `torch.optim` optimizer and name-based parameter groups work; a tied weight appears once, under
-the name torch.export kept); buffers and constants are kept
-whole (they are replicated). `forward` takes the rank's local inputs (see `local_batch` to cut
-them from a global batch) and returns the outputs the original model returns, replicated.
-Gradients that come out Partial are synchronised by `GradSynchronizer` during backward.
-Under ZeRO/FSDP (`strategies.zero`) the parameters of each unit are this rank's dim-0 shards
-(padded to equal rows) and `sharded_state.ShardedState` gathers and reduces them.
+the name torch.export kept); buffers and constants are kept whole (they are replicated). Under
+pipeline parallelism a rank holds the parameters of its own stages only.
+
+Each stage the rank runs is a `StageRunner` (runtime/stage.py). Without a pipeline there is one:
+`forward` takes the rank's local inputs (see `local_batch` to cut them from a global batch) and
+returns the outputs the original model returns, replicated; gradients that come out Partial are
+synchronised during backward. `train_step(*local_inputs)` runs forward and backward of a whole
+step and returns the loss — the one way to train a pipeline-parallel module, whose step is the
+schedule's forwards and backwards over every micro-batch (`runtime/pipeline.py`). Under
+ZeRO/FSDP (`strategies.zero`) the parameters of each unit are this rank's dim-0 shards (padded to
+equal rows) and `sharded_state.ShardedState` gathers and reduces them.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
 from autopar.ir import shard_dim
-from autopar.ledger.measure_activations import observe_saved
 from autopar.plan import Plan, shard
-from autopar.runtime import collectives, sharded_state
+from autopar.runtime import collectives
 from autopar.runtime.collectives import raw_all_reduce
-from autopar.runtime.grad_sync import GradSynchronizer
+from autopar.runtime.stage import StageRunner
 from autopar.zero_units import shard_of
 
 
-def _set_path(root: torch.nn.Module, fqn: str, value: torch.Tensor, *, parameter: bool) -> tuple[torch.nn.Module, str]:
-    """Register `value` under `fqn`, creating empty parent modules; returns (owner, attribute name)."""
+def _set_path(root: torch.nn.Module, fqn: str, value: torch.Tensor, *, parameter: bool) -> torch.Tensor:
+    """Register `value` under `fqn`, creating empty parent modules; returns what was registered."""
     *path, leaf = fqn.split(".")
     module = root
     for part in path:
@@ -40,7 +44,7 @@ def _set_path(root: torch.nn.Module, fqn: str, value: torch.Tensor, *, parameter
         module.register_parameter(leaf, torch.nn.Parameter(value, requires_grad=value.requires_grad))
     else:
         module.register_buffer(leaf, value)
-    return module, leaf
+    return getattr(module, leaf)
 
 
 def _unshard(tensor: torch.Tensor, placement: Any, group: str, size: int) -> torch.Tensor:
@@ -56,9 +60,20 @@ def _unshard(tensor: torch.Tensor, placement: Any, group: str, size: int) -> tor
     return torch.cat([pieces[r][k] for k in range(placement.split_factor) for r in range(size)], dim=dim)
 
 
-@dataclass(frozen=True)
-class _Regathered:
-    how: tuple
+def tie_groups(plan: Plan) -> dict[str, str]:
+    """Process groups for `pp@i,j` keys (a parameter held by several pipeline stages): created on
+    every rank in the same order (torch.distributed.new_group is collective); name by key."""
+    keys = sorted({axis for stage in plan.stages for bucket in stage.buckets for axis in bucket.axes if "@" in axis}
+                  | {axis for unit in plan.units for axis in unit.extra_axes if "@" in axis})
+    names = {}
+    for key in keys:
+        axis, coordinates = plan.mesh.split_group(key)
+        slices = sorted({tuple(plan.mesh.group_ranks(rank, axis, coordinates)) for rank in range(plan.mesh.world_size)})
+        for ranks in slices:
+            group = dist.new_group(list(ranks))
+            if dist.get_rank() in ranks:
+                names[key] = group.group_name
+    return names
 
 
 class ParallelModule(torch.nn.Module):
@@ -66,71 +81,66 @@ class ParallelModule(torch.nn.Module):
         super().__init__()
         self.plan = plan
         self.rank = rank
-        self.groups = groups
-        self.graph = plan.rank_graph(rank, groups)
-        # per graph input: (owner module, attribute) of a parameter or buffer, "input" for user data,
-        # None for a parameter the graph never reads (e.g. the second name of a tied weight)
-        self._inputs: list[tuple[torch.nn.Module, str] | str | None] = []
-        placements = self._placements = plan.parameter_placements()
-        self._unit_of = {p.fqn: (u, p) for u in plan.units for p in u.params}
-        self._shards: dict[int, list[torch.Tensor]] = {}
-        self._fulls: dict[int, list[torch.Tensor]] = {}
-        for node in plan.graph_module.graph.nodes:
-            if node.op != "placeholder":
-                continue
-            info = plan.context.placeholders[node.name]
-            if info.kind == "input":
-                self._inputs.append("input")
-            elif info.kind == "parameter" and not node.users:
-                self._inputs.append(None)
-            elif info.kind == "parameter":
-                local = shard(state[info.target].detach(), placements[info.target], plan.mesh, rank).clone()
+        self.groups = dict(groups, **tie_groups(plan)) if plan.pipeline is not None else dict(groups)
+        self._placements = plan.parameter_placements()
+        stages = plan.stages_of_rank(rank)
+        self._unit_of = {p.fqn: (u, p) for stage in stages for u in stage.units for p in u.params}
+        parameters, buffers, shards, fulls = self._register(plan, stages, state)
+        self.stages = [StageRunner(plan, stage, rank=rank, groups=self.groups, parameters=parameters, state=buffers,
+                                   shards=shards, fulls=fulls) for stage in stages]
+        self.pipeline = None
+        if plan.pipeline is not None:
+            from autopar.runtime.pipeline import PipelineExecutor
+
+            self.pipeline = PipelineExecutor(plan, rank=rank, runners=self.stages, groups=self.groups)
+
+    def _register(self, plan: Plan, stages: list, state: dict[str, torch.Tensor]) -> tuple[dict, dict, dict, dict]:
+        """This rank's parameter shards (ZeRO units' dim-0 shards and replicated compute copies)
+        and buffers, registered under their original names."""
+        parameters: dict[str, torch.nn.Parameter] = {}
+        buffers: dict[str, torch.Tensor] = {}
+        shards: dict[int, list[torch.Tensor]] = {}
+        fulls: dict[int, list[torch.Tensor]] = {}
+        for stage in stages:
+            for node in stage.graph_module.graph.nodes:
+                info = plan.context.placeholders.get(node.name)
+                if node.op != "placeholder" or info.kind in ("input", "token"):
+                    continue
+                if info.kind != "parameter":
+                    if info.target not in buffers:
+                        buffers[info.target] = _set_path(self, "_state." + info.target,
+                                                         state[info.target].detach().clone(), parameter=False)
+                    continue
+                if info.target in parameters or not node.users:  # unread: a tied weight's second name
+                    continue
+                local = shard(state[info.target].detach(), self._placements[info.target], plan.mesh, self.rank).clone()
                 unit = self._unit_of.get(info.target)
                 if unit is not None:
-                    compute, local = local, shard_of(local, unit[1].rows, plan.mesh.coordinate(rank, unit[0].axis))
-                    self._shards.setdefault(unit[0].index, []).append(local)
+                    compute, local = local, shard_of(local, unit[1].rows, plan.mesh.coordinate(self.rank, unit[0].axis))
+                    shards.setdefault(unit[0].index, []).append(local)
                     if unit[0].stage < 3:
-                        self._fulls.setdefault(unit[0].index, []).append(compute.to(unit[0].dtype))
+                        fulls.setdefault(unit[0].index, []).append(compute.to(unit[0].dtype))
                 local.requires_grad_(info.requires_grad)
-                self._inputs.append(_set_path(self, info.target, local, parameter=True))
-            else:
-                state_copy = state[info.target].detach().clone()
-                self._inputs.append(_set_path(self, "_state." + info.target, state_copy, parameter=False))
-        self.grad_sync = GradSynchronizer(self, plan.buckets, groups)
-        self.sharded = self._bind_sharded_state() if plan.units else None
-        self._regathers = any(n.kwargs.get("regather") for n in self.graph.graph.nodes if n.op == "call_function")
+                parameters[info.target] = _set_path(self, info.target, local, parameter=True)
+        for index in shards:  # the registered Parameters, in the unit's order
+            unit = next(u for stage in stages for u in stage.units if u.index == index)
+            shards[index] = [parameters[p.fqn] for p in unit.params]
+        return parameters, buffers, shards, fulls
 
-    def _pack(self, tensor: torch.Tensor) -> Any:
-        """Saved-tensor policy: a re-gatherable all-gather output is kept as its shard (Megatron SP);
-        a gathered ZeRO parameter as a handle (sharded_state); anything else as it is. These hooks
-        hide saves from outer ones, so activations are reported to a measurement here."""
-        regather = collectives.pack_regathered(tensor) if self._regathers else None
-        if regather is not None:
-            observe_saved(regather[0].shard)  # what autograd keeps now is the shard
-            return _Regathered(regather)
-        owner = self.sharded.owner(tensor) if self.sharded is not None else None
-        if owner is not None:
-            return self.sharded.pack(tensor, owner)
-        observe_saved(tensor)
-        return tensor
+    @property
+    def grad_sync(self):
+        """The gradient synchroniser of a module with one stage."""
+        return self._only_stage().grad_sync
 
-    def _unpack(self, saved: Any) -> torch.Tensor:
-        if isinstance(saved, _Regathered):
-            return collectives.unpack_regathered(saved.how)
-        return self.sharded.unpack(saved) if self.sharded is not None else saved
+    @property
+    def sharded(self):
+        """The ZeRO state of a module with one stage (None without units)."""
+        return self._only_stage().sharded
 
-    def _bind_sharded_state(self) -> "sharded_state.ShardedState":
-        by_name = dict(self.named_parameters())
-        shards = {index: [by_name[p.fqn] for p in self.plan.units[index].params] for index in self._shards}
-        calls = [n for n in self.graph.graph.nodes if sharded_state.unit_call(n.target)]
-        order = [n.kwargs["unit"] for n in calls if sharded_state.unit_call(n.target) == "gather_unit"]
-        state = sharded_state.ShardedState(self.plan.units, shards=shards, fulls=self._fulls, order=order,
-                                           groups=self.groups)
-        for node in calls:
-            node.target = getattr(state, sharded_state.unit_call(node.target))
-        self.graph.recompile()
-        del self._fulls
-        return state
+    def _only_stage(self) -> StageRunner:
+        if len(self.stages) != 1:
+            raise AttributeError("this rank runs several pipeline stages; see ParallelModule.stages")
+        return self.stages[0]
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -139,35 +149,53 @@ class ParallelModule(torch.nn.Module):
         gathered from the first micro-batch's forward to the end of that synchronising backward
         (one all-gather per unit for all micro-batches, none in backward), at the memory cost of
         the unsharded parameters and gradients (the ledger's `accumulation` view shows both)."""
-        self.grad_sync.enabled = False
-        if self.sharded is not None:
-            self.sharded.start_accumulating()
+        if self.pipeline is not None:
+            raise RuntimeError("a pipeline-parallel module accumulates over its micro-batches inside train_step; "
+                               "no_sync does not apply")
+        for runner in self.stages:
+            runner.hold()
         try:
             yield
         finally:
-            self.grad_sync.enabled = True
-            if self.sharded is not None:
-                self.sharded.stop_accumulating()
+            for runner in self.stages:
+                runner.release()
+
+    def train_step(self, *inputs: Any) -> torch.Tensor:
+        """Forward and backward of one training step on this rank's local inputs; returns the loss
+        (detached). Under pipeline parallelism: every micro-batch through the schedule, gradients
+        accumulated and synchronised once, the loss (mean over micro-batches) on every rank."""
+        if self.pipeline is not None:
+            return self.pipeline.step(pytree.tree_leaves(list(inputs)))
+        loss = self(*inputs)
+        loss.backward()
+        return loss.detach()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_` over the whole model, not over this rank's shards.
 
         Each gradient's contribution (sum of |g|^p, or max for inf) is summed over the mesh axes
         its parameter is sharded on (tensor-parallel shards, ZeRO dim-0 shards; padding rows are
-        zero) and counted once over the axes it is replicated on: one scalar all-reduce per set of
-        axes. Returns the total norm; gradients are scaled in place like PyTorch's
-        (by min(1, max_norm / (norm + 1e-6)))."""
+        zero) and over the pipeline axis (each stage holds its own parameters; a parameter tied
+        across stages counts on its first holder), and counted once over the axes it is
+        replicated on: one scalar all-reduce per set of axes. Returns the total norm; gradients
+        are scaled in place like PyTorch's (by min(1, max_norm / (norm + 1e-6)))."""
         norm_type = float(norm_type)
         by_axes: dict[tuple[str, ...], list[torch.Tensor]] = {}
+        counted: dict[tuple[str, ...], list[torch.Tensor]] = {}
         for fqn, param in self.named_parameters():
             if param.grad is not None:
-                by_axes.setdefault(self._sharded_axes(fqn), []).append(param.grad)
+                axes = self._sharded_axes(fqn)
+                by_axes.setdefault(axes, []).append(param.grad)
+                if self._counts_here(fqn):
+                    counted.setdefault(axes, []).append(param.grad)
         total = torch.zeros((), dtype=torch.float32)
-        for axes, grads in by_axes.items():
+        for axes in self._norm_groups():  # the same list on every rank: the all-reduces line up
+            grads = counted.get(axes, [])
             if norm_type == float("inf"):
-                local = torch.stack([g.detach().abs().max().float() for g in grads]).max()
+                local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else total.clone()
             else:
-                local = torch.stack([g.detach().float().abs().pow(norm_type).sum() for g in grads]).sum()
+                local = torch.stack([g.detach().float().abs().pow(norm_type).sum() for g in grads]).sum() if grads \
+                    else total.clone()
             for axis in axes:
                 local = raw_all_reduce(local, self.groups[axis], "max" if norm_type == float("inf") else "sum")
             total = torch.maximum(total, local) if norm_type == float("inf") else total + local
@@ -177,16 +205,39 @@ class ParallelModule(torch.nn.Module):
             torch._foreach_mul_(grads, scale)
         return norm
 
+    def _norm_groups(self) -> list[tuple[str, ...]]:
+        """Every set of axes some trainable parameter's norm is reduced over, over all stages."""
+        units = {p.fqn: u.axis for u in self.plan.units for p in u.params}
+        trainable = {i.target for i in self.plan.context.placeholders.values() if i.kind == "parameter"
+                     and i.requires_grad}
+        groups = set()
+        for fqn, placements in self._placements.items():
+            if fqn not in trainable:
+                continue
+            axes = [axis for axis, p in zip(self.plan.mesh.names, placements) if shard_dim(p) is not None]
+            axes += [units[fqn]] if fqn in units else []
+            axes += [self.plan.pipeline.axis] if self.plan.pipeline is not None else []
+            groups.add(tuple(axes))
+        return sorted(groups)
+
+    def _counts_here(self, fqn: str) -> bool:
+        ties = self.plan.program.ties
+        if self.plan.pipeline is None or fqn not in ties:
+            return True
+        return self.plan.mesh.coordinate(self.rank, self.plan.pipeline.axis) == ties[fqn][0]
+
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter whole (and the buffers), under the original names, on every rank: ZeRO
-        units all-gathered, then tensor-parallel shards gathered axis by axis (innermost first).
+        units all-gathered, then tensor-parallel shards gathered axis by axis (innermost first),
+        then under a pipeline each stage's parameters broadcast from a rank holding them.
         For export or a single-device checkpoint; collective, so every rank must call it."""
         local = {fqn: param.detach() for fqn, param in self.named_parameters()}
-        if self.sharded is not None:
-            for unit in self.plan.units:
-                for param, full in zip(unit.params, self.sharded._finish(unit.index)):
-                    local[param.fqn] = full.to(self.sharded.shards[unit.index][0].dtype)
+        for runner in self.stages:
+            if runner.sharded is not None:
+                for unit in runner.stage.units:
+                    for param, full in zip(unit.params, runner.sharded._finish(unit.index)):
+                        local[param.fqn] = full.to(runner.sharded.shards[unit.index][0].dtype)
         result = {}
         for fqn, tensor in local.items():
             for axis, placement in reversed(list(zip(self.plan.mesh.names, self._placements[fqn]))):
@@ -194,6 +245,8 @@ class ParallelModule(torch.nn.Module):
             result[fqn] = tensor
         for fqn, buffer in self.named_buffers():
             result[fqn.removeprefix("_state.")] = buffer.detach().clone()
+        if self.pipeline is not None:
+            result.update(self.pipeline.share_parameters(result))
         return result
 
     def _sharded_axes(self, fqn: str) -> tuple[str, ...]:
@@ -201,6 +254,8 @@ class ParallelModule(torch.nn.Module):
         axes = [axis for axis, p in zip(self.plan.mesh.names, placements) if shard_dim(p) is not None]
         if fqn in self._unit_of:
             axes.append(self._unit_of[fqn][0].axis)
+        if self.plan.pipeline is not None:
+            axes.append(self.plan.pipeline.axis)
         return tuple(axes)
 
     def local_batch(self, *global_inputs: Any) -> list[Any]:
@@ -208,13 +263,9 @@ class ParallelModule(torch.nn.Module):
         return self.plan.local_inputs(pytree.tree_leaves(list(global_inputs)), self.rank)
 
     def forward(self, *inputs: Any) -> Any:
-        user = iter(pytree.tree_leaves(list(inputs)))
-        args = [next(user) if slot == "input" else None if slot is None else getattr(*slot) for slot in self._inputs]
-        if self.sharded is None and not self._regathers:
-            outputs = self.graph(*args)
-        else:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                outputs = self.graph(*args)
-            if self.sharded is not None and not torch.is_grad_enabled():  # no backward will come to free them
-                self.sharded.release_all()
+        if self.pipeline is not None:
+            raise RuntimeError("a pipeline-parallel module runs its stages under a schedule: train with "
+                               "module.train_step(*module.local_batch(*batch)), which runs forward and backward of "
+                               "every micro-batch and returns the loss")
+        outputs = self.stages[0].run(pytree.tree_leaves(list(inputs)))
         return pytree.tree_unflatten(list(outputs), self.plan.traced.out_spec)

@@ -22,6 +22,7 @@ stages of one rank) hands the tensor over in memory, moving nothing.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -44,6 +45,7 @@ class Exchange:
     microbatch: int = 0
     pending: list[Any] = field(default_factory=list)
     mailbox: dict[int, torch.Tensor] = field(default_factory=dict)
+    waited: float = 0.0  # seconds blocked in receives (the measured timeline subtracts them)
 
     def send(self, tensor: torch.Tensor, peer: int, group: str, tag: int) -> None:
         if peer == self.rank:
@@ -57,7 +59,9 @@ class Exchange:
         if peer == self.rank:
             return self.mailbox.pop(tag)
         buffer = torch.empty(shape, dtype=dtype)
+        start = time.perf_counter()
         dist.irecv(buffer, src=peer, group=_group(group), tag=tag).wait()
+        self.waited += time.perf_counter() - start
         return buffer
 
     def finish(self) -> None:
@@ -139,3 +143,17 @@ def recv_activation(token: torch.Tensor, *, group: str, peer: int, value: int, s
         exchange = current()
         return exchange.recv(tuple(shape), dtype, peer, group, _tag(value, exchange.microbatch, _FORWARD))
     return _Recv.apply(token, group, peer, value, shape, dtype)
+
+
+def plan_send(x: torch.Tensor, *, group: str, peer: Any, value: int) -> torch.Tensor:
+    """Planning stand-in of `send_activation` (the activation ledger's fake run): moves nothing."""
+    return x.new_zeros(())
+
+
+def plan_recv(token: torch.Tensor, *, group: str, peer: Any, value: int, shape: list[int], dtype: torch.dtype,
+              requires_grad: bool = True) -> torch.Tensor:
+    """Planning stand-in of `recv_activation`: a fresh tensor of the received shape."""
+    return torch.empty(shape, dtype=dtype, device=token.device).requires_grad_(requires_grad)
+
+
+PLANNING_STAND_INS = {send_activation: plan_send, recv_activation: plan_recv}

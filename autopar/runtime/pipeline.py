@@ -1,0 +1,175 @@
+"""The pipeline runtime: one rank's schedule of stage forwards and backwards over micro-batches.
+
+`PipelineExecutor.step(local_inputs)` splits the rank's local batch into m micro-batches along
+the batch dimension, then runs the rank's list of actions (`autopar.schedules.actions`):
+
+- F(stage, k): the stage graph on micro-batch k (`StageRunner.run`); its receives block until
+  the previous stage's activations arrive, its sends leave asynchronously (`runtime/p2p.py`);
+- B(stage, k): backward of what F returned — the last stage's loss scaled by 1/m, other stages'
+  send tokens, whose backward receives the gradients from the next stage — with the schedule's
+  split backward only towards the stage's inputs (PyTorch's `stage_backward_input`), which
+  sends the input gradients back and keeps what the weight gradient needs;
+- W(stage, k): the weight gradient (`stage_backward_weight`).
+
+Every stage holds its gradients until its last backward of the step (`StageRunner.hold`): the
+data-parallel all-reduce, ZeRO's reduce-scatter and a tied parameter's sum over its stages run
+once per step, not per micro-batch (with a split backward, explicitly after the last W). Under
+ZeRO-3 the units stay gathered for all micro-batches. The loss returned is the mean over
+micro-batches (exact for a mean loss when every micro-batch counts the same number of tokens),
+broadcast from the last stage's rank to the others of the pipeline axis.
+
+Why our own executor rather than `torch.distributed.pipelining`'s schedule runtime: its
+`PipelineStage` wraps an `nn.Module` and synchronises gradients only for DDP/FSDP modules it
+recognises, and sends exactly the previous stage's outputs to the next; autopar's stages are
+emitted graphs whose send/recv steps are conjugate pairs inside autograd, which carry values
+across several stages, hold tensor-parallel collectives, and fire our own gradient and ZeRO
+synchronisation once per step. Its backward split (`stage_backward_input` /
+`stage_backward_weight`) is reused as is. `timeline` keeps each action's start, end and the time
+it waited on receives, for the measured bubble and the timeline picture.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+from autopar import schedules
+from autopar.runtime import p2p
+from autopar.runtime.stage import StageRunner
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    """One executed action: perf_counter seconds (a clock shared by the processes of a machine)."""
+
+    kind: str
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+    waited: float  # blocked in receives: not computing
+
+
+class PipelineExecutor:
+    def __init__(self, plan: Any, *, rank: int, runners: list[StageRunner], groups: dict[str, str]) -> None:
+        layout = plan.pipeline
+        self.layout, self.rank, self.plan = layout, rank, plan
+        self.runners = {runner.stage.index: runner for runner in runners}
+        coordinate = plan.mesh.coordinate(rank, layout.axis)
+        self.actions = schedules.actions(layout.schedule, degree=layout.degree, virtual=layout.virtual,
+                                         microbatches=layout.microbatches)[coordinate]
+        self.split = layout.schedule in schedules.SPLIT_BACKWARD
+        closing = "W" if self.split else "B"
+        self.last_backward = {a.stage: i for i, a in enumerate(self.actions) if a.kind == closing}
+        self.group = groups[layout.axis]
+        self.loss_source = plan.mesh.neighbour(rank, layout.axis, layout.coordinate(layout.stages - 1) - coordinate)
+        self.timeline: list[TimedAction] = []
+
+    def _microbatches(self, inputs: list[Any]) -> list[list[Any]]:
+        count, dim = self.layout.microbatches, self.layout.batch_dim
+        tensors = [t for t in inputs if isinstance(t, torch.Tensor) and t.dim() > dim]
+        batch = tensors[0].shape[dim]
+        if batch % count:
+            raise ValueError(f"the local batch has {batch} rows on dimension {dim}, which do not split into "
+                             f"{count} micro-batches")
+        split = [list(torch.chunk(t, count, dim=dim)) if isinstance(t, torch.Tensor) and t.dim() > dim
+                 and t.shape[dim] == batch else [t] * count for t in inputs]
+        return [[pieces[k].clone() if isinstance(pieces[k], torch.Tensor) else pieces[k] for pieces in split]
+                for k in range(count)]
+
+    def _backward_targets(self, runner: StageRunner, outputs: tuple) -> tuple[list, list]:
+        tensors, grads = [], []
+        if runner.is_last:
+            loss = outputs[0]
+            tensors.append(loss)
+            grads.append(torch.full_like(loss, 1.0 / self.layout.microbatches))
+        for token in outputs[runner.stage.user_outputs:]:
+            if isinstance(token, torch.Tensor) and token.requires_grad:
+                tensors.append(token)
+                grads.append(torch.ones_like(token))
+        return tensors, grads
+
+    def step(self, inputs: list[Any]) -> torch.Tensor:
+        micro = self._microbatches(inputs)
+        exchange = p2p.Exchange(self.rank)
+        for runner in self.runners.values():
+            runner.hold()
+        live: dict[tuple[int, int], Any] = {}
+        losses: list[torch.Tensor] = []
+        self.timeline = []
+        for position, action in enumerate(self.actions):
+            runner = self.runners[action.stage]
+            key = (action.stage, action.microbatch)
+            start, waited_before = time.perf_counter(), exchange.waited
+            with p2p.active(exchange, action.microbatch):
+                if action.kind == "F":
+                    token = torch.zeros((), requires_grad=True) if runner.receives else None
+                    outputs = runner.run(micro[action.microbatch], token)
+                    live[key] = (outputs, token)
+                    if runner.is_last:
+                        losses.append(outputs[0].detach())
+                elif action.kind == "B":
+                    self._backward(runner, key, live, closing=self.last_backward[action.stage] == position)
+                else:
+                    stage_backward_weight(iter(runner.parameters.values()), live.pop(key))
+                    if self.last_backward[action.stage] == position:
+                        runner.synchronise_now()
+            self.timeline.append(TimedAction(action.kind, action.stage, action.microbatch, start,
+                                             time.perf_counter(), exchange.waited - waited_before))
+        exchange.finish()
+        return self._shared_loss(losses)
+
+    def _backward(self, runner: StageRunner, key: tuple[int, int], live: dict, *, closing: bool) -> None:
+        outputs, token = live.pop(key)
+        tensors, grads = self._backward_targets(runner, outputs)
+        if self.split and token is not None:
+            weights = [p for p in runner.parameters.values() if p.requires_grad]
+            _, groups = stage_backward_input(tensors, grads, [token], iter(weights))
+            live[key] = groups
+            return
+        if closing:
+            runner.release()  # this backward synchronises what the step accumulated
+        torch.autograd.backward(tensors, grads)
+        if self.split:
+            live[key] = []  # the first stage receives nothing: its whole backward ran here, W has nothing left
+
+    def _shared_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=self._loss_dtype())
+        dist.broadcast(loss, src=self.loss_source, group=p2p._group(self.group))
+        return loss
+
+    def _loss_dtype(self) -> torch.dtype:
+        last = self.plan.stages[-1].graph_module.graph
+        return next(n for n in last.nodes if n.op == "output").args[0][0].meta["val"].dtype
+
+    @torch.no_grad()
+    def share_parameters(self, held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every parameter whole on every rank: each broadcast over the pipeline axis from the
+        first stage holding it (its shape and dtype from the plan)."""
+        result = {}
+        for fqn, placements in self.plan.parameter_placements().items():
+            holder = self._holder(fqn)
+            if holder is None:
+                continue
+            tensor = held.get(fqn)
+            if tensor is None:
+                node = next(n for n in self.plan.graph_module.graph.nodes if n.op == "placeholder"
+                            and self.plan.context.placeholders[n.name].target == fqn)
+                meta = node.meta["val"]
+                tensor = torch.empty(tuple(int(d) for d in meta.shape), dtype=meta.dtype)
+            source = self.plan.mesh.neighbour(self.rank, self.layout.axis,
+                                              holder - self.plan.mesh.coordinate(self.rank, self.layout.axis))
+            dist.broadcast(tensor, src=source, group=p2p._group(self.group))
+            result[fqn] = tensor
+        return result
+
+    def _holder(self, fqn: str) -> int | None:
+        for stage in self.plan.stages:
+            for node in stage.graph_module.graph.nodes:
+                if node.op == "placeholder" and node.users and self.plan.context.placeholders[node.name].target == fqn:
+                    return self.layout.coordinate(stage.index)
+        return None

@@ -1,0 +1,189 @@
+"""Pipeline schedules as data: the order of forward and backward actions on each pipeline rank,
+and a simulator that times them.
+
+An `Action` is F (forward of a stage on a micro-batch), B (its backward: input and weight
+gradients, or with a split backward the input gradient only) or W (the weight gradient, split
+schedules only). `actions(schedule, degree=p, virtual=v, microbatches=m)` gives every rank's list:
+
+- `gpipe`: all forwards, then all backwards (with v > 1 breadth-first: a stage's forwards for all
+  micro-batches before the next stage's, PyTorch's LoopedBFS);
+- `1f1b`: p - c - 1 warm-up forwards on rank c, then one forward and one backward alternately,
+  then the remaining backwards (PipeDream-flush, Megatron's non-interleaved schedule);
+- `interleaved_1f1b`: Megatron's interleaved schedule over v stages per rank (stages dealt
+  round-robin, m a multiple of p), warm-up (p - c - 1)·2 + (v - 1)·p forwards;
+- `zb_h1`: zero bubble H1 (Qi et al. 2023): backward split into B (input gradient, on the
+  critical path) and W (weight gradient, deferrable); the later ranks defer their Ws into what
+  would be their cool-down bubble, at 1F1B's peak memory (p micro-batches on any rank).
+
+`simulate(actions, cost)` runs every rank's list in order, each action starting when its rank is
+free and its inputs exist (the previous stage's forward, the next stage's backward, this
+micro-batch's B before its W), and returns each action's (start, end) — or raises if the lists
+deadlock. The bubble ledger (`autopar.ledger.bubble`) prices actions with the compute ledger;
+the runtime (`autopar.runtime.pipeline`) executes the same lists.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+SPLIT_BACKWARD = {"zb_h1"}
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "F", "B" or "W"
+    stage: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.stage}.{self.microbatch}"
+
+
+def _gpipe(p: int, v: int, m: int) -> list[list[Action]]:
+    orders = []
+    for c in range(p):
+        stages = [c + chunk * p for chunk in range(v)]
+        forward = [Action("F", s, k) for s in stages for k in range(m)]
+        backward = [Action("B", s, k) for s in reversed(stages) for k in range(m)]
+        orders.append(forward + backward)
+    return orders
+
+
+def _one_f_one_b(p: int, v: int, m: int) -> list[list[Action]]:
+    orders = []
+    for c in range(p):
+        warmup = min(p - c - 1, m)
+        order = [Action("F", c, k) for k in range(warmup)]
+        for i in range(m - warmup):
+            order += [Action("F", c, warmup + i), Action("B", c, i)]
+        order += [Action("B", c, k) for k in range(m - warmup, m)]
+        orders.append(order)
+    return orders
+
+
+def _interleaved(p: int, v: int, m: int) -> list[list[Action]]:
+    """Megatron's `forward_backward_pipelining_with_interleaving`, per rank."""
+    total = m * v
+
+    def forward(c: int, k: int) -> Action:
+        chunk = (k // p) % v
+        return Action("F", chunk * p + c, (k // (p * v)) * p + k % p)
+
+    def backward(c: int, k: int) -> Action:
+        chunk = v - 1 - (k // p) % v
+        return Action("B", chunk * p + c, (k // (p * v)) * p + k % p)
+
+    orders = []
+    for c in range(p):
+        warmup = min((p - c - 1) * 2 + (v - 1) * p, total)
+        order = [forward(c, k) for k in range(warmup)]
+        for i in range(total - warmup):
+            order += [forward(c, warmup + i), backward(c, i)]
+        order += [backward(c, k) for k in range(total - warmup, total)]
+        orders.append(order)
+    return orders
+
+
+def _zero_bubble_h1(p: int, v: int, m: int) -> list[list[Action]]:
+    """ZB-H1 (the paper's Figure 3): rank c runs p - c warm-up forwards, then a B for each forward
+    it can add, a W whenever p micro-batches are held (a micro-batch is held until its W) or no
+    forward is left, and the remaining Ws last: the last rank defers its first Ws into what would
+    be its cool-down bubble, the first rank runs B W F, with 1F1B's peak of p micro-batches."""
+    orders = []
+    for c in range(p):
+        forwards = min(p - c, m)
+        order = [Action("F", c, k) for k in range(forwards)]
+        backwards = weights = 0
+        while backwards < m:
+            order.append(Action("B", c, backwards))
+            backwards += 1
+            if (forwards - weights >= p or forwards == m) and weights < backwards:
+                order.append(Action("W", c, weights))
+                weights += 1
+            if forwards < m:
+                order.append(Action("F", c, forwards))
+                forwards += 1
+        order += [Action("W", c, k) for k in range(weights, m)]
+        orders.append(order)
+    return orders
+
+
+GENERATORS: dict[str, Callable[[int, int, int], list[list[Action]]]] = {
+    "gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved_1f1b": _interleaved, "zb_h1": _zero_bubble_h1}
+
+
+def actions(schedule: str, *, degree: int, virtual: int, microbatches: int) -> list[list[Action]]:
+    """Every pipeline rank's actions, in order (see the module docstring)."""
+    if schedule == "interleaved_1f1b" and microbatches % degree:
+        raise ValueError(f"interleaved_1f1b needs micro-batches ({microbatches}) to be a multiple of the pipeline "
+                         f"degree ({degree})")
+    return GENERATORS[schedule](degree, virtual, microbatches)
+
+
+@dataclass(frozen=True)
+class Timed:
+    action: Action
+    rank: int
+    start: float
+    end: float
+
+
+def simulate(orders: list[list[Action]], cost: Callable[[Action], float], *, stages: int,
+             split_backward: bool = False, latency: float = 0.0) -> list[Timed]:
+    """Every action's start and end when each rank runs its list in order (see module docstring)."""
+    end: dict[Action, float] = {}
+    timed: list[Timed] = []
+    position, free = [0] * len(orders), [0.0] * len(orders)
+
+    def inputs(action: Action) -> list[tuple[Action, float]]:
+        s, k = action.stage, action.microbatch
+        if action.kind == "F":
+            return [(Action("F", s - 1, k), latency)] if s > 0 else []
+        if action.kind == "B":
+            return [(Action("F", s, k), 0.0)] + ([(Action("B", s + 1, k), latency)] if s < stages - 1 else [])
+        return [(Action("B", s, k), 0.0)]
+
+    progress = True
+    while progress:
+        progress = False
+        for rank, order in enumerate(orders):
+            while position[rank] < len(order):
+                action = order[position[rank]]
+                needed = inputs(action)
+                if any(a not in end for a, _ in needed):
+                    break
+                start = max([free[rank]] + [end[a] + lag for a, lag in needed])
+                end[action] = start + cost(action)
+                free[rank] = end[action]
+                timed.append(Timed(action, rank, start, end[action]))
+                position[rank] += 1
+                progress = True
+    stuck = [(rank, str(order[position[rank]])) for rank, order in enumerate(orders) if position[rank] < len(order)]
+    if stuck:
+        raise RuntimeError(f"pipeline schedule deadlocks: ranks wait at {stuck}")
+    return timed
+
+
+def bubble_fractions(timed: list[Timed], ranks: int) -> list[float]:
+    """Per rank: the fraction of the step (first start to last end, over all ranks) it is idle."""
+    begin = min(t.start for t in timed)
+    span = max(t.end for t in timed) - begin
+    busy = [0.0] * ranks
+    for t in timed:
+        busy[t.rank] += t.end - t.start
+    return [1 - b / span for b in busy]
+
+
+def in_flight(order: list[Action], *, split_backward: bool) -> dict[int, int]:
+    """Per stage of one rank: the most micro-batches whose activations are held at once (a
+    forward done, its backward — its W with a split backward — not yet)."""
+    releases = "W" if split_backward else "B"
+    held: dict[int, int] = {}
+    peak: dict[int, int] = {}
+    for action in order:
+        if action.kind == "F":
+            held[action.stage] = held.get(action.stage, 0) + 1
+            peak[action.stage] = max(peak.get(action.stage, 0), held[action.stage])
+        elif action.kind == releases:
+            held[action.stage] -= 1
+    return peak
