@@ -128,39 +128,58 @@ class Timed:
     end: float
 
 
+def _inputs(action: Action, stages: int, latency: float) -> list[tuple[Action, float]]:
+    s, k = action.stage, action.microbatch
+    if action.kind == "F":
+        return [(Action("F", s - 1, k), latency)] if s > 0 else []
+    if action.kind == "B":
+        return [(Action("F", s, k), 0.0)] + ([(Action("B", s + 1, k), latency)] if s < stages - 1 else [])
+    return [(Action("B", s, k), 0.0)]
+
+
 def simulate(orders: list[list[Action]], cost: Callable[[Action], float], *, stages: int,
-             split_backward: bool = False, latency: float = 0.0) -> list[Timed]:
-    """Every action's start and end when each rank runs its list in order (see module docstring)."""
+             split_backward: bool = False, latency: float = 0.0, cores: int | None = None) -> list[Timed]:
+    """Every action's start and end when each rank runs its list in order (see module docstring).
+
+    `cores`: ranks share that many processors (processor sharing: r running ranks each progress
+    at min(1, cores / r)), as on a machine with fewer cores than pipeline ranks; None: one each."""
     end: dict[Action, float] = {}
+    started: dict[int, tuple[float, float]] = {}  # rank -> (start, work left) of its current action
     timed: list[Timed] = []
-    position, free = [0] * len(orders), [0.0] * len(orders)
-
-    def inputs(action: Action) -> list[tuple[Action, float]]:
-        s, k = action.stage, action.microbatch
-        if action.kind == "F":
-            return [(Action("F", s - 1, k), latency)] if s > 0 else []
-        if action.kind == "B":
-            return [(Action("F", s, k), 0.0)] + ([(Action("B", s + 1, k), latency)] if s < stages - 1 else [])
-        return [(Action("B", s, k), 0.0)]
-
-    progress = True
-    while progress:
-        progress = False
+    position = [0] * len(orders)
+    now = 0.0
+    while any(position[r] < len(order) for r, order in enumerate(orders)):
+        waiting_until = []
         for rank, order in enumerate(orders):
-            while position[rank] < len(order):
-                action = order[position[rank]]
-                needed = inputs(action)
-                if any(a not in end for a, _ in needed):
-                    break
-                start = max([free[rank]] + [end[a] + lag for a, lag in needed])
-                end[action] = start + cost(action)
-                free[rank] = end[action]
-                timed.append(Timed(action, rank, start, end[action]))
-                position[rank] += 1
-                progress = True
-    stuck = [(rank, str(order[position[rank]])) for rank, order in enumerate(orders) if position[rank] < len(order)]
-    if stuck:
-        raise RuntimeError(f"pipeline schedule deadlocks: ranks wait at {stuck}")
+            if position[rank] >= len(order) or rank in started:
+                continue
+            needed = _inputs(order[position[rank]], stages, latency)
+            if all(a in end for a, _ in needed):
+                ready = max([now] + [end[a] + lag for a, lag in needed])
+                if ready <= now + 1e-12:
+                    started[rank] = (now, cost(order[position[rank]]))
+                else:
+                    waiting_until.append(ready)
+        if not started:
+            if not waiting_until:
+                stuck = [(r, str(o[position[r]])) for r, o in enumerate(orders) if position[r] < len(o)]
+                raise RuntimeError(f"pipeline schedule deadlocks: ranks wait at {stuck}")
+            now = min(waiting_until)
+            continue
+        rate = 1.0 if cores is None else min(1.0, cores / len(started))
+        step = min([left / rate for _, left in started.values()] + [t - now for t in waiting_until])
+        now += step
+        for rank in list(started):
+            start, left = started[rank]
+            left -= step * rate
+            if left > 1e-9:
+                started[rank] = (start, left)
+                continue
+            action = orders[rank][position[rank]]
+            end[action] = now
+            timed.append(Timed(action, rank, start, now))
+            position[rank] += 1
+            del started[rank]
     return timed
 
 
@@ -187,3 +206,20 @@ def in_flight(order: list[Action], *, split_backward: bool) -> dict[int, int]:
         elif action.kind == releases:
             held[action.stage] -= 1
     return peak
+
+
+def peak_held(order: list[Action], *, split_backward: bool, weight: dict[int, float]) -> dict[int, int]:
+    """Per stage of one rank: how many micro-batches it holds at the moment the rank holds the most
+    (each stage's micro-batch weighing `weight[stage]` bytes)."""
+    releases = "W" if split_backward else "B"
+    held = {stage: 0 for stage in weight}
+    best, best_total = dict(held), 0.0
+    for action in order:
+        if action.kind == "F":
+            held[action.stage] += 1
+            total = sum(held[s] * weight[s] for s in held)
+            if total > best_total:
+                best, best_total = dict(held), total
+        elif action.kind == releases:
+            held[action.stage] -= 1
+    return best

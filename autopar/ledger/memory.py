@@ -78,15 +78,28 @@ class MemoryLedger:
                         headers=["category", "what", "bytes/rank", "bytes"], tablefmt="simple")
 
 
-def _parameter_entries(plan: Any, optimizer: str) -> list[MemoryEntry]:
-    zero = {p.fqn: (u, p) for u in plan.units for p in u.params}
-    in_bucket = {fqn for b in plan.buckets for fqn in b.params}
+def _rank_placeholders(plan: Any, stages: list) -> list[Any]:
+    """The placeholders of the rank's stage graphs, each tensor once (a buffer read by two stages
+    of one rank is one buffer)."""
+    seen, nodes = set(), []
+    for stage in stages:
+        for node in stage.graph_module.graph.nodes:
+            info = plan.context.placeholders.get(node.name)
+            if node.op == "placeholder" and info is not None and info.target not in seen \
+                    and info.kind not in ("input", "token"):
+                seen.add(info.target)
+                nodes.append(node)
+    return nodes
+
+
+def _parameter_entries(plan: Any, optimizer: str, stages: list) -> list[MemoryEntry]:
+    zero = {p.fqn: (u, p) for stage in stages for u in stage.units for p in u.params}
+    buckets = [b for stage in stages for b in stage.buckets]
+    in_bucket = {fqn for b in buckets for fqn in b.params}
     per_param, scalars = OPTIMIZER_STATE[optimizer]
     entries = []
-    for node in plan.graph_module.graph.nodes:
+    for node in _rank_placeholders(plan, stages):
         info = plan.context.placeholders.get(node.name)
-        if node.op != "placeholder" or info is None or info.kind == "input":
-            continue
         if info.kind == "parameter" and not node.users:  # not registered (a tied weight's second name)
             continue
         meta = node.meta[SPEC].tensor_meta
@@ -112,21 +125,25 @@ def _parameter_entries(plan: Any, optimizer: str) -> list[MemoryEntry]:
             entries.append(MemoryEntry("gradients", "parameter gradients" if info.target not in zero
                                        else "ZeRO gradient shards", grad))
         entries.append(MemoryEntry("optimizer state", f"{optimizer}", per_param * kept + scalars * 4))
-    for bucket in plan.buckets:
+    for bucket in buckets:
         entries.append(MemoryEntry("gradients", "bucket buffers (gradients are views)",
                                    sympy.Integer(bucket.numel * bucket.dtype.itemsize)))
-    for unit in plan.units:
+    for unit in (u for stage in stages for u in stage.units):
         if unit.stage == 1:
             entries.append(MemoryEntry("gradients", "ZeRO-1 full-gradient buffer",
                                        sympy.Integer(unit.gathered_numel * unit.reduce_dtype.itemsize)))
     return entries
 
 
-def _transient_entries(plan: Any) -> list[MemoryEntry]:
-    units = plan.units
+def _transient_entries(plan: Any, stages: list) -> list[MemoryEntry]:
+    units = [u for stage in stages for u in stage.units]
     if not units:
         return []
     gathered = {u.index: sympy.Integer(u.gathered_numel * u.dtype.itemsize) for u in units}
+    if plan.pipeline is not None:  # every ZeRO-3 unit of the rank's stages stays gathered over the micro-batches
+        kept = [gathered[u.index] for u in units if u.stage == 3]
+        return [MemoryEntry("transient", "ZeRO-3 units gathered for the whole pipeline step", sum(kept))] if kept \
+            else []
     entries = []
     kept = [u for u in units if u.stage == 3 and not u.reshard]
     resharded = [u for u in units if u.reshard]
@@ -151,13 +168,30 @@ def build_memory_ledger(plan: Any, *, rank: int = 0, optimizer: str = "adamw",
         from autopar.errors import PlanError
 
         raise PlanError(f"no memory model for optimizer {optimizer!r}; known: {sorted(OPTIMIZER_STATE)}")
-    entries = _parameter_entries(plan, optimizer) + _transient_entries(plan)
+    stages = plan.stages_of_rank(rank)
+    entries = _parameter_entries(plan, optimizer, stages) + _transient_entries(plan, stages)
     if activations:
-        from autopar.ledger.activations import saved_activations
-
-        saved = saved_activations(plan, rank=rank)
-        entries.append(MemoryEntry("activations", "saved for backward", saved.total))
+        entries += _activation_entries(plan, rank, stages)
     return MemoryLedger(entries=entries, symbol_values=plan.comm.symbol_values)
+
+
+def _activation_entries(plan: Any, rank: int, stages: list) -> list[MemoryEntry]:
+    """Saved for backward: one forward's worth without a pipeline; with one, each stage's micro-batch
+    times the most micro-batches the rank's schedule holds at once (`schedules.peak_held`)."""
+    from autopar.ledger.activations import saved_activations
+
+    if plan.pipeline is None:
+        return [MemoryEntry("activations", "saved for backward", saved_activations(plan, rank=rank).total)]
+    from autopar import schedules
+
+    layout = plan.pipeline
+    per_stage = {s.index: saved_activations(plan, rank=rank, stage=s.index).total for s in stages}
+    order = schedules.actions(layout.schedule, degree=layout.degree, virtual=layout.virtual,
+                              microbatches=layout.microbatches)[plan.mesh.coordinate(rank, layout.axis)]
+    held = schedules.peak_held(order, split_backward=layout.schedule in schedules.SPLIT_BACKWARD,
+                               weight={s: plan.comm.number(b) for s, b in per_stage.items()})
+    return [MemoryEntry("activations", f"stage {s}: {count} micro-batch(es) in flight at the peak ({layout.schedule})",
+                        count * per_stage[s]) for s, count in held.items()]
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -170,7 +204,10 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
 
 def measure_held_bytes(module: Any, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """What a live ParallelModule and its optimizer hold, by ledger category (distinct storages)."""
-    held = module.sharded.held_bytes() if module.sharded is not None else {"parameters": 0, "gradients": 0}
+    held = {"parameters": 0, "gradients": 0}
+    for runner in module.stages:
+        for category, nbytes in (runner.sharded.held_bytes() if runner.sharded is not None else {}).items():
+            held[category] += nbytes
     params = list(module.parameters())
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     return {"parameters": _storage_bytes(params) + held["parameters"],
