@@ -1,7 +1,8 @@
 """The `autopar` command line.
 
     autopar plan    TARGET --mesh dp=2,tp=2 [--strategy dp,sp] [--node 8] [--symbolic b=0,s=1]
-                    [--params-only] [--save plan.json] [--compare-stages]
+                    [--params-only] [--save plan.json] [--compare-stages] [--timeline out.svg]
+                    [--schedule 1f1b --microbatches 8 --virtual-stages 1 --stages layers.4]
     autopar graph   TARGET --mesh ... --rank R [--diff] [--html out.html]
     autopar check   TARGET --mesh ... --baseline comm.json [--tolerance PCT] [--update]
     autopar diff    a.json b.json
@@ -10,8 +11,9 @@
 TARGET is `module:function` or `file.py[:function]` (default `example`): a function with no
 arguments returning `(model, example_inputs)` (a global batch). `--strategy` lists strategy
 names: dp (data_parallel on axis dp), zero1 / zero2 / zero3 / fsdp (ZeRO on dp), hsdp (FSDP on
-dp_shard, replicated on dp_rep), tp (tensor_parallel on tp), sp (sequence_parallel on tp); by
-default dp for a `dp` axis and tp for a `tp` axis. `--compare-stages` prints DDP and ZeRO-1/2/3
+dp_shard, replicated on dp_rep), tp (tensor_parallel on tp), sp (sequence_parallel on tp), pp
+(pipeline_parallel on pp, with --schedule, --microbatches, --virtual-stages, --stages); by
+default dp for a `dp` axis, tp for a `tp` axis and pp for a `pp` axis. `--compare-stages` prints DDP and ZeRO-1/2/3
 side by side on the dp axis (memory per category per rank, bytes per step). Exit codes: 0 fine, 1 communication grew
 (check, diff), 2 bad input (a plan-time error, printed with its fix).
 """
@@ -28,7 +30,7 @@ from typing import Any, Callable
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
 
-STRATEGY_NAMES = ("dp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "tp", "sp")
+STRATEGY_NAMES = ("dp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "tp", "sp", "pp")
 
 
 def load_target(target: str) -> Callable[[], Any]:
@@ -49,13 +51,16 @@ def load_target(target: str) -> Callable[[], Any]:
     return getattr(module, function)
 
 
-def strategies_for(names: str | None, mesh: Mesh) -> list[Any]:
+def strategies_for(names: str | None, mesh: Mesh, pipeline: dict[str, Any] | None = None) -> list[Any]:
+    """Strategies by CLI name; `pipeline` holds pp's options (schedule, microbatches, virtual_stages, stages)."""
     from autopar.strategies.data_parallel import data_parallel
+    from autopar.strategies.pipeline import pipeline_parallel
     from autopar.strategies.tensor_parallel import sequence_parallel, tensor_parallel
     from autopar.strategies.zero import fsdp, hsdp, zero
 
-    chosen = names.split(",") if names else [a for a in ("dp", "tp") if a in mesh.names]
+    chosen = names.split(",") if names else [a for a in ("dp", "tp", "pp") if a in mesh.names]
     makers = {"dp": data_parallel, "tp": tensor_parallel, "sp": sequence_parallel, "fsdp": fsdp, "hsdp": hsdp,
+              "pp": lambda: pipeline_parallel(**{k: v for k, v in (pipeline or {}).items() if v is not None}),
               **{f"zero{k}": (lambda k=k: zero(stage=k)) for k in (1, 2, 3)}}
     unknown = [n for n in chosen if n not in makers]
     if unknown:
@@ -74,8 +79,13 @@ def _plan(args: argparse.Namespace, *, explain: bool = False):
 
     model, inputs = load_target(args.target)()
     mesh = Mesh.parse(args.mesh, ranks_per_node=args.node)
-    return plan(model, mesh, strategies=strategies_for(args.strategy, mesh), example_inputs=inputs,
-                dynamic_dims=_symbolic(args.symbolic), explain=explain)
+    return plan(model, mesh, strategies=strategies_for(args.strategy, mesh, _pipeline_options(args)),
+                example_inputs=inputs, dynamic_dims=_symbolic(args.symbolic), explain=explain)
+
+
+def _pipeline_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"schedule": args.schedule, "microbatches": args.microbatches, "virtual_stages": args.virtual_stages,
+            "stages": args.stages.split(",") if args.stages else None}
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -92,6 +102,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 0
     the_plan = _plan(args, explain=bool(args.save))
     print(the_plan.report(activations=not args.params_only))
+    if args.timeline:
+        if the_plan.pipeline is None:
+            raise PlanError("--timeline draws a pipeline's schedule; the plan has no pipeline stages "
+                            "(add --strategy pp on a pp axis)")
+        from autopar.ledger.bubble import build_bubble_ledger
+        from autopar.views.timeline import render_timeline
+
+        Path(args.timeline).write_text(render_timeline(predicted=build_bubble_ledger(the_plan).timeline,
+                                                       title=f"{the_plan.pipeline.schedule}"))
+        print(f"\ntimeline written to {args.timeline}")
     if args.save:
         from autopar.plan_file import save_plan
 
@@ -163,6 +183,11 @@ def _planning_arguments(command: argparse.ArgumentParser) -> None:
     command.add_argument("--strategy", help="comma-separated: " + ", ".join(STRATEGY_NAMES))
     command.add_argument("--node", type=int, help="ranks per node (axes spanning nodes are 'inter')")
     command.add_argument("--symbolic", help="symbolic input dims, e.g. b=0,s=1")
+    command.add_argument("--schedule", help="pp: gpipe, 1f1b, interleaved_1f1b or zb_h1 (default 1f1b)")
+    command.add_argument("--microbatches", type=int, help="pp: micro-batches per step (default 4)")
+    command.add_argument("--virtual-stages", type=int, help="pp: stages per rank (interleaved; default 1)")
+    command.add_argument("--stages", help="pp: module paths where stages start, e.g. layers.2,layers.4 "
+                                          "(default: balanced)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     _planning_arguments(plan_cmd)
     plan_cmd.add_argument("--params-only", action="store_true", help="placement table of parameters only")
     plan_cmd.add_argument("--save", help="also write the plan file (JSON) here")
+    plan_cmd.add_argument("--timeline", help="pipeline: write the predicted timeline of one step as SVG here")
     plan_cmd.add_argument("--compare-stages", action="store_true",
                           help="DDP and ZeRO-1/2/3 on the dp axis side by side: memory and communication")
     graph_cmd = commands.add_parser("graph", help="print one rank's emitted graph")

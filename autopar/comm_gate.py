@@ -1,7 +1,8 @@
 """The CI gate on communication volume: summaries, baseline files, and the comparison.
 
 `comm_summary(plan)` sums a plan's ledger per (axis, link, collective kind): calls and logical
-bytes per rank per step for the traced shapes. A baseline file (`autopar.comm/1`) stores that
+bytes per step for the traced shapes (per rank; under a pipeline summed over the stages, so a
+change in any stage shows). A baseline file (`autopar.comm/1`) stores that
 summary with the mesh and strategies it came from. `compare(baseline, current, tolerance_pct)`
 lists every row before and after and marks what grew: more bytes than the baseline allows, or a
 (axis, kind) the baseline did not have. Used by `autopar check` and `autopar.testing`.
@@ -25,8 +26,8 @@ def comm_summary(plan: Any) -> dict[str, Any]:
     volumes: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
     for entry in plan.comm.entries:
         row = volumes[(entry.axis, entry.link, entry.kind)]
-        row[0] += 1
-        row[1] += int(plan.comm.number(entry.logical_bytes))
+        row[0] += entry.times
+        row[1] += entry.times * int(plan.comm.number(entry.logical_bytes))
     return {
         "schema": BASELINE_SCHEMA,
         "mesh": str(plan.mesh),

@@ -67,6 +67,8 @@ def explain(document: Any, name: str) -> str:
         lines.append(f"  placement: {','.join(node['placements'])}   global {node['shape']} -> local {node['local_shape']}")
         if node.get("stored"):
             lines.append(f"  stored: {node['stored']}")
+        if node.get("stage"):
+            lines.append(f"  pipeline: {_stage_line(document, node['stage'], leaf=node['kind'] != 'op')}")
         if node.get("source"):
             lines.append(f"  source: {node['source']}")
         if "seed" in origin:
@@ -89,3 +91,13 @@ def explain(document: Any, name: str) -> str:
     if len(nodes) > 12:
         lines.append(f"... and {len(nodes) - 12} more nodes in {name}")
     return "\n".join(lines)
+
+
+def _stage_line(document: Any, stages: list[int], *, leaf: bool) -> str:
+    pipeline = document.data.get("pipeline") or {}
+    where = {s["index"]: s["coordinate"] for s in pipeline.get("stages", [])}
+    held = ", ".join(f"stage {s} (pp rank {where.get(s, '?')})" for s in stages)
+    if len(stages) == 1:
+        return f"{'held by' if leaf else 'computed in'} {held}"
+    return (f"held by {held}: its gradient is summed over them" if leaf else
+            f"computed in {held}: recomputed where needed, not sent")

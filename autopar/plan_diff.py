@@ -41,23 +41,36 @@ class PlanDiff:
 
 
 def _placements(document: PlanDocument) -> dict[str, tuple[str, str]]:
-    return {(n["target"] if n["kind"] == "parameter" else n["name"]): (n["module"], ",".join(n["placements"]))
+    return {(n["target"] if n["kind"] == "parameter" else n["name"]): (n["module"], ",".join(n["placements"])
+                                                                        + _stage_note(n))
             for n in document.data["nodes"] if n["kind"] != "collective"}
+
+
+def _stage_note(node: dict) -> str:
+    """A pipelined plan's node also says which stage(s) compute or hold it: moving is a change."""
+    stages = node.get("stage") or []
+    return f" @stage {','.join(map(str, stages))}" if stages else ""
 
 
 def _volumes(document: PlanDocument) -> dict[tuple[str, str, str], int]:
     totals: dict[tuple[str, str, str], int] = defaultdict(int)
     for entry in document.data["collectives"]:
-        totals[(entry["axis"], entry["link"], entry["kind"])] += entry["bytes_value"]
+        totals[(entry["axis"], entry["link"], entry["kind"])] += entry.get("times", 1) * entry["bytes_value"]
     return totals
+
+
+def _calls(document: PlanDocument) -> Counter:
+    calls: Counter = Counter()
+    for e in document.data["collectives"]:
+        calls[(e["phase"], e["kind"], e["axis"], e["module"])] += e.get("times", 1)
+    return calls
 
 
 def diff_plans(before: PlanDocument, after: PlanDocument) -> PlanDiff:
     old, new = _placements(before), _placements(after)
     placements = [[new.get(k, old.get(k))[0] or "<top>", k, old[k][1] if k in old else "-", new[k][1] if k in new else "-"]
                   for k in sorted(set(old) | set(new)) if old.get(k, (None, None))[1] != new.get(k, (None, None))[1]]
-    count = lambda d: Counter((e["phase"], e["kind"], e["axis"], e["module"]) for e in d.data["collectives"])  # noqa: E731
-    c_old, c_new = count(before), count(after)
+    c_old, c_new = _calls(before), _calls(after)
     collectives = [[*key, c_old[key], c_new[key]] for key in sorted(set(c_old) | set(c_new)) if c_old[key] != c_new[key]]
     v_old, v_new = _volumes(before), _volumes(after)
     volumes, grew = [], False

@@ -26,11 +26,12 @@ from autopar.errors import PlanError
 from autopar.ir import ORIGIN, RULE, SPEC, describe, local_shape, module_path, source_line
 from autopar.ledger.comm import CommEntry, CommLedger
 from autopar.mesh import Mesh
+from autopar.passes.split_pipeline import PIPELINE_STAGE
 
 if TYPE_CHECKING:
     from autopar.ledger.memory import MemoryLedger
 
-SCHEMA = "autopar.plan/1"
+SCHEMA = "autopar.plan/2"  # 2: pipeline stages, per-entry stage and calls per step
 
 
 def _first_spec(node: torch.fx.Node) -> DTensorSpec | None:
@@ -78,17 +79,45 @@ def _node_entry(node: torch.fx.Node, plan: Any) -> dict[str, Any] | None:
         "grad_sync": list(node.meta.get(GRAD_SYNC, [])),
         "origin": node.meta.get(ORIGIN, ""),
         "stored": _stored(node, plan),
+        "stage": list(node.meta.get(PIPELINE_STAGE, ())),
     }
     return entry
+
+
+def _boundary_entries(plan: Any) -> list[dict[str, Any]]:
+    """The send/recv steps of each stage graph (only a pipelined plan has them)."""
+    from autopar.comm_kinds import comm_step
+
+    entries = []
+    for stage in plan.stages if plan.pipeline is not None else []:
+        for node in stage.graph_module.graph.nodes:
+            step = comm_step(node.target) if node.op == "call_function" else None
+            if step is None or step.forward not in ("send", "recv"):
+                continue
+            source = node.args[0] if step.forward == "send" else node
+            spec = _first_spec(source) or _first_spec(node)
+            shape = [int(d) for d in spec.tensor_meta.shape] if spec is not None else []
+            entries.append({
+                "name": f"stage{stage.index}.{node.name}", "kind": "collective", "target": step.name,
+                "module": module_path(node), "source": source_line(node), "shape": shape,
+                "local_shape": local_shape(shape, spec.placements, plan.mesh.shape) if spec is not None else [],
+                "placements": describe(spec.placements).split(",") if spec is not None else [],
+                "inputs": [n.name for n in node.all_input_nodes if n.op != "placeholder"],
+                "rule": None, "grad_sync": [], "origin": "", "stored": None, "stage": [stage.index],
+                "collective": {"group": node.kwargs["group"], "peer_offset": node.kwargs["peer"][1],
+                               "value": node.kwargs["value"]}})
+    return entries
 
 
 def _stored(node: torch.fx.Node, plan: Any) -> str | None:
     """How a ZeRO-sharded parameter is kept between uses (its placement is its gathered compute form)."""
     from autopar.passes.shard_parameters import ZERO_SHARD
 
-    if ZERO_SHARD not in node.meta:
+    copies = [n for stage in plan.stages for n in stage.graph_module.graph.nodes
+              if n.op == "placeholder" and n.name == node.name and ZERO_SHARD in n.meta] if node.op == "placeholder" else []
+    if not copies:
         return None
-    index, shape = node.meta[ZERO_SHARD]
+    index, shape = copies[0].meta[ZERO_SHARD]
     unit = plan.units[index]
     return (f"ZeRO-{unit.stage} unit {index} ({unit.name or 'root'}): dim-0 shard {'x'.join(map(str, shape))} "
             f"per rank on {unit.axis}, gathered before use")
@@ -98,12 +127,14 @@ def _entry_data(entry: CommEntry, ledger: CommLedger) -> dict[str, Any]:
     return {"phase": entry.phase, "kind": entry.kind, "axis": entry.axis, "link": entry.link,
             "group_size": entry.group_size, "module": entry.module, "tensor": entry.tensor, "why": entry.why,
             "dtype": str(entry.dtype).replace("torch.", ""), "bytes": str(entry.logical_bytes),
-            "bytes_value": ledger.number(entry.logical_bytes), "wire_bytes_value": ledger.number(entry.wire_bytes)}
+            "bytes_value": ledger.number(entry.logical_bytes), "wire_bytes_value": ledger.number(entry.wire_bytes),
+            "stage": entry.stage, "times": entry.times}
 
 
 def plan_document(plan: Any) -> dict[str, Any]:
     """Plain, JSON-ready data of a plan (see module docstring)."""
     nodes = [entry for node in plan.graph_module.graph.nodes if (entry := _node_entry(node, plan)) is not None]
+    nodes += _boundary_entries(plan)
     return {
         "schema": SCHEMA,
         "mesh": {"axes": [[name, size] for name, size in plan.mesh.axes], "ranks_per_node": plan.mesh.ranks_per_node,
@@ -114,21 +145,51 @@ def plan_document(plan: Any) -> dict[str, Any]:
         "nodes": nodes,
         "collectives": [_entry_data(e, plan.comm) for e in plan.comm.entries],
         "buckets": [{"axes": list(b.axes), "dtype": str(b.dtype).replace("torch.", ""), "params": list(b.params),
-                     "numel": b.numel} for b in plan.buckets],
+                     "numel": b.numel, "stage": stage.index} for stage in plan.stages for b in stage.buckets],
         "units": [{"index": u.index, "name": u.name, "axis": u.axis, "stage": u.stage, "reshard": u.reshard,
-                   "extra_axes": list(u.extra_axes), "shard_numel": u.shard_numel,
+                   "extra_axes": list(u.extra_axes), "shard_numel": u.shard_numel, "pipeline_stage": u.pipeline_stage,
                    "params": [[p.fqn, list(p.shape), p.rows] for p in u.params]} for u in plan.units],
         "memory": _memory_data(plan),
+        "pipeline": _pipeline_data(plan),
     }
 
 
+def _memory_ranks(plan: Any) -> list[int]:
+    """Rank 0, and under a pipeline one rank per pipeline coordinate (the others' coordinates 0)."""
+    if plan.pipeline is None:
+        return [0]
+    return [plan.mesh.neighbour(0, plan.pipeline.axis, c) for c in range(plan.pipeline.degree)]
+
+
 def _memory_data(plan: Any) -> list[dict[str, Any]]:
-    """Rank 0's memory ledger (AdamW). Ranks differ only where uneven tensor-parallel shards would."""
+    """The memory ledger (AdamW) of rank 0 and, under a pipeline, of one rank per pipeline coordinate.
+    Ranks of one coordinate differ only where uneven tensor-parallel shards would."""
     from autopar.ledger.memory import build_memory_ledger
 
-    ledger = build_memory_ledger(plan, rank=0)
-    return [{"category": e.category, "what": e.what, "bytes": str(e.bytes), "bytes_value": ledger.number(e.bytes)}
-            for e in ledger.entries]
+    rows = []
+    for rank in _memory_ranks(plan):
+        ledger = build_memory_ledger(plan, rank=rank)
+        rows += [{"rank": rank, "category": e.category, "what": e.what, "bytes": str(e.bytes),
+                  "bytes_value": ledger.number(e.bytes)} for e in ledger.entries]
+    return rows
+
+
+def _pipeline_data(plan: Any) -> dict[str, Any] | None:
+    if plan.pipeline is None:
+        return None
+    from autopar.ledger.bubble import build_bubble_ledger
+
+    layout, bubble = plan.pipeline, build_bubble_ledger(plan)
+    return {"axis": layout.axis, "degree": layout.degree, "virtual": layout.virtual,
+            "microbatches": layout.microbatches, "schedule": layout.schedule, "starts": list(layout.starts),
+            "balance": layout.balance, "ties": {k: list(v) for k, v in plan.program.ties.items()},
+            "stages": [{"index": s.index, "coordinate": layout.coordinate(s.index), "forward_flops":
+                        bubble.stage_flops[s.index],
+                        "sends": [[b.name, b.target, b.requires_grad] for b in s.sends],
+                        "receives": [[b.name, b.source, b.requires_grad] for b in s.receives]} for s in plan.stages],
+            "bubble": {"formula": bubble.formula, "predicted": bubble.fractions},
+            "timeline": [[t.rank, t.action.kind, t.action.stage, t.action.microbatch, t.start, t.end]
+                         for t in bubble.timeline]}
 
 
 @dataclass
@@ -148,18 +209,30 @@ class PlanDocument:
         locals_ = {str(s): s for s in symbols}
         entries = [CommEntry(phase=e["phase"], kind=e["kind"], axis=e["axis"], link=e["link"],
                              group_size=e["group_size"], module=e["module"], tensor=e["tensor"], why=e["why"],
-                             dtype=getattr(torch, e["dtype"]), logical_bytes=sympy.sympify(e["bytes"], locals=locals_))
+                             dtype=getattr(torch, e["dtype"]), logical_bytes=sympy.sympify(e["bytes"], locals=locals_),
+                             stage=e["stage"], times=e["times"])
                    for e in self.data["collectives"]]
-        return CommLedger(entries=entries, symbol_values=symbols)
+        pipeline = self.data.get("pipeline")
+        coordinates = {s["index"]: s["coordinate"] for s in pipeline["stages"]} if pipeline else None
+        return CommLedger(entries=entries, symbol_values=symbols, stage_coordinates=coordinates,
+                          pipeline_axis=pipeline["axis"] if pipeline else None, mesh=self.mesh)
 
     @property
     def memory(self) -> "MemoryLedger":
+        """Rank 0's memory ledger."""
+        return self.memory_of(0)
+
+    def memory_ranks(self) -> list[int]:
+        return sorted({e["rank"] for e in self.data.get("memory", [])})
+
+    def memory_of(self, rank: int) -> "MemoryLedger":
         from autopar.ledger.memory import MemoryEntry, MemoryLedger
 
         symbols = self.comm.symbol_values
         locals_ = {str(s): s for s in symbols}
         return MemoryLedger(entries=[MemoryEntry(e["category"], e["what"], sympy.sympify(e["bytes"], locals=locals_))
-                                     for e in self.data.get("memory", [])], symbol_values=symbols)
+                                     for e in self.data.get("memory", []) if e["rank"] == rank],
+                            symbol_values=symbols)
 
     def node(self, name_or_module: str) -> list[dict[str, Any]]:
         """Nodes named so, or the nodes of a module (or a parameter FQN)."""
@@ -184,7 +257,24 @@ class PlanDocument:
                 + "strategies: " + ", ".join(f"{s['name']} on {s['axis']}" for s in self.data["strategies"]) + "\n\n"
                 + passes + "\n\n" + self.placement_table(activations=activations)
                 + "\n\nCommunication per step, per rank\n" + self.comm.table()
-                + "\n\nMemory per rank (rank 0, AdamW)\n" + self.memory.table())
+                + "".join(f"\n\nMemory per rank (rank {rank}, AdamW)\n" + self.memory_of(rank).table()
+                          for rank in self.memory_ranks())
+                + self.pipeline_report())
+
+    def pipeline_report(self) -> str:
+        pipeline = self.data.get("pipeline")
+        if not pipeline:
+            return ""
+        rows = [[s["index"], s["coordinate"], f"{s['forward_flops']:,}", ", ".join(f"{n}->{t}" for n, t, _ in s["sends"])]
+                for s in pipeline["stages"]]
+        bubble = pipeline["bubble"]
+        return (f"\n\nPipeline on {pipeline['axis']}: {pipeline['schedule']}, p={pipeline['degree']}, "
+                f"v={pipeline['virtual']}, m={pipeline['microbatches']}; stages start at "
+                f"{', '.join(pipeline['starts'])} ({pipeline['balance']})\n"
+                + tabulate(rows, headers=["stage", "pp rank", "forward FLOPs/micro-batch", "sends (value->stage)"])
+                + "\n\nBubble (idle fraction of the step): predicted per pp rank "
+                + ", ".join(f"{f:.1%}" for f in bubble["predicted"])
+                + f"; balanced-stage formula {bubble['formula']:.1%}")
 
 
 def save_plan(plan_or_document: Any, path: "str | Path") -> None:

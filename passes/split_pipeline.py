@@ -44,6 +44,7 @@ from autopar.program import TOKEN, Boundary, PipelineLayout, Program, Stage
 from autopar.runtime import p2p
 from autopar.schedules import SPLIT_BACKWARD
 
+PIPELINE_STAGE = "autopar_pipeline_stage"  # on the whole graph's nodes: the stage(s) computing or holding it
 _BLOCK = re.compile(r"^(.*)\.(\d+)$")
 _RANDOM = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson", "exponential")
 
@@ -140,7 +141,8 @@ def _starts(gm: torch.fx.GraphModule, layout_args: dict, blocks: list[str], node
         else:
             tail += flops
     starts = balanced_starts(costs, stages, head=head, tail=tail)
-    return starts, f"balanced forward FLOPs (blocks {costs[0]:,} each at most; head {head:,}, tail {tail:,})"
+    return starts, (f"balanced by forward FLOPs: blocks {min(costs):,} to {max(costs):,}, before the blocks "
+                    f"{head:,}, after them {tail:,}")
 
 
 def assign_stages(gm: torch.fx.GraphModule, node_block: dict, block_stage: list[int], last: int) -> dict:
@@ -260,6 +262,8 @@ class _Builder:
 
     def build(self) -> tuple[list[Stage], dict[str, tuple[int, ...]]]:
         needs = [self._needs(stage) for stage in range(self.layout.stages)]
+        for node in self.gm.graph.nodes:
+            node.meta[PIPELINE_STAGE] = tuple(s for s, needed in enumerate(needs) if node in needed)
         ties = self._ties(needs)
         stages = [self._stage(index, needs[index], ties) for index in range(self.layout.stages)]
         for boundary in self.boundaries.values():

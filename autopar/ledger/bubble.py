@@ -77,6 +77,11 @@ def measured_timeline(timelines: list[list[Any]]) -> list[schedules.Timed]:
     return timed
 
 
+def waited_seconds(timelines: list[list[Any]]) -> dict[tuple[int, str, int, int], float]:
+    """(rank, kind, stage, micro-batch) -> seconds the action waited for a receive (for the picture)."""
+    return {(rank, a.kind, a.stage, a.microbatch): a.waited for rank, actions in enumerate(timelines) for a in actions}
+
+
 def measured_fractions(timelines: list[list[Any]]) -> list[float]:
     """Per pipeline rank, the idle fraction of the step a run recorded."""
     return schedules.bubble_fractions(measured_timeline(timelines), len(timelines))

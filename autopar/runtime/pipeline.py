@@ -146,6 +146,13 @@ class PipelineExecutor:
         last = self.plan.stages[-1].graph_module.graph
         return next(n for n in last.nodes if n.op == "output").args[0][0].meta["val"].dtype
 
+    def gather_timeline(self) -> list[list[TimedAction]]:
+        """The last step's actions of every rank of this rank's pipeline group, by pp coordinate
+        (collective over the pipeline axis)."""
+        timelines: list[Any] = [None] * self.layout.degree
+        dist.all_gather_object(timelines, self.timeline, group=p2p._group(self.group))
+        return timelines
+
     @torch.no_grad()
     def share_parameters(self, held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every parameter whole on every rank: each broadcast over the pipeline axis from the

@@ -8,6 +8,8 @@
   `_legend`), collectives with a thick red border and labelled with their op and mesh axis
   (`_node_label`), edges from each node's `inputs` bowing into a left gutter (`_edge_path`); the
   tooltip of a node is its SVG <title> (`_tooltip`); hovering a node highlights its edges (`_SCRIPT`);
+- pipeline (a pipelined plan only): its stages and the predicted timeline of one step
+  (`_pipeline_section`, drawn by views/timeline.py);
 - ledger: the communication entries grouped per layer (`layer_of`), then per (phase, kind, axis),
   with counts, byte sums and formulas (`ledger_rows`, `_ledger_table`), and totals per mesh axis
   (`_totals_table`).
@@ -260,7 +262,9 @@ def _node_svg(node: dict[str, Any], *, label: str, color: str, x: float, y: floa
 
 def _formula(entries: list[dict[str, Any]]) -> str:
     """The byte formulas of a group of entries: `3 × 64*b*s`, or distinct formulas joined with ` + `."""
-    counts = Counter(entry["bytes"] for entry in entries)
+    counts: Counter = Counter()
+    for entry in entries:
+        counts[entry["bytes"]] += entry.get("times", 1)
     return " + ".join(formula if count == 1 else f"{count} × {formula}" for formula, count in counts.items())
 
 
@@ -276,8 +280,10 @@ def ledger_rows(collectives: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups.setdefault(key, []).append(entry)
     ordered = sorted(groups.items(), key=lambda item: (_layer_sort_key(item[0][0]), PHASE_ORDER.get(item[0][1], 9)))
     return [{"layer": layer, "phase": phase, "kind": kind, "axis": axis, "link": entries[0].get("link", ""),
-             "count": len(entries), "bytes_value": sum(e["bytes_value"] for e in entries),
-             "wire_bytes_value": sum(e["wire_bytes_value"] for e in entries), "formula": _formula(entries),
+             "count": sum(e.get("times", 1) for e in entries),
+             "bytes_value": sum(e.get("times", 1) * e["bytes_value"] for e in entries),
+             "wire_bytes_value": sum(e.get("times", 1) * e["wire_bytes_value"] for e in entries),
+             "formula": _formula(entries),
              "modules": sorted({e.get("module") or "" for e in entries})}
             for (layer, phase, kind, axis), entries in ordered]
 
@@ -302,9 +308,10 @@ def _totals_table(collectives: list[dict[str, Any]]) -> str:
     totals: dict[str, list[int]] = {}
     for entry in collectives:
         total = totals.setdefault(entry["axis"], [0, 0, 0])
-        total[0] += 1
-        total[1] += entry["bytes_value"]
-        total[2] += entry["wire_bytes_value"]
+        times = entry.get("times", 1)
+        total[0] += times
+        total[1] += times * entry["bytes_value"]
+        total[2] += times * entry["wire_bytes_value"]
     rows = [(_e(axis), *values) for axis, values in totals.items()]
     rows.append(("<b>all</b>", *(sum(values[i] for values in totals.values()) for i in range(3))))
     body = "".join(f"<tr><td>{axis}</td><td class=\"num\">{count}</td><td class=\"num\">{logical:,}</td>"
@@ -326,4 +333,24 @@ def render_html(document: dict[str, Any], *, title: str = "autopar plan") -> str
               f"{_totals_table(collectives)}</section>")
     return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{_e(title)}</title>"
             f"<style>{_CSS}</style></head><body>{_header(document, title=title)}"
-            f"<main>{graph}{ledger}</main><script>{_SCRIPT}</script></body></html>\n")
+            f"<main>{_pipeline_section(document)}{graph}{ledger}</main><script>{_SCRIPT}</script></body></html>\n")
+
+
+def _pipeline_section(document: dict[str, Any]) -> str:
+    """A pipelined plan's stages and the predicted timeline of one step (views/timeline.py)."""
+    pipeline = document.get("pipeline")
+    if not pipeline:
+        return ""
+    from autopar.schedules import Action, Timed
+    from autopar.views.timeline import render_timeline
+
+    timed = [Timed(Action(kind, stage, micro), rank, start, end) for rank, kind, stage, micro, start, end
+             in pipeline["timeline"]]
+    rows = "".join(f"<tr><td class=\"num\">{s['index']}</td><td class=\"num\">{s['coordinate']}</td>"
+                   f"<td class=\"num\">{s['forward_flops']:,}</td><td>{_e(', '.join(n for n, *_ in s['sends']))}</td></tr>"
+                   for s in pipeline["stages"])
+    return (f"<section id=\"pipeline-panel\" style=\"flex-basis:100%\"><h2>Pipeline on {_e(pipeline['axis'])}: "
+            f"{_e(pipeline['schedule'])}, p={pipeline['degree']}, v={pipeline['virtual']}, "
+            f"m={pipeline['microbatches']}</h2><table id=\"pipeline-stages\"><thead><tr><th>stage</th><th>pp rank</th>"
+            f"<th>forward FLOPs</th><th>sends</th></tr></thead><tbody>{rows}</tbody></table>"
+            f"{render_timeline(predicted=timed, title=pipeline['schedule'])}</section>")
