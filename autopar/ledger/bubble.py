@@ -6,7 +6,8 @@ ratios matter); a full backward costs two forwards (input and weight gradients),
 backward's B and W one each. The rank's actions (`autopar.schedules.actions`) run through
 `schedules.simulate`, which gives every action's start and end in units of the heaviest stage's
 forward: the predicted timeline the picture draws beside a measured one, and per rank the idle
-fraction of the step. The textbook figure for balanced stages is printed beside it
+fraction of the step. On a machine with fewer cores than pipeline ranks, `cores=` shares them
+(processor sharing), which is what such a machine measures. The textbook figure for balanced stages is printed beside it
 (`formula`): (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved, and for ZB-H1
 (p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W)), which is (p-1)/(3m+p-1) at equal F, B and W.
 `measured_fractions(timelines)` turns the timestamps a run recorded into the same figure.
@@ -48,7 +49,9 @@ class BubbleLedger:
         return header + tabulate(rows, headers=["pp rank", "idle (predicted)"], tablefmt="simple")
 
 
-def build_bubble_ledger(plan: Any) -> BubbleLedger:
+def build_bubble_ledger(plan: Any, *, cores: int | None = None) -> BubbleLedger:
+    """`cores`: the ranks of one pipeline share that many processors (a machine with fewer cores
+    than ranks, such as a 2-core CI machine running 4 ranks); None: each rank has its own."""
     layout = plan.pipeline
     flops = {stage.index: sum(node_flops(n) for n in stage.graph_module.graph.nodes) for stage in plan.stages}
     unit = max(flops.values()) or 1
@@ -60,7 +63,7 @@ def build_bubble_ledger(plan: Any) -> BubbleLedger:
 
     orders = schedules.actions(layout.schedule, degree=layout.degree, virtual=layout.virtual,
                                microbatches=layout.microbatches)
-    timed = schedules.simulate(orders, cost, stages=layout.stages, split_backward=split)
+    timed = schedules.simulate(orders, cost, stages=layout.stages, split_backward=split, cores=cores)
     return BubbleLedger(schedule=layout.schedule, degree=layout.degree, virtual=layout.virtual,
                         microbatches=layout.microbatches, stage_flops=flops, timeline=timed,
                         fractions=schedules.bubble_fractions(timed, layout.degree))
