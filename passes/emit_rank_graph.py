@@ -11,7 +11,6 @@ are removed. The result is an ordinary `torch.fx.GraphModule` over local tensors
 """
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 import torch.fx

@@ -121,15 +121,10 @@ def balanced_starts(costs: list[int], stages: int, *, head: int, tail: int) -> l
     return solve(0, stages)[1]
 
 
-def _starts(gm: torch.fx.GraphModule, layout_args: dict, blocks: list[str], node_block: dict,
+def _starts(gm: torch.fx.GraphModule, cuts: tuple[str, ...] | None, blocks: list[str], node_block: dict,
             stages: int) -> tuple[list[int], str]:
-    cuts = layout_args["cuts"]
     if cuts is not None:
         return _declared_starts(cuts, blocks, stages), "declared"
-    if stages > len(blocks):
-        raise PlanError(f"{stages} pipeline stages (pp size x virtual_stages) but the model has {len(blocks)} blocks "
-                        f"({', '.join(blocks[:4])}{', ...' if len(blocks) > 4 else ''}); every stage needs a block: "
-                        f"lower the pp size or virtual_stages")
     costs, head, tail = [0] * len(blocks), 0, 0
     first_block = min((p for p, n in enumerate(gm.graph.nodes) if n in node_block), default=0)
     for position, node in enumerate(gm.graph.nodes):
@@ -218,7 +213,7 @@ def split_pipeline(program: Program, ctx: CompileContext) -> Program:
     if pipeline.schedule == "interleaved_1f1b" and pipeline.microbatches % degree:
         raise PlanError(f"schedule 'interleaved_1f1b' needs the micro-batch count ({pipeline.microbatches}) to be a "
                         f"multiple of the pipeline degree ({degree}); fix: microbatches={degree * -(-pipeline.microbatches // degree)}")
-    starts, balance = _starts(gm, {"cuts": pipeline.stages}, blocks, node_block, count)
+    starts, balance = _starts(gm, pipeline.stages, blocks, node_block, count)
     block_stage = [sum(1 for s in starts if s <= b) - 1 for b in range(len(blocks))]
     stage_of = assign_stages(gm, node_block, block_stage, count - 1)
     layout = PipelineLayout(axis=axis, degree=degree, virtual=pipeline.virtual_stages,

@@ -1,6 +1,6 @@
 """The compute ledger: floating-point operations of a graph's forward, per node and per module.
 
-`node_flops(node)` counts one node at the traced (hint) sizes: matrix products and attention by
+`node_flops(node)` counts one node of a planned graph at the traced (hint) sizes: matrix products and attention by
 PyTorch's own formulas (`torch.utils.flop_counter.flop_registry`: 2·m·n·k for a matmul), the
 unlowered `scaled_dot_product_attention` as its two products (4·b·h·s_q·s_k·d), views and
 metadata ops as 0, and any other op as one operation per output element. The pipeline split
@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import math
 import operator
-from collections import defaultdict
 
 import torch
 import torch.fx
 from torch.utils.flop_counter import flop_registry
 
-from autopar.ir import hint, module_stack
+from autopar.ir import hint
 
 aten = torch.ops.aten
 _FREE = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
@@ -50,12 +49,3 @@ def node_flops(node: torch.fx.Node) -> int:
         kwargs = {k: (v.meta.get("val") if isinstance(v, torch.fx.Node) else v) for k, v in node.kwargs.items()}
         return int(hint(flop_registry[packet](*args, **kwargs, out_val=out)))
     return _numel(out)
-
-
-def flops_by_module(gm: torch.fx.GraphModule, *, depth_of: "dict[str, str] | None" = None) -> dict[str, int]:
-    """Forward FLOPs summed per innermost module path ('' for the root)."""
-    totals: dict[str, int] = defaultdict(int)
-    for node in gm.graph.nodes:
-        stack = module_stack(node)
-        totals[stack[-1] if stack else ""] += node_flops(node)
-    return dict(totals)
