@@ -379,15 +379,15 @@ def failure_reason(text: str, *, limit: int = 400) -> str:
 
 
 def run_rows(row_names: list[str], settings: Any, *, timeout_s: float, run: Callable | None = None,
-             summarize: Callable | None = None, columns: int = 9) -> list[tuple]:
-    """Each row on WORLD_SIZE processes (`run`, default this file's run_row), summarised; a failed
+             summarize: Callable | None = None, columns: int = 9, world_size: int = WORLD_SIZE) -> list[tuple]:
+    """Each row on `world_size` processes (`run`, default this file's run_row), summarised; a failed
     row becomes `columns` n/a cells and a note."""
     run, summarize = run or run_row, summarize or summarize_row
     summaries = []
     for row_name in row_names:
         start = time.perf_counter()
         try:
-            ranks = launch(run, WORLD_SIZE, row_name, settings, timeout_s=timeout_s)
+            ranks = launch(run, world_size, row_name, settings, timeout_s=timeout_s)
         except RuntimeError as error:
             summaries.append(([row_name, *["n/a"] * columns], [], [f"{row_name}: failed: {failure_reason(str(error))}"]))
             print(f"{row_name}: failed in {time.perf_counter() - start:.0f} s", flush=True)
