@@ -208,18 +208,26 @@ def in_flight(order: list[Action], *, split_backward: bool) -> dict[int, int]:
     return peak
 
 
-def peak_held(order: list[Action], *, split_backward: bool, weight: dict[int, float]) -> dict[int, int]:
-    """Per stage of one rank: how many micro-batches it holds at the moment the rank holds the most
-    (each stage's micro-batch weighing `weight[stage]` bytes)."""
-    releases = "W" if split_backward else "B"
-    held = {stage: 0 for stage in weight}
-    best, best_total = dict(held), 0.0
+def peak_held(order: list[Action], *, releases: dict[int, str], forward_bytes: dict[int, float],
+              weight_input_bytes: dict[int, float] | None = None) -> dict[int, tuple[int, int]]:
+    """Per stage of one rank, at the moment the rank holds the most bytes: (micro-batches held
+    since their forward, of which past their B and waiting for their W). A micro-batch of stage s
+    holds `forward_bytes[s]` from F until `releases[s]` ("B", or "W" for a split backward), and
+    from B to W also `weight_input_bytes[s]` (what the weight gradient still needs)."""
+    extra = weight_input_bytes or {}
+    forward = {stage: 0 for stage in forward_bytes}
+    waiting = {stage: 0 for stage in forward_bytes}
+    best, best_total = {s: (0, 0) for s in forward_bytes}, -1.0
     for action in order:
+        s = action.stage
         if action.kind == "F":
-            held[action.stage] += 1
-            total = sum(held[s] * weight[s] for s in held)
-            if total > best_total:
-                best, best_total = dict(held), total
-        elif action.kind == releases:
-            held[action.stage] -= 1
+            forward[s] += 1
+        elif action.kind == "B" and releases[s] == "W":
+            waiting[s] += 1
+        if action.kind == releases[s]:
+            forward[s] -= 1
+            waiting[s] -= 1 if action.kind == "W" else 0
+        total = sum(forward[t] * forward_bytes[t] + waiting[t] * extra.get(t, 0) for t in forward)
+        if total > best_total:
+            best, best_total = {t: (forward[t], waiting[t]) for t in forward}, total
     return best

@@ -3,7 +3,10 @@
 Each stage's forward is priced by the compute ledger (`ledger.compute.node_flops` over the stage
 graph: one micro-batch, global shapes — every stage is split alike over the other axes, so only
 ratios matter); a full backward costs two forwards (input and weight gradients), a split
-backward's B and W one each. The rank's actions (`autopar.schedules.actions`) run through
+backward's B and W one each — except on a stage that receives nothing (the first), whose B is
+its whole backward and W empty, as the runtime runs it. Measured on CPU (benchmarks/
+pipeline_bubble.py) a backward costs ~1.7 forwards and B + W ~1.5 full backwards; the ledger
+counts operations, a calibrated cost model is the planner's business. The rank's actions (`autopar.schedules.actions`) run through
 `schedules.simulate`, which gives every action's start and end in units of the heaviest stage's
 forward: the predicted timeline the picture draws beside a measured one, and per rank the idle
 fraction of the step. On a machine with fewer cores than pipeline ranks, `cores=` shares them
@@ -57,9 +60,15 @@ def build_bubble_ledger(plan: Any, *, cores: int | None = None) -> BubbleLedger:
     unit = max(flops.values()) or 1
     split = layout.schedule in schedules.SPLIT_BACKWARD
 
+    whole = {stage.index for stage in plan.stages if not stage.receives}  # nothing to split: B is the whole backward
+
     def cost(action: schedules.Action) -> float:
         forward = flops[action.stage] / unit
-        return forward if action.kind == "F" or split else 2 * forward
+        if action.kind == "F":
+            return forward
+        if split and action.stage in whole:
+            return 2 * forward if action.kind == "B" else 0.0
+        return forward if split else 2 * forward
 
     orders = schedules.actions(layout.schedule, degree=layout.degree, virtual=layout.virtual,
                                microbatches=layout.microbatches)

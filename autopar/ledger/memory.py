@@ -176,8 +176,10 @@ def build_memory_ledger(plan: Any, *, rank: int = 0, optimizer: str = "adamw",
 
 
 def _activation_entries(plan: Any, rank: int, stages: list) -> list[MemoryEntry]:
-    """Saved for backward: one forward's worth without a pipeline; with one, each stage's micro-batch
-    times the most micro-batches the rank's schedule holds at once (`schedules.peak_held`)."""
+    """Saved for backward: one forward's worth without a pipeline. With one, each stage's micro-batch
+    times the micro-batches the rank holds at its peak (`schedules.peak_held`); with a split
+    backward, a micro-batch past its B also holds, until its W, the gradients its weight-gradient
+    pass starts from (`weight_gradient_inputs`)."""
     from autopar.ledger.activations import saved_activations
 
     if plan.pipeline is None:
@@ -185,14 +187,55 @@ def _activation_entries(plan: Any, rank: int, stages: list) -> list[MemoryEntry]
     from autopar import schedules
 
     layout = plan.pipeline
-    per_stage = {s.index: saved_activations(plan, rank=rank, stage=s.index).total for s in stages}
+    split = layout.schedule in schedules.SPLIT_BACKWARD
+    saved = {s.index: saved_activations(plan, rank=rank, stage=s.index).total for s in stages}
+    # the runtime runs a stage's whole backward at B when it receives nothing (no input gradient to split)
+    releases = {s.index: "W" if split and s.receives else "B" for s in stages}
+    waiting = {s.index: weight_gradient_inputs(plan, s) for s in stages if releases[s.index] == "W"}
     order = schedules.actions(layout.schedule, degree=layout.degree, virtual=layout.virtual,
                               microbatches=layout.microbatches)[plan.mesh.coordinate(rank, layout.axis)]
-    held = schedules.peak_held(order, split_backward=layout.schedule in schedules.SPLIT_BACKWARD,
-                               weight={s: plan.comm.number(b) for s, b in per_stage.items()})
-    return [MemoryEntry("activations", f"stage {s}: {count} micro-batch(es) in flight at the peak ({layout.schedule})",
-                        count * per_stage[s]) for s, count in held.items()]
+    held = schedules.peak_held(order, releases=releases, forward_bytes={s: plan.comm.number(b) for s, b in saved.items()},
+                               weight_input_bytes={s: plan.comm.number(b) for s, b in waiting.items()})
+    entries = [MemoryEntry("activations", f"stage {s}: {count} micro-batch(es) in flight at the peak ({layout.schedule})",
+                           count * saved[s]) for s, (count, _) in held.items()]
+    entries += [MemoryEntry("activations", f"stage {s}: {count} micro-batch(es) between B and W at the peak: "
+                                           f"gradients the weight pass starts from", count * waiting[s])
+                for s, (_, count) in held.items() if count]
+    return entries
 
+
+def weight_gradient_inputs(plan: Any, stage: Any) -> sympy.Expr:
+    """Bytes a split backward's B keeps for W per micro-batch: the gradient of each op where a
+    trainable parameter's path meets the stage's received activations (a linear's output, a
+    norm's output), as `torch.distributed.pipelining`'s `stage_backward_input` captures them."""
+    from autopar.ir import local_numel
+    from autopar.passes.insert_grad_reductions import VIEW_LIKE
+
+    graph = stage.graph_module.graph
+    weights: set = set()
+    received: set = set()
+    for node in graph.nodes:
+        info = plan.context.placeholders.get(node.name) if node.op == "placeholder" else None
+        if info is not None and info.kind == "parameter" and info.requires_grad:
+            weights.add(node)
+        elif info is not None and info.kind == "token":
+            received.add(node)
+        elif node.op == "call_function":
+            inputs = node.all_input_nodes
+            if node.target in VIEW_LIKE and inputs and all(i in weights for i in inputs):
+                weights.add(node)
+            elif any(i in received for i in inputs):
+                received.add(node)
+    total = sympy.Integer(0)
+    for node in graph.nodes:
+        inputs = node.all_input_nodes
+        if node in received and node.target not in VIEW_LIKE and any(i in weights for i in inputs) \
+                and any(i in received for i in inputs):
+            value, spec = node.meta.get("val"), node.meta.get(SPEC)
+            if isinstance(value, (tuple, list)):
+                value, spec = value[0], spec[0]
+            total += local_numel(tuple(value.shape), spec.placements, plan.mesh.shape) * value.dtype.itemsize
+    return sympy.simplify(total.subs(plan.traced.symbols))
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     seen: dict[int, int] = {}
