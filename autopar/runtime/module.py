@@ -20,7 +20,6 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
 from autopar.ir import shard_dim
-from autopar.ledger.measure_activations import observe_saved
 from autopar.plan import Plan, shard
 from autopar.runtime import collectives, sharded_state
 from autopar.runtime.collectives import raw_all_reduce
@@ -102,16 +101,13 @@ class ParallelModule(torch.nn.Module):
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         """Saved-tensor policy: a re-gatherable all-gather output is kept as its shard (Megatron SP);
-        a gathered ZeRO parameter as a handle (sharded_state); anything else as it is. These hooks
-        hide saves from outer ones, so activations are reported to a measurement here."""
+        a gathered ZeRO parameter as a handle (sharded_state); anything else as it is."""
         regather = collectives.pack_regathered(tensor) if self._regathers else None
         if regather is not None:
-            observe_saved(regather[0].shard)  # what autograd keeps now is the shard
             return _Regathered(regather)
         owner = self.sharded.owner(tensor) if self.sharded is not None else None
         if owner is not None:
             return self.sharded.pack(tensor, owner)
-        observe_saved(tensor)
         return tensor
 
     def _unpack(self, saved: Any) -> torch.Tensor:
