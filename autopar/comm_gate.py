@@ -5,7 +5,8 @@ bytes per step for the traced shapes (per rank; under a pipeline summed over the
 change in any stage shows). A baseline file (`autopar.comm/1`) stores that
 summary with the mesh and strategies it came from. `compare(baseline, current, tolerance_pct)`
 lists every row before and after and marks what grew: more bytes than the baseline allows, or a
-(axis, kind) the baseline did not have. Used by `autopar check` and `autopar.testing`.
+(axis, kind) the baseline did not have. `update_baseline` rewrites a baseline and says what
+changed. Used by `autopar check` and `autopar.testing`.
 """
 from __future__ import annotations
 
@@ -41,6 +42,25 @@ def comm_summary(plan: Any) -> dict[str, Any]:
 def save_baseline(summary: dict[str, Any], path: "str | Path") -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def update_baseline(summary: dict[str, Any], path: "str | Path") -> str:
+    """Rewrite the baseline at `path` with `summary`; return what changed: "" when the file already
+    held it, else the before/after table (every row against the old baseline, or "new baseline")."""
+    path = Path(path)
+    text = json.dumps(summary, indent=1) + "\n"
+    old = path.read_text() if path.exists() else None
+    if old == text:
+        return ""
+    save_baseline(summary, path)
+    if old is None:
+        return f"new baseline: {summary['total_bytes']} bytes per rank per step"
+    try:
+        before = json.loads(old)
+        table = compare(before, summary).table()
+    except (ValueError, KeyError) as error:  # an unreadable or other-schema file: say so, do not guess
+        return f"replaced an unreadable baseline ({error})"
+    return f"{table}\ntotal bytes {before.get('total_bytes')} -> {summary['total_bytes']}"
 
 
 def load_baseline(path: "str | Path") -> dict[str, Any]:

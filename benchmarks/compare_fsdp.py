@@ -73,7 +73,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples`, `benchmarks` are not installed
 
 import autopar  # noqa: E402
-from autopar.runtime.comm_counter import CommCounter  # noqa: E402
+from autopar.measure.comm_counter import CommCounter  # noqa: E402
 from benchmarks.compare_step_time import (KINDS, QUICK_DEFAULTS, WORLD_SIZE, CollectiveBytes,  # noqa: E402
                                           alternate_steps, as_float, batch_slice, build_model, median_step_ms,
                                           mib, run_rows)

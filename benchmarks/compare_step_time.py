@@ -23,7 +23,7 @@ global batch; their steps alternate, so machine drift hits both alike (`measure`
   all-gather output, reduce-scatter input, all-to-all input, broadcast input), counted on the
   first, untimed step by `CollectiveBytes`, a dispatch mode defined here that sees classic c10d
   ops (DDP) and functional collectives (DTensor, autopar). autopar's step is also counted by
-  `autopar.runtime.comm_counter.CommCounter` and shown next to its plan's static ledger.
+  `autopar.measure.comm_counter.CommCounter` and shown next to its plan's static ledger.
 - Loss: the first-step loss of both programs (PyTorch's local losses averaged over ranks, which
   is the global-batch mean when the batch is split evenly), and the largest relative gap over all steps.
 
@@ -59,7 +59,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` is not an installed package
 
 import autopar  # noqa: E402
-from autopar.runtime.comm_counter import CommCounter  # noqa: E402
+from autopar.measure.comm_counter import CommCounter  # noqa: E402
 from autopar.runtime.launch import launch  # noqa: E402
 from examples.gpt import GPT, GPTConfig, example_batch  # noqa: E402
 

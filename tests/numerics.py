@@ -1,16 +1,45 @@
-"""Shared harness of the numerics tests: train the single-device model and the autopar program
-side by side for a few AdamW steps and collect losses, gradients, parameters and comm counts."""
+"""Shared harness of the numerics tests: train the single-device model and the autopar program side
+by side for a few AdamW steps; on every rank, measure from outside what each step moves and holds.
+
+Per rank (`distributed_rank`), `Instruments` — a collective counter and a live-storage tracker from
+`autopar.measure` — are active over every phase of the rank's work: `setup` (build the seeded
+model, `parallelize`, the optimizer), then per step `zero_grad`, `local_batch`, the step body
+(`forward`, then `backward`), optional `clip`, and `optimizer`. Only the harness's own work runs
+between phases: reassembling whole gradients and parameters (`autopar.measure.reassemble`:
+all-gather and DTensor, never autopar's slicing code) and reading the measurements.
+
+The step body is one replaceable function, `step(module, local) -> loss` (`train_step`: forward
+and backward; a pipeline module's would be `lambda module, local: module.train_step(*local)`,
+as a module-level function so that it pickles). It receives the module behind `Probed`: calling
+it runs the forward in phase `forward` and measures what the forward leaves alive
+(`measure_saved_activations`); whatever follows in the body is phase `backward`. A body that
+never calls the module runs in phase `step`, compared with the ledger's forward + backward
+together, and measures no activations (`assert_memory_equals_ledger(..., activations=False)`).
+
+Whole tensors are reassembled per parameter the rank holds (`module.named_parameters()`, in
+order) over the axes that shard it, so ranks that hold different parameters (pipeline stages)
+take part only in their own groups; `assert_matches` checks that the union over ranks covers
+every single-device parameter. `parameter_layout` is where the plan's claim is read.
+
+The checks (`tests/numerics_checks.py`) compare whole tensors, the ledger with the counted
+collectives, and the memory ledger with the measured bytes.
+"""
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import copy
+import gc
+from typing import Any, Callable, Iterator
 
 import torch
 
 import autopar
-from autopar.ledger.measure_activations import measure_saved_activations
-from autopar.ledger.memory import build_memory_ledger, measure_held_bytes
-from autopar.plan import local_tensor
-from autopar.runtime.comm_counter import CommCounter
+from autopar.ledger.memory import build_memory_ledger
+from autopar.measure.activations import measure_saved_activations
+from autopar.measure.comm_counter import CommCounter
+from autopar.measure.memory import held_bytes
+from autopar.measure.reassemble import Dim0Shard, check_mesh, full_tensors
+from autopar.measure.storages import LiveStorages, distinct_storage_bytes
 
 STEPS = 3
 LR = 1e-2
@@ -36,110 +65,216 @@ def parallel_trainer(build: Callable[[], torch.nn.Module], example_inputs: Any, 
     return module, torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
 
 
-def parameter_layout(module: Any) -> dict[str, Any]:
-    """What `assert_matches` needs to cut the reference for a rank: placements and ZeRO rows."""
-    return {"placements": module.plan.parameter_placements(),
-            "zero": {p.fqn: (u.axis, p.rows) for u in module.plan.units for p in u.params}}
-
-
-def single_device(build: Callable[[], torch.nn.Module], batches: list[tuple], *,
-                  clip_norm: float | None = None) -> dict[str, Any]:
-    """Losses, gradients and parameters per step; with `clip_norm`, gradients are clipped (and the
-    norms recorded) before the step."""
-    model, optimizer = reference_trainer(build)
-    losses, grads, params, norms = [], [], [], []
+def single_device(build: Callable[[], torch.nn.Module], batches: list[tuple], *, clip_norm: float | None = None,
+                  param_dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """Losses, gradients and parameters per step. `clip_norm`: gradients are clipped (and the norms
+    recorded) before the step. `param_dtype`: FSDP-style mixed precision on one device, a copy in
+    that dtype computes and the fp32 masters are updated. `backward_temporaries`: per step, the
+    most bytes allocated after the forward that are alive at once (measured like a rank's)."""
+    storages = LiveStorages()
+    with storages:
+        model, optimizer = reference_trainer(build)
+        compute = copy.deepcopy(model) if param_dtype is not None else model
+    result: dict[str, list] = {"losses": [], "grads": [], "params": [], "norms": [], "backward_temporaries": []}
     for batch in batches:
-        optimizer.zero_grad()
-        loss = model(*batch)
-        loss.backward()
-        losses.append(loss.detach())
-        if clip_norm is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm))
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-        optimizer.step()
-        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return {"losses": losses, "grads": grads, "params": params, "norms": norms}
-
-
-def distributed_rank(rank: int, world_size: int, build: Callable[[], torch.nn.Module], batches: list[tuple],
-                     mesh: str, strategies: list) -> dict[str, Any]:
-    module, optimizer = parallel_trainer(build, batches[0], mesh, strategies)
-    group_to_axis = {name: axis for axis, name in module.groups.items()}
-    losses, grads, params, measured, memory = [], [], [], [], {}
-    for batch in batches:
-        optimizer.zero_grad()
-        local = module.local_batch(*batch)
-        with CommCounter() as forward_counter, measure_saved_activations(
-                exclude=[*module.parameters(), *module.buffers()]) as saved:
-            loss = module(*local)
-        with CommCounter() as backward_counter:
+        storages.reset_peak()
+        with storages:
+            optimizer.zero_grad()
+            if compute is not model:
+                for low, high in zip(compute.parameters(), model.parameters()):
+                    low.data, low.grad = high.detach().to(param_dtype), None
+            loss = compute(*batch)
+            storages.watch(storages.mark())
             loss.backward()
-        losses.append(loss.detach())
-        grads.append({n: p.grad.detach().clone() for n, p in module.named_parameters()})
-        with CommCounter() as optimizer_counter:
+            if compute is not model:
+                for low, high in zip(compute.parameters(), model.parameters()):
+                    high.grad = low.grad.float()
+            if clip_norm is not None:
+                result["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm))
             optimizer.step()
-        measured.append({"forward": forward_counter.by_key(group_to_axis),
-                         "backward": backward_counter.by_key(group_to_axis),
-                         "optimizer": optimizer_counter.by_key(group_to_axis)})
-        params.append({n: p.detach().clone() for n, p in module.named_parameters()})
-        if not memory:
-            memory.update(measured=dict(measure_held_bytes(module, optimizer), activations=saved.bytes),
-                          ledger=build_memory_ledger(module.plan, rank=rank).by_category())
-    ledger = module.plan.comm.by_key()
-    return {"losses": losses, "grads": grads, "params": params, "measured": measured, "ledger": ledger,
-            "memory": memory, **parameter_layout(module)}
+        result["backward_temporaries"].append(storages.watched_peak)
+        result["losses"].append(loss.detach().float())
+        result["grads"].append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        result["params"].append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return result
 
 
-# Some gradients are mathematically zero and numerically rounding noise (~1e-9): the key-projection bias,
-# whose shift softmax cancels. Relative error against such a tensor is meaningless, so the error is taken
-# relative to max(|expected|, NOISE_FLOOR).
-NOISE_FLOOR = 1e-4
+# ---- the step body (replaceable) and how the harness watches it
+def train_step(module: Any, local: list[Any]) -> torch.Tensor:
+    """One forward and backward; the default step body."""
+    loss = module(*local)
+    loss.backward()
+    return loss
 
 
-def max_relative_error(actual: torch.Tensor, expected: torch.Tensor, noise_floor: float = NOISE_FLOOR) -> float:
-    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(noise_floor))
+class Instruments:
+    """The counter and the storage tracker, active inside `phase(...)` windows only."""
+
+    def __init__(self) -> None:
+        self.storages = LiveStorages()
+        self.counter = CommCounter()
+        self.activations: list[int] = []
+        self.epochs: dict[str, int] = {}  # where the current step's storages were allocated
+        self._active = False
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self._active:  # a phase inside a phase relabels; the modes are entered once
+            with self.counter.phase(name):
+                yield
+            return
+        self._active = True
+        try:
+            with self.storages, self.counter, self.counter.phase(name):
+                yield
+        finally:
+            self._active = False
+
+    def begin_step(self) -> None:
+        """Free cyclic garbage, start the step's epoch of allocations and its peak."""
+        gc.collect()
+        self.epochs = {"step": self.storages.mark()}
+        self.storages.reset_peak()
+
+    def peak(self) -> dict[str, int]:
+        """The step's peak live bytes, split by when they were allocated: before the step ("at
+        rest"), before the forward, in the forward, after it (backward, optimizer)."""
+        bounds = sorted(self.epochs.items(), key=lambda item: item[1])
+        split = {"at rest": 0, **{name: 0 for name, _ in bounds}}
+        for epoch, nbytes in self.storages.peak_by_epoch.items():
+            name = next((n for n, start in reversed(bounds) if epoch >= start), "at rest")
+            split[name] += nbytes
+        return {"total": self.storages.peak_bytes, **split}
+
+    def next_counter(self) -> CommCounter:
+        """Start counting into a fresh counter (one per step); returns the finished one."""
+        finished, self.counter = self.counter, CommCounter()
+        return finished
 
 
-def assert_matches(reference: dict[str, Any], results: list[dict[str, Any]], mesh: str, *, tolerance: float = 1e-5,
-                   aliases: dict[str, str] | None = None, tolerances: dict[str, float] | None = None,
-                   noise_floor: float = NOISE_FLOOR) -> None:
-    """Loss, every gradient shard and every parameter shard after each step, on every rank.
+class Probed:
+    """The module as a step body sees it (see module docstring); other attributes pass through."""
 
-    `aliases` maps a reference parameter name to the name the distributed module trains it under
-    (a tied weight: torch.export keeps one of its names); `tolerances` overrides the bound per kind
-    (losses, grads, params)."""
-    aliases = aliases or {}
-    bound = {"losses": tolerance, "grads": tolerance, "params": tolerance, **(tolerances or {})}
-    parsed = autopar.Mesh.parse(mesh)
-    for rank, result in enumerate(results):
-        for step in range(len(reference["losses"])):
-            error = max_relative_error(result["losses"][step], reference["losses"][step])
-            assert error <= bound["losses"], f"rank {rank} step {step} loss rel err {error}"
-            for kind in ("grads", "params"):
-                for name, full in reference[kind][step].items():
-                    name_here = aliases.get(name, name)
-                    expected = local_tensor(full, result["placements"][name_here], parsed, rank,
-                                            zero=result.get("zero", {}).get(name_here))
-                    error = max_relative_error(result[kind][step][aliases.get(name, name)], expected, noise_floor)
-                    assert error <= bound[kind], f"rank {rank} step {step} {kind} {name} rel err {error}"
+    def __init__(self, module: Any, instruments: Instruments) -> None:
+        self._module, self._instruments = module, instruments
+
+    def __call__(self, *local: Any) -> Any:
+        instruments = self._instruments
+        instruments.epochs["forward"] = instruments.storages.mark()
+        with instruments.phase("forward"), measure_saved_activations() as saved:
+            outputs = saved.call(self._module, *local)
+        instruments.epochs["backward"] = instruments.storages.mark()
+        instruments.activations.append(saved.bytes)
+        instruments.counter.relabel("backward")
+        return outputs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
 
 
-def assert_ledger_equals_measured(results: list[dict[str, Any]]) -> None:
-    """The static ledger's (kind, axis) -> (calls, bytes) equals what each step handed to the process groups."""
-    for rank, result in enumerate(results):
-        expected = {"forward": {}, "backward": {}, "optimizer": {}}
-        for (phase, kind, axis), (calls, nbytes) in result["ledger"].items():
-            side = expected[phase if phase in ("forward", "optimizer") else "backward"]
-            old = side.get((kind, axis), (0, 0))
-            side[(kind, axis)] = (old[0] + calls, old[1] + nbytes)
-        for step, measured in enumerate(result["measured"]):
-            assert measured == expected, f"rank {rank} step {step}: measured {measured} != ledger {expected}"
+def settle_garbage() -> None:
+    """Free what setup left in reference cycles (the original model, tracing state), then freeze
+    the survivors out of the cyclic collector: the measurements' `gc.collect()` calls in each step
+    then take milliseconds instead of ~0.4 s (a full collection over torch, sympy, transformers)."""
+    gc.collect()
+    gc.freeze()
 
 
-def assert_memory_equals_ledger(results: list[dict[str, Any]]) -> None:
-    """Bytes held in parameters, buffers, gradients and optimizer state after a step equal the ledger,
-    and so do the bytes autograd saved in the first forward (distinct storages, saved-tensor hooks)."""
-    for rank, result in enumerate(results):
-        measured, ledger = result["memory"]["measured"], result["memory"]["ledger"]
-        for category, nbytes in measured.items():
-            assert nbytes == ledger[category], f"rank {rank} {category}: measured {nbytes} != ledger {ledger[category]}"
+# ---- what a rank reports
+def parameter_layout(module: Any) -> dict[str, tuple[tuple, Dim0Shard | None]]:
+    """The plan's claim per parameter the rank holds: placements per mesh axis, ZeRO dim-0 shard."""
+    placements = module.plan.parameter_placements()
+    zero = {p.fqn: Dim0Shard(axis=u.axis, rows=p.rows, length=p.shape[0]) for u in module.plan.units for p in u.params}
+    return {fqn: (placements[fqn], zero.get(fqn)) for fqn, _ in module.named_parameters()}
+
+
+def whole_tensors(module: Any, mesh: Any, *, grads: bool) -> dict[str, torch.Tensor]:
+    """Every parameter (or gradient) this rank holds, reassembled whole, in `named_parameters()` order."""
+    pieces = {}
+    for fqn, param in module.named_parameters():
+        pieces[fqn] = param.grad if grads else param
+        if pieces[fqn] is None:
+            raise AssertionError(f"{fqn} has no gradient on this rank")
+    return full_tensors(pieces, mesh=mesh, layout=parameter_layout(module))
+
+
+def comparison_mesh(module: Any) -> Any:
+    return check_mesh(axes=module.plan.mesh.axes)
+
+
+def memory_ledger(module: Any, rank: int) -> dict[str, Any]:
+    ledger = build_memory_ledger(module.plan, rank=rank)
+    entries: dict[tuple[str, str], int] = {}
+    for entry in ledger.entries:
+        entries[(entry.category, entry.what)] = entries.get((entry.category, entry.what), 0) + ledger.number(entry.bytes)
+    return {"by_category": ledger.by_category(), "entries": entries}
+
+
+def unit_bytes(plan: Any, *, keep: Callable[[Any], bool], padded: bool) -> int:
+    """Gathered bytes of the ZeRO units `keep` selects: padded (the all-gather's size, as the
+    ledger's transient entries count it) or each parameter's own rows (what the runtime keeps)."""
+    total = 0
+    for unit in plan.units:
+        if keep(unit):
+            rows = [unit.group_size * p.rows if padded else p.shape[0] for p in unit.params]
+            total += sum(r * p.row_numel for r, p in zip(rows, unit.params)) * unit.dtype.itemsize
+    return total
+
+
+def regathered_shard_bound(plan: Any) -> int:
+    """The largest shard a re-gathering (Megatron-style SP) all-gather keeps for backward."""
+    return max((int(plan.comm.number(e.logical_bytes)) // plan.mesh.size(e.axis) for e in plan.comm.entries
+                if e.why == "the shard saved for backward gathered again"), default=0)
+
+
+def rank_summary(module: Any, rank: int, world: int, instruments: Instruments, setup: CommCounter) -> dict[str, Any]:
+    group_to_axis = {name: axis for axis, name in module.groups.items()}
+    plan = module.plan
+    kept = lambda unit: unit.stage == 3 and not unit.reshard  # noqa: E731
+    return {"rank": rank, "world": world, "setup_comm": setup.by_key(group_to_axis),
+            "ledger": plan.comm.by_key(rank=rank), "memory_ledger": memory_ledger(module, rank),
+            "layout": parameter_layout(module), "group_to_axis": group_to_axis,
+            "kept_units": {"padded": unit_bytes(plan, keep=kept, padded=True),
+                           "unpadded": unit_bytes(plan, keep=kept, padded=False)},
+            "all_units_unpadded": unit_bytes(plan, keep=lambda unit: unit.stage == 3, padded=False),
+            "regathered_shard_bound": regathered_shard_bound(plan)}
+
+
+def distributed_rank(rank: int, world: int, build: Callable[[], torch.nn.Module], batches: list[tuple], mesh: str,
+                     strategies: list, step: Callable[[Any, list], torch.Tensor] = train_step,
+                     clip_norm: float | None = None) -> dict[str, Any]:
+    """Train STEPS steps; per step: loss, whole gradients and parameters, collectives by phase,
+    bytes held after the step (by category), the step's peak, activations left by the forward."""
+    instruments = Instruments()
+    with instruments.phase("setup"):
+        module, optimizer = parallel_trainer(build, batches[0], mesh, strategies)
+    setup = instruments.next_counter()
+    settle_garbage()
+    check = comparison_mesh(module)
+    result = rank_summary(module, rank, world, instruments, setup)
+    result.update(losses=[], grads=[], params=[], norms=[], comm=[], held=[], peak=[])
+    instruments.storages.track(batches)  # the harness's own: alive throughout, named in the peak's "at rest"
+    result["batch_bytes"] = distinct_storage_bytes([t for batch in batches for t in batch])
+    for batch in batches:
+        instruments.begin_step()
+        with instruments.phase("zero_grad"):
+            optimizer.zero_grad()
+        with instruments.phase("local_batch"):
+            local = module.local_batch(*batch)
+        with instruments.phase("step"):
+            loss = step(Probed(module, instruments), local)
+        if clip_norm is not None:
+            with instruments.phase("clip"):
+                result["norms"].append(module.clip_grad_norm_(clip_norm))
+        with instruments.phase("optimizer"):
+            optimizer.step()
+        result["peak"].append(instruments.peak())
+        result["held"].append(held_bytes(instruments.storages, module=module, optimizer=optimizer,
+                                         exclude=[batches, local, loss, result["norms"]]))
+        result["comm"].append(instruments.next_counter().by_phase(result["group_to_axis"]))
+        result["losses"].append(loss.detach().clone())
+        result["loss_bytes"] = loss.untyped_storage().nbytes()
+        result["grads"].append(whole_tensors(module, check, grads=True))
+        result["params"].append(whole_tensors(module, check, grads=False))
+    result["activations"] = instruments.activations
+    return result

@@ -1,8 +1,10 @@
 """The activation ledger (`autopar.ledger.activations`).
 
 1. Measured: the example GPT as a plain module and on gloo processes (dp=1, dp=2, tp=2); the
-   bytes autograd saves in one real forward (`measure_saved_activations`, parameters and buffers
-   excluded) equal the ledger's figure for that rank, exactly.
+   bytes one real forward leaves alive for backward (`autopar.measure.activations`: storages
+   allocated in the forward and alive after it, seen by a dispatch mode through any saved-tensor
+   hooks; the inputs copied inside, the loss left out) equal the ledger's figure for that rank,
+   exactly. (The numerics tests measure every forward of every case the same way.)
 2. Korthikanti et al. 2022, plan-only and symbolic in b and s: the standard transformer layer
    (`examples/standard_transformer.py`, bf16, h=64, a=8) saves per layer
    s·b·h·(34 + 5·a·s/h) bytes without parallelism, s·b·h·(10 + 24/t + 5·a·s/(h·t)) with tensor
@@ -19,7 +21,7 @@ import torch
 
 import autopar
 from autopar.ledger.activations import saved_activations
-from autopar.ledger.measure_activations import measure_saved_activations
+from autopar.measure.activations import measure_saved_activations
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
 from examples.standard_transformer import StandardConfig, example
@@ -34,11 +36,8 @@ def measured_and_ledger(rank: int, world_size: int, mesh: str, strategies: list)
     torch.manual_seed(0)
     batch = example_batch(GPT_CONFIG, batch=4)
     module = autopar.parallelize(GPT(GPT_CONFIG), mesh, strategies=strategies, example_inputs=batch)
-    # a dim-0 shard of the global batch is a view of its storage (shard() returns chunk(...).contiguous()):
-    # clone it so the run saves the rank's own ids, as a per-rank data loader would hand them over
-    local = [t.clone() for t in module.local_batch(*batch)]
-    with measure_saved_activations(exclude=[*module.parameters(), *module.buffers()]) as measured:
-        loss = module(*local)
+    with measure_saved_activations() as measured:
+        loss = measured.call(module, *module.local_batch(*batch))
     loss.backward()
     ledger = saved_activations(module.plan, rank=rank)
     selective = saved_activations(module.plan, rank=rank, recompute="attention")
@@ -53,8 +52,9 @@ def test_single_device_ledger_equals_the_plain_model():
     model, batch = GPT(GPT_CONFIG), example_batch(GPT_CONFIG, batch=4)
     plan = autopar.plan(model, "dp=1", strategies=[autopar.data_parallel()], example_inputs=batch,
                         dynamic_dims={"b": 0, "s": 1})
-    with measure_saved_activations(exclude=[*model.parameters(), *model.buffers()]) as measured:
-        model(*batch)
+    with measure_saved_activations() as measured:
+        loss = measured.call(model, *batch)
+    assert loss.grad_fn is not None  # the graph (what backward needs) was alive when the window closed
     ledger = saved_activations(plan)
     assert measured.bytes == ledger.number() > 0, ledger.table()
     # symbolic apart from SDPA's fp32 logsumexp [b, heads, s] per layer, allocated inside the kernel

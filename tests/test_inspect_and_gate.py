@@ -15,7 +15,8 @@ from autopar import PlanError
 from autopar.plan_diff import diff_plans
 from autopar.plan_file import load_plan, save_plan
 from autopar.strategies.layouts import EXAMPLE_GPT
-from autopar.testing import assert_comm_within_baseline
+from autopar.comm_gate import comm_summary, load_baseline
+from autopar.testing import assert_comm_within_baseline, rewrite_reference
 from examples.gpt import example
 
 BASELINES = Path(__file__).parent.parent / "baselines"
@@ -51,6 +52,29 @@ def test_gate_fails_naming_axis_and_kind_when_a_strategy_adds_communication():
         assert_comm_within_baseline(regressed, BASELINES / "example_gpt_tp2.json")
     grew = [line.split() for line in str(failure.value).splitlines() if line.rstrip().endswith(("GREW", "NEW"))]
     assert [(row[0], row[2], row[-1]) for row in grew] == [("tp", "all_reduce", "GREW")]
+
+
+def test_update_modes_print_the_change_and_fail_unless_accepted(tmp_path, monkeypatch, capsys):
+    """AUTOPAR_UPDATE_BASELINES / AUTOPAR_UPDATE_GOLDEN rewrite the file, print what changed and
+    fail; only AUTOPAR_ACCEPT=1 makes a rewrite pass. An unchanged file passes quietly."""
+    plan = plan_example("tp=2", [autopar.tensor_parallel()])
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text((BASELINES / "example_gpt_tp2.json").read_text())
+    monkeypatch.setenv("AUTOPAR_UPDATE_BASELINES", "1")
+    assert_comm_within_baseline(plan, baseline)
+    regressed = plan_example("tp=2", [autopar.tensor_parallel(layout=NO_ROW_PARALLEL_MLP)])
+    with pytest.raises(AssertionError, match="AUTOPAR_ACCEPT=1") as failure:
+        assert_comm_within_baseline(regressed, baseline)
+    assert "GREW" in str(failure.value) and "GREW" in capsys.readouterr().out
+    assert load_baseline(baseline) == comm_summary(regressed)
+    golden = tmp_path / "golden.txt"
+    golden.write_text("a\nb\n")
+    with pytest.raises(AssertionError, match=r"(?s)-b\n\+c\n.*AUTOPAR_ACCEPT=1"):
+        rewrite_reference(golden, "a\nc\n")
+    monkeypatch.setenv("AUTOPAR_ACCEPT", "1")
+    rewrite_reference(golden, "a\nd\n")
+    assert_comm_within_baseline(plan, baseline)
+    assert golden.read_text() == "a\nd\n" and load_baseline(baseline) == comm_summary(plan)
 
 
 def test_plan_file_round_trip_gives_identical_reports(tmp_path):

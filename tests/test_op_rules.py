@@ -16,7 +16,7 @@ import autopar
 from autopar.plan import shard
 from autopar.runtime.launch import launch
 from autopar.strategies import InputRule, ParamRule, Strategy
-from tests.numerics import max_relative_error
+from tests.numerics_checks import max_relative_error
 
 TOLERANCE = 1e-5
 

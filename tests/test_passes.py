@@ -1,6 +1,7 @@
 """Graph-only tests of the passes on traced example graphs: placements, inserted nodes, their
-deduplication and conjugates, and golden per-rank code (set AUTOPAR_UPDATE_GOLDEN=1 to rewrite
-it deliberately; a change to the golden files must say why)."""
+deduplication and conjugates, and golden per-rank code (AUTOPAR_UPDATE_GOLDEN=1 rewrites it,
+prints the diff and fails unless AUTOPAR_ACCEPT=1 accepts it; a change to the golden files must
+say why)."""
 from __future__ import annotations
 
 import os
@@ -14,6 +15,7 @@ import autopar
 from autopar.ir import SPEC
 from autopar.passes.insert_grad_reductions import GRAD_SYNC
 from autopar.runtime import collectives
+from autopar.testing import rewrite_reference
 from examples.gpt import GPT, GPTConfig, example_batch
 
 CONFIG = GPTConfig(n_layer=2)
@@ -99,5 +101,6 @@ def test_golden_rank_code(name, mesh, strategy):
     code = plan.rank_graph(int(name[-1])).code.strip() + "\n"
     path = GOLDEN / f"{name}.py.txt"
     if os.environ.get("AUTOPAR_UPDATE_GOLDEN") == "1":
-        path.write_text(code)
-    assert code == path.read_text(), f"emitted code of {name} changed; rerun with AUTOPAR_UPDATE_GOLDEN=1 if intended"
+        rewrite_reference(path, code)
+    assert code == path.read_text(), (f"emitted code of {name} changed; AUTOPAR_UPDATE_GOLDEN=1 rewrites it and "
+                                      f"shows the diff, AUTOPAR_ACCEPT=1 accepts it")

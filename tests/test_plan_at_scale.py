@@ -13,16 +13,14 @@ import sympy
 import torch
 
 import autopar
-
-transformers = pytest.importorskip("transformers")
-from examples.hf_models import CausalLMLoss  # noqa: E402
+from examples.hf_models import CausalLMLoss
 
 HIDDEN, LAYERS, DP, TP = 4096, 4, 8, 8
 b, s = sympy.symbols("b s", positive=True, integer=True)
 LOCAL_ACTIVATION = 4 * (b / DP) * s * HIDDEN  # fp32 bytes of one rank's b*s*h
 
 
-def llama_on_meta() -> torch.nn.Module:
+def llama_on_meta(transformers) -> torch.nn.Module:
     config = transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=11008, num_hidden_layers=LAYERS,
                                       num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
                                       max_position_embeddings=4096, use_cache=False, attn_implementation="sdpa",
@@ -31,9 +29,9 @@ def llama_on_meta() -> torch.nn.Module:
         return CausalLMLoss(transformers.LlamaForCausalLM(config))
 
 
-def plan_llama(tp_strategy) -> autopar.Plan:
+def plan_llama(transformers, tp_strategy) -> autopar.Plan:
     ids = torch.zeros(16, 256, dtype=torch.long)
-    return autopar.plan(llama_on_meta(), autopar.Mesh(dp=DP, tp=TP, ranks_per_node=8),
+    return autopar.plan(llama_on_meta(transformers), autopar.Mesh(dp=DP, tp=TP, ranks_per_node=8),
                         strategies=[autopar.data_parallel(), tp_strategy], example_inputs=(ids, ids),
                         dynamic_dims={"b": 0, "s": 1})
 
@@ -48,13 +46,13 @@ def per_layer(plan: autopar.Plan) -> dict[tuple[int, str, str], list]:
 
 
 @pytest.fixture(scope="module")
-def tp_plan():
-    return plan_llama(autopar.tensor_parallel())
+def tp_plan(transformers):
+    return plan_llama(transformers, autopar.tensor_parallel())
 
 
 @pytest.fixture(scope="module")
-def sp_plan():
-    return plan_llama(autopar.sequence_parallel())
+def sp_plan(transformers):
+    return plan_llama(transformers, autopar.sequence_parallel())
 
 
 def test_tensor_parallel_ledger_is_megatron_formula(tp_plan):

@@ -1,23 +1,29 @@
-"""ZeRO-1/2/3, FSDP and HSDP on gloo processes equal the single-device model (loss, gradient
-shards, parameter shards after 3 AdamW steps, fp32 rel err <= 1e-5); the communication ledger
-equals the bytes each step hands to the process groups (forward, backward, optimizer step); the
-bytes held in parameters, gradients and optimizer state after a step equal the memory ledger."""
+"""ZeRO-1/2/3, FSDP and HSDP on gloo processes equal the single-device model (loss, whole
+gradients and parameters after each of 3 AdamW steps, fp32 rel err <= 1e-5); the communication
+ledger equals the collectives each step hands to the process groups (every phase, setup too); the
+memory ledger equals the bytes measured from outside: held after a step (parameters, gradients,
+optimizer state, and what the runtime keeps aside), left by the forward, and at the peak
+(`tests/numerics_checks.py` names every difference). Tests of Hugging Face models ask for the
+`transformers` fixture."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 
 import pytest
 import torch
 
 import autopar
-from autopar.runtime.comm_counter import CommCounter
+from autopar.measure.memory import held_bytes
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
-from tests.numerics import (STEPS, assert_ledger_equals_measured, assert_matches, assert_memory_equals_ledger,
-                            distributed_rank, max_relative_error, parallel_trainer, parameter_layout,
-                            reference_trainer, single_device)
+from examples.hf_models import tiny_gpt2, tiny_llama, token_batch
+from tests.numerics import (STEPS, Instruments, Probed, comparison_mesh, distributed_rank, parallel_trainer,
+                            rank_summary, reference_trainer, settle_garbage, single_device, train_step,
+                            whole_tensors)
+from tests.numerics_checks import (assert_activations_equal_ledger, assert_held_equals_ledger,
+                                   assert_ledger_equals_measured, assert_matches, assert_memory_equals_ledger,
+                                   max_relative_error)
 
 CONFIG = GPTConfig(vocab_size=128, seq_len=16, n_layer=2, n_head=4, d_model=32, d_ff=64)
 # vocabulary 126 and d_ff 66 do not divide by 4 ranks: embedding, lm_head and MLP rows are padded
@@ -34,9 +40,9 @@ CASES = {
 def run_and_check(build, batches, mesh, strategies, reference, **kwargs) -> list[dict]:
     world = autopar.Mesh.parse(mesh).world_size
     results = launch(distributed_rank, world, build, batches, mesh, strategies, timeout_s=180)
-    assert_matches(reference, results, mesh, **kwargs)
+    assert_matches(reference, results, **kwargs)
     assert_ledger_equals_measured(results)
-    assert_memory_equals_ledger(results)
+    assert_memory_equals_ledger(results, reference)
     return results
 
 
@@ -57,16 +63,13 @@ def test_uneven_shards_are_padded_not_refused(options):
     build = functools.partial(GPT, UNEVEN)
     batches = [example_batch(UNEVEN, batch=8, seed=step) for step in range(STEPS)]
     results = run_and_check(build, batches, "dp=4", [autopar.zero(stage=3, **options)], single_device(build, batches))
-    assert results[0]["zero"]["lm_head.weight"] == ("dp", 32)  # 126 rows -> 32 per rank, 2 padding rows on rank 3
-
-
-transformers = pytest.importorskip("transformers")
-from examples.hf_models import tiny_llama, token_batch  # noqa: E402
+    zero = results[0]["layout"]["lm_head.weight"][1]  # 126 rows -> 32 per rank, 2 padding rows on rank 3
+    assert (zero.axis, zero.rows, zero.length) == ("dp", 32, 126)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", list(CASES))
-def test_hf_llama_sharded_state_matches_single_device(case):
+def test_hf_llama_sharded_state_matches_single_device(case, transformers):
     batches = [token_batch(batch=8, seq=16, vocab=128, seed=step) for step in range(STEPS)]
     mesh, strategies = CASES[case]
     run_and_check(tiny_llama, batches, mesh, strategies, single_device(tiny_llama, batches))
@@ -75,83 +78,102 @@ def test_hf_llama_sharded_state_matches_single_device(case):
 MICRO_BATCHES = 2
 
 
+def micro_batch(batch, micro: int) -> list[torch.Tensor]:
+    return [t[micro * 4:(micro + 1) * 4] for t in batch]
+
+
 def _accumulating_rank(rank: int, world: int, build, batch, mesh: str, strategies: list, no_sync: bool) -> dict:
-    """One AdamW step over MICRO_BATCHES micro-batches; no_sync around all but the last."""
-    module, optimizer = parallel_trainer(build, [t[:4] for t in batch], mesh, strategies)
-    group_to_axis = {name: axis for axis, name in module.groups.items()}
-    with CommCounter() as counter:
-        for micro in range(MICRO_BATCHES):
-            local = module.local_batch(*[t[micro * 4:(micro + 1) * 4] for t in batch])
-            last = micro == MICRO_BATCHES - 1
-            with (module.no_sync() if no_sync and not last else contextlib.nullcontext()):
-                module(*local).backward()
-        grads = {n: p.grad.detach().clone() for n, p in module.named_parameters()}
+    """One AdamW step over MICRO_BATCHES micro-batches (no_sync around all but the last), every
+    phase counted and its memory measured as in `tests.numerics.distributed_rank`."""
+    instruments = Instruments()
+    with instruments.phase("setup"):
+        module, optimizer = parallel_trainer(build, micro_batch(batch, 0), mesh, strategies)
+    result = rank_summary(module, rank, world, instruments, instruments.next_counter())
+    settle_garbage()
+    check = comparison_mesh(module)
+    instruments.storages.track(batch)
+    losses = []
+    for micro in range(MICRO_BATCHES):
+        with instruments.phase("local_batch"):
+            local = module.local_batch(*micro_batch(batch, micro))
+        synchronising = not no_sync or micro == MICRO_BATCHES - 1
+        with contextlib.nullcontext() if synchronising else module.no_sync(), instruments.phase("step"):
+            loss = train_step(Probed(module, instruments), local)
+        losses.append(loss.detach().clone())
+    with instruments.phase("optimizer"):
         optimizer.step()
-    measured = counter.by_key(group_to_axis)
+    result["held"] = [held_bytes(instruments.storages, module=module, optimizer=optimizer,
+                                 exclude=[batch, local, loss])]
+    result["comm"] = instruments.next_counter().by_key(result["group_to_axis"])
     expected: dict = {}
     for (phase, kind, axis), (calls, nbytes) in module.plan.comm.accumulation(
             micro_batches=MICRO_BATCHES, no_sync=no_sync).items():
         old = expected.get((kind, axis), (0, 0))
         expected[(kind, axis)] = (old[0] + calls, old[1] + nbytes)
-    return {"grads": grads, "params": {n: p.detach().clone() for n, p in module.named_parameters()},
-            "measured": measured, "expected": expected, **parameter_layout(module)}
+    result.update(losses=losses, expected_comm=expected, activations=instruments.activations,
+                  grads=[whole_tensors(module, check, grads=True)], params=[whole_tensors(module, check, grads=False)])
+    return result
 
 
 def _accumulated_reference(build, batch) -> dict:
+    """One device: both micro-batches' losses, the accumulated gradients, the parameters after the step."""
     model, optimizer = reference_trainer(build)
+    losses = []
     for micro in range(MICRO_BATCHES):
-        model(*[t[micro * 4:(micro + 1) * 4] for t in batch]).backward()
+        loss = model(*micro_batch(batch, micro))
+        loss.backward()
+        losses.append(loss.detach())
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     optimizer.step()
-    return {"losses": [], "grads": [grads], "params": [{n: p.detach().clone() for n, p in model.named_parameters()}]}
+    return {"losses": losses, "grads": [grads], "params": [{n: p.detach().clone() for n, p in model.named_parameters()}]}
+
+
+def corrupted(results: list[dict]) -> list[dict]:
+    """The results that passed before the accumulation numerics were compared: gradients x 1e6,
+    parameters negated (losses untouched)."""
+    return [dict(r, grads=[{n: g * 1e6 for n, g in step.items()} for step in r["grads"]],
+                 params=[{n: -p for n, p in step.items()} for step in r["params"]]) for r in results]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case,no_sync", [("zero3_dp4", True), ("zero3_dp4", False), ("zero1_dp4", True),
                                           ("zero3_tp_2x2", True)])
 def test_gradient_accumulation_without_regathering(case, no_sync):
-    """2 micro-batches, one step: gradients and parameters equal one device's accumulated step; with
-    no_sync, ZeRO-3 gathers each unit once for both micro-batches and reduces once (the ledger's
-    `accumulation` view, compared with what the process groups saw)."""
+    """2 micro-batches, one step: losses, whole gradients and parameters equal one device's
+    accumulated step; with no_sync, ZeRO-3 gathers each unit once for both micro-batches and
+    reduces once (the ledger's `accumulation` view, compared with what the process groups saw over
+    the whole step). Gradients x 1e6 and negated parameters fail the comparison (they passed when
+    the reference had no losses: nothing was compared)."""
     build = functools.partial(GPT, CONFIG)
     batch = example_batch(CONFIG, batch=8, seed=7)
     mesh, strategies = CASES[case]
     results = launch(_accumulating_rank, autopar.Mesh.parse(mesh).world_size, build, batch, mesh, strategies,
                      no_sync, timeout_s=180)
+    reference = _accumulated_reference(build, batch)
+    assert_matches(reference, results)
+    for kind in ("grads", "params"):
+        with pytest.raises(AssertionError, match=f"step 0 {kind} .* rel err"):
+            assert_matches(reference, [dict(r, **{kind: c[kind]}) for r, c in zip(results, corrupted(results))])
+    with pytest.raises(AssertionError, match="reference has no losses"):
+        assert_matches(dict(reference, losses=[]), corrupted(results))
     for result in results:
-        result.update(losses=[], grads=[result["grads"]], params=[result["params"]])
-    assert_matches(_accumulated_reference(build, batch), results, mesh)
-    for result in results:
-        assert result["measured"] == result["expected"]
-    gathers = results[0]["expected"].get(("all_gather", "dp"), (0, 0))[0]
+        assert result["setup_comm"] == {} and result["comm"] == result["expected_comm"]
+        assert_held_equals_ledger(result)
+        # no_sync keeps every ZeRO-3 unit gathered from the first forward on: the first forward leaves
+        # all of them alive (unpadded), the second finds them gathered already
+        kept = [result["all_units_unpadded"], 0] if no_sync else [result["kept_units"]["unpadded"]] * MICRO_BATCHES
+        for micro, measured in enumerate(result["activations"]):
+            assert_activations_equal_ledger(dict(result, activations=[measured]), kept=kept[micro])
+    gathers = results[0]["expected_comm"].get(("all_gather", "dp"), (0, 0))[0]
     units = 3  # root + 2 blocks
     if case.startswith("zero3"):
         assert gathers == (units if no_sync else MICRO_BATCHES * (2 * units - 1))
 
 
-def _mixed_precision_reference(build, batches, dtype) -> dict:
-    """One device, FSDP-style mixed precision: a `dtype` copy computes, fp32 masters are updated."""
-    master, optimizer = reference_trainer(build)
-    compute = copy.deepcopy(master)
-    losses, grads, params = [], [], []
-    for batch in batches:
-        for low, high in zip(compute.parameters(), master.parameters()):
-            low.data, low.grad = high.detach().to(dtype), None
-        loss = compute(*batch)
-        loss.backward()
-        for low, high in zip(compute.parameters(), master.parameters()):
-            high.grad = low.grad.float()
-        losses.append(loss.detach().float())
-        grads.append({n: p.grad.clone() for n, p in master.named_parameters()})
-        optimizer.step()
-        params.append({n: p.detach().clone() for n, p in master.named_parameters()})
-    return {"losses": losses, "grads": grads, "params": params}
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model,stage,reduce_dtype", [("gpt", 3, "float32"), ("gpt", 2, "bfloat16"),
                                                       ("llama", 3, "float32")])
-def test_mixed_precision_bf16_compute_fp32_masters(model, stage, reduce_dtype):
+def test_mixed_precision_bf16_compute_fp32_masters(model, stage, reduce_dtype, request):
     """bf16 parameters, activations and all-gathers; fp32 shards, gradients and AdamW state.
 
     Compared with one device running the same recipe, the bound is bf16's, not fp32's: each rank
@@ -167,36 +189,20 @@ def test_mixed_precision_bf16_compute_fp32_masters(model, stage, reduce_dtype):
         build = functools.partial(GPT, CONFIG)
         batches = [example_batch(CONFIG, batch=8, seed=step) for step in range(STEPS)]
     else:  # HF Llama: its RMSNorm computes in fp32 and casts back to the (traced) bf16 input dtype
+        request.getfixturevalue("transformers")
         build = tiny_llama
         batches = [token_batch(batch=8, seq=16, vocab=128, seed=step) for step in range(STEPS)]
     strategies = [autopar.zero(stage=stage, param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, reduce_dtype))]
     results = launch(distributed_rank, 4, build, batches, "dp=4", strategies, timeout_s=180)
     for result in results:
         result["losses"] = [loss.float() for loss in result["losses"]]
-    reference = _mixed_precision_reference(build, batches, torch.bfloat16)
-    assert_matches(reference, results, "dp=4", tolerance=5e-2, noise_floor=1e-3)
+    reference = single_device(build, batches, param_dtype=torch.bfloat16)
+    assert_matches(reference, results, tolerance=5e-2, noise_floor=1e-3)
     assert_ledger_equals_measured(results)
-    assert_memory_equals_ledger(results)
-    unit = results[0]["memory"]
-    assert unit["measured"]["optimizer state"] == unit["ledger"]["optimizer state"]
+    assert_memory_equals_ledger(results, reference)
 
 
 MAX_NORM = 0.05  # below the example's gradient norms (measured 0.54-0.55): every step clips
-
-
-def _clipping_rank(rank: int, world: int, build, batches, mesh: str, strategies: list) -> dict:
-    module, optimizer = parallel_trainer(build, batches[0], mesh, strategies)
-    losses, norms, grads, params = [], [], [], []
-    for batch in batches:
-        optimizer.zero_grad()
-        loss = module(*module.local_batch(*batch))
-        loss.backward()
-        losses.append(loss.detach())
-        norms.append(module.clip_grad_norm_(MAX_NORM))
-        grads.append({n: p.grad.detach().clone() for n, p in module.named_parameters()})
-        optimizer.step()
-        params.append({n: p.detach().clone() for n, p in module.named_parameters()})
-    return {"losses": losses, "norms": norms, "grads": grads, "params": params, **parameter_layout(module)}
 
 
 @pytest.mark.timeout(300)
@@ -204,16 +210,22 @@ def _clipping_rank(rank: int, world: int, build, batches, mesh: str, strategies:
 def test_clip_grad_norm_over_shards_equals_one_device(case):
     """clip_grad_norm_ on shards would see a quarter of the gradient; ParallelModule.clip_grad_norm_
     reduces the norm over the sharded axes (not the replicated ones): the norms, clipped gradients
-    and parameters equal torch.nn.utils.clip_grad_norm_ on one device."""
+    and parameters equal torch.nn.utils.clip_grad_norm_ on one device. The clip phase moves only
+    4-byte scalar all-reduces (the ledger does not model clipping); every other phase is the ledger's."""
     build = functools.partial(GPT, CONFIG)
     batches = [example_batch(CONFIG, batch=8, seed=step) for step in range(STEPS)]
     mesh, strategies = CASES[case]
-    results = launch(_clipping_rank, autopar.Mesh.parse(mesh).world_size, build, batches, mesh, strategies,
-                     timeout_s=180)
+    results = launch(distributed_rank, autopar.Mesh.parse(mesh).world_size, build, batches, mesh, strategies,
+                     train_step, MAX_NORM, timeout_s=180)
     reference = single_device(build, batches, clip_norm=MAX_NORM)
-    assert_matches(reference, results, mesh)
+    assert_matches(reference, results)
+    assert_ledger_equals_measured(results, extra_phases=("clip",))
+    assert_memory_equals_ledger(results, reference)
     for result in results:
         assert all(max_relative_error(n, r) <= 1e-5 for n, r in zip(result["norms"], reference["norms"], strict=True))
+        for step in result["comm"]:
+            assert step["clip"] and all(kind == "all_reduce" and nbytes == 4 * calls
+                                        for (kind, _), (calls, nbytes) in step["clip"].items())
 
 
 @pytest.mark.timeout(300)
@@ -236,7 +248,7 @@ def _trained_full_state(rank: int, world: int, build, batches, mesh: str, strate
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", ["zero3_tp_2x2", "zero1_dp4", "gpt2_zero3_tp_2x2"])
-def test_full_state_dict_gathers_the_trained_model(case):
+def test_full_state_dict_gathers_the_trained_model(case, request):
     """After 3 steps every rank can rebuild the whole model: equal to the one-device parameters
     (GPT-2's fused q|k|v is block-sharded on tp: its gather regroups the blocks)."""
     build = functools.partial(GPT, UNEVEN)  # uneven rows: the padding must not leak into the result
@@ -247,8 +259,7 @@ def test_full_state_dict_gathers_the_trained_model(case):
         build = functools.partial(GPT, CONFIG)
         batches = [example_batch(CONFIG, batch=8, seed=step) for step in range(STEPS)]
     if case == "gpt2_zero3_tp_2x2":
-        from examples.hf_models import tiny_gpt2
-
+        request.getfixturevalue("transformers")
         build, batches = tiny_gpt2, [token_batch(batch=8, seq=16, vocab=128, seed=step) for step in range(STEPS)]
     reference = single_device(build, batches)["params"][-1]
     for state in launch(_trained_full_state, autopar.Mesh.parse(mesh).world_size, build, batches, mesh, strategies,

@@ -13,8 +13,8 @@ Categories (bytes per rank, sympy expressions in the traced symbols and numbers)
 - transient: not held after the step: ZeRO-3 gathered units alive at once (the kept root unit,
   plus one resharded block, two with prefetching) and reduce-scatter inputs in flight (at most
   two: the one being laid out and the one landing). An upper bound, not measured exactly.
-`measure_held_bytes` measures the first four on a live ParallelModule and optimizer, with the
-same definitions (distinct storages), for tests to compare exactly.
+The tests compare these categories with bytes measured from outside the runtime
+(`autopar.measure.memory`, `autopar.measure.activations`).
 
 `largest_model` answers the lecture's slide 28 from `ZERO_SHARDED`, the same table of which
 categories each stage shards that the strategies implement.
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import sympy
-import torch
 from tabulate import tabulate
 
 from autopar.ir import SPEC, local_numel
@@ -236,28 +235,6 @@ def weight_gradient_inputs(plan: Any, stage: Any) -> sympy.Expr:
                 value, spec = value[0], spec[0]
             total += local_numel(tuple(value.shape), spec.placements, plan.mesh.shape) * value.dtype.itemsize
     return sympy.simplify(total.subs(plan.traced.symbols))
-
-def _storage_bytes(tensors: list[torch.Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
-def measure_held_bytes(module: Any, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """What a live ParallelModule and its optimizer hold, by ledger category (distinct storages)."""
-    held = {"parameters": 0, "gradients": 0}
-    for runner in module.stages:
-        for category, nbytes in (runner.sharded.held_bytes() if runner.sharded is not None else {}).items():
-            held[category] += nbytes
-    params = list(module.parameters())
-    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    return {"parameters": _storage_bytes(params) + held["parameters"],
-            "model buffers": _storage_bytes(list(module.buffers())),
-            "gradients": _storage_bytes([p.grad for p in params if p.grad is not None]) + held["gradients"],
-            "optimizer state": _storage_bytes(state)}
-
 
 def largest_model(*, devices: int, memory_bytes: float, stage: int,
                   bytes_per_param: tuple[float, float, float] = (2, 2, 8)) -> float:

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from autopar.ledger.measure_activations import observe_saved
 from autopar.program import Stage
 from autopar.runtime import collectives, sharded_state
 from autopar.runtime.grad_sync import GradSynchronizer
@@ -72,16 +71,13 @@ class StageRunner:
     # ---- the saved-tensor policy
     def _pack(self, tensor: torch.Tensor) -> Any:
         """A re-gatherable all-gather output is kept as its shard (Megatron SP); a gathered ZeRO
-        parameter as a handle (sharded_state); anything else as it is. These hooks hide saves from
-        outer ones, so activations are reported to a measurement here."""
+        parameter as a handle (sharded_state); anything else as it is."""
         regather = collectives.pack_regathered(tensor) if self._regathers else None
         if regather is not None:
-            observe_saved(regather[0].shard)  # what autograd keeps now is the shard
             return _Regathered(regather)
         owner = self.sharded.owner(tensor) if self.sharded is not None else None
         if owner is not None:
             return self.sharded.pack(tensor, owner)
-        observe_saved(tensor)
         return tensor
 
     def _unpack(self, saved: Any) -> torch.Tensor:

@@ -1,0 +1,178 @@
+"""The measuring tools themselves (`autopar.measure`), on plain PyTorch: they must see what they
+claim to see, independently of autopar.
+
+- The collective counter knows every communication op PyTorch 2.13 registers, counts classic,
+  functional and point-to-point calls made through torch.distributed on 2 gloo processes (kind,
+  group, logical bytes, peer, phase; creating a DeviceMesh moves nothing), and raises on an op
+  it does not know.
+- The live-storage tracker follows allocations, views, frees and `UntypedStorage.resize_`.
+- The saved-activation window sees what autograd keeps even when a module's own saved-tensor
+  hooks hide it from outer hooks (the measurement the suite used before could not).
+- `held_bytes` files storages under parameters, gradients, optimizer state, buffers and other.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autopar.measure import comm_counter
+from autopar.measure.activations import measure_saved_activations
+from autopar.measure.comm_counter import CommCounter, MeasuredCollective, UnknownCollective
+from autopar.measure.memory import held_bytes
+from autopar.measure.storages import LiveStorages
+from autopar.runtime.launch import launch
+
+
+def test_counter_knows_every_communication_op_of_this_pytorch():
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the functional ops)
+
+    names = {name for name in torch._C._dispatch_get_all_op_names()
+             if name.split("::")[0] in comm_counter.OPS_NAMESPACES}
+    known = set(comm_counter._KINDS) | comm_counter.NOT_COMMUNICATION | {comm_counter.BATCH_P2P}
+    assert len(names) >= 40 and names <= known, sorted(names - known)
+
+
+def _every_kind(rank: int, world: int) -> dict:
+    """Every way to communicate through torch.distributed, each in its own phase."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fc, group, peer = torch.ops._c10d_functional, dist.group.WORLD.group_name, 1 - rank
+    t = torch.ones(4)
+    counter = CommCounter()
+    with counter:
+        with counter.phase("setup"):
+            init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
+            dist.broadcast(t, 0)
+        with counter.phase("classic"):
+            dist.all_reduce(t)
+            dist.barrier()
+            dist.all_gather_into_tensor(torch.empty(8), t)
+            dist.reduce_scatter_tensor(torch.empty(2), t)
+            dist.all_to_all_single(torch.empty(4), t)
+        with counter.phase("p2p"):
+            received = torch.empty(4)
+            for work in [dist.isend(t, peer), dist.irecv(received, peer)]:
+                work.wait()
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, t[:2].clone(), peer),
+                                                dist.P2POp(dist.irecv, received[:2], peer)]):
+                work.wait()
+        with counter.phase("functional"):
+            fc.wait_tensor(fc.all_reduce(t, "sum", group))
+            fc.wait_tensor(fc.all_reduce_(t, "sum", group))
+            fc.wait_tensor(fc.all_gather_into_tensor(t, 2, group))
+            fc.wait_tensor(fc.reduce_scatter_tensor(t, "sum", 2, group))
+            fc.wait_tensor(fc.all_to_all_single(t, [2, 2], [2, 2], group))
+        unknown = None
+        known = comm_counter._KINDS.pop("c10d::allreduce_")
+        try:
+            dist.all_reduce(t)  # both ranks raise before the op runs: nothing waits for a peer
+        except UnknownCollective as error:
+            unknown = str(error)
+        finally:
+            comm_counter._KINDS["c10d::allreduce_"] = known
+    return {"calls": counter.calls, "group": group, "unknown": unknown}
+
+
+def test_counter_counts_classic_functional_and_point_to_point_calls():
+    for rank, result in enumerate(launch(_every_kind, 2, timeout_s=60)):
+        group, peer = result["group"], 1 - rank
+        expected = [("setup", "broadcast", 16, None),
+                    ("classic", "all_reduce", 16, None), ("classic", "barrier", 0, None),
+                    ("classic", "all_gather", 32, None), ("classic", "reduce_scatter", 16, None),
+                    ("classic", "all_to_all", 16, None),
+                    ("p2p", "send", 16, peer), ("p2p", "recv", 16, peer), ("p2p", "send", 8, peer),
+                    ("p2p", "recv", 8, peer),
+                    ("functional", "all_reduce", 16, None), ("functional", "all_reduce", 16, None),
+                    ("functional", "all_gather", 32, None), ("functional", "reduce_scatter", 16, None),
+                    ("functional", "all_to_all", 16, None)]
+        calls = [(c.phase, c.kind, c.logical_bytes, c.peer) for c in result["calls"]]
+        assert calls == expected, calls
+        assert {c.group for c in result["calls"] if c.kind != "barrier"} == {group}
+        assert "c10d.allreduce_" in result["unknown"] and "_KINDS" in result["unknown"]
+        assert isinstance(result["calls"][0], MeasuredCollective)
+
+
+def test_live_storages_follow_allocations_views_frees_and_resizes():
+    storages = LiveStorages()
+    with storages:
+        a = torch.zeros(256)  # 1 KiB
+        mark = storages.mark()
+        view = a[:10]
+        b = a * 2
+    assert storages.live_bytes() == 2048 and storages.live_since(mark) == {b.untyped_storage()._cdata: 1024}
+    del b
+    assert storages.live_bytes() == 1024 and view.untyped_storage().nbytes() == 1024
+    storages.reset_peak()
+    with storages:
+        c = torch.ones(512)
+        del c
+        a.untyped_storage().resize_(0)  # FSDP2's way of freeing: not a dispatched op
+    assert storages.peak_bytes == 1024 + 2048 and storages.live_bytes() == 0
+
+
+class _HidingModule(torch.nn.Module):
+    """Keeps what autograd saves through its own saved-tensor hooks (as a runtime that swaps saved
+    tensors for handles does); an outer hook sees none of those saves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(64, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            return (x @ self.weight).tanh().sum()
+
+
+def test_saved_activations_are_seen_through_a_module_s_own_hooks():
+    model, x = _HidingModule(), torch.randn(32, 64)
+    seen_by_an_outer_hook = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen_by_an_outer_hook.append(t) or t, lambda t: t):
+        model(x).backward()
+    assert seen_by_an_outer_hook == []
+    with measure_saved_activations() as saved:
+        loss = saved.call(model, x)
+    # mm saves its input x (the copy made inside the window) and weight (a parameter, older);
+    # tanh saves its output: 32x64 floats each
+    assert saved.bytes == 2 * 32 * 64 * 4
+    loss.backward()
+
+
+def test_held_bytes_by_public_interface():
+    storages = LiveStorages()
+    with storages:
+        model = torch.nn.Linear(16, 8)
+        model.register_buffer("scale", torch.ones(8))
+        optimizer = torch.optim.AdamW(model.parameters())
+        aside = torch.zeros(100)  # what a runtime keeps where no interface shows it
+        model(torch.randn(4, 16)).sum().backward()
+        optimizer.step()
+    held = held_bytes(storages, module=model, optimizer=optimizer)
+    params = (16 * 8 + 8) * 4
+    assert held == {"parameters": params, "gradients": params, "optimizer state": 2 * params + 2 * 4,
+                    "model buffers": 32, "other": 400, "total": 4 * params + 8 + 32 + 400}
+    assert aside.numel() == 100
+
+
+@pytest.mark.parametrize("op", ["c10d::allreduce_", "_c10d_functional::all_gather_into_tensor", "c10d::send"])
+def test_counter_rules_name_kind_and_group_argument(op):
+    kind, _, group_index, _ = comm_counter._KINDS[op]
+    schema = {"c10d::allreduce_": torch.ops.c10d.allreduce_.default,
+              "_c10d_functional::all_gather_into_tensor": torch.ops._c10d_functional.all_gather_into_tensor.default,
+              "c10d::send": torch.ops.c10d.send.default}[op]._schema
+    assert schema.arguments[group_index].name in ("process_group", "group_name") and kind
+
+
+def test_the_measuring_tools_import_nothing_of_autopar_but_themselves():
+    """So that "measured" never means "asked the runtime": no import of the runtime, passes, plan or ledgers."""
+    import ast
+    from pathlib import Path
+
+    import autopar.measure
+
+    for path in Path(autopar.measure.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                assert not name.startswith("autopar") or name.startswith("autopar.measure"), (path.name, name)
