@@ -1,6 +1,7 @@
 """The compiler passes, one per file, and the runner that applies them in order.
 
-Order: `propagate_placements` -> `insert_collectives` -> `insert_grad_reductions` ->
+Order: `drop_empty_concats` (an empty KV cache concatenated with keys and values) ->
+`propagate_placements` -> `insert_collectives` -> `insert_grad_reductions` ->
 `shard_parameters` (ZeRO/FSDP units; a no-op without a sharded-state strategy), then
 `emit_rank_graph` once per rank. `run_passes` names the pass that failed, times each one and
 records how many nodes it added (`PassRecord`), so `autopar plan` can show what each pass did.
@@ -43,9 +44,10 @@ def run_passes(gm: torch.fx.GraphModule, ctx: CompileContext, passes: list[Pass]
 
 
 def default_passes() -> list[Pass]:
+    from autopar.passes.drop_empty_concats import drop_empty_concats
     from autopar.passes.insert_collectives import insert_collectives
     from autopar.passes.insert_grad_reductions import insert_grad_reductions
     from autopar.passes.propagate_placements import propagate_placements
     from autopar.passes.shard_parameters import shard_parameters
 
-    return [propagate_placements, insert_collectives, insert_grad_reductions, shard_parameters]
+    return [drop_empty_concats, propagate_placements, insert_collectives, insert_grad_reductions, shard_parameters]
