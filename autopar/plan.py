@@ -19,6 +19,7 @@ from tabulate import tabulate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from autopar.check_rank_graphs import check_rank_graphs
 from autopar.context import CompileContext
 from autopar.errors import PlanError
 from autopar.ir import SPEC, local_shape
@@ -169,8 +170,7 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, strateg
     traced = trace_model(_with_param_dtype(model, param_dtype), tuple(example_inputs), example_kwargs,
                          dynamic_dims=dynamic_dims)
     masters = _keep_master_weights(traced, model) if param_dtype is not None else {}
-    param_names = [i.target for i in traced.placeholders.values() if i.kind == "parameter"]
-    strategy = resolve_strategies(mesh, list(strategies), param_names)
+    strategy = resolve_strategies(mesh, list(strategies), traced.graph_module, traced.placeholders)
     context = CompileContext(mesh=mesh, device_mesh=mesh.device_mesh(plan_rank=0), strategy=strategy,
                              placeholders=traced.placeholders, symbols=traced.symbols, explain=explain,
                              master_dtypes=masters)
@@ -185,5 +185,7 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, strateg
     buckets = plan_buckets(params, cap_bytes=int(bucket_cap_mb * 2**20))
     comm = build_comm_ledger(graph_module.graph, mesh, buckets, {p[0]: p[2] for p in params},
                              traced.symbols, traced.symbol_values, units=context.units)
-    return Plan(mesh=mesh, strategy=strategy, traced=traced, graph_module=graph_module, context=context,
-                pass_records=records, buckets=buckets, comm=comm)
+    planned = Plan(mesh=mesh, strategy=strategy, traced=traced, graph_module=graph_module, context=context,
+                   pass_records=records, buckets=buckets, comm=comm)
+    check_rank_graphs(planned)  # every accepted plan runs: forward and backward on fake tensors
+    return planned

@@ -1,0 +1,492 @@
+"""Tensor-parallel layouts found in the traced graph: the patterns Megatron parallelises.
+
+Megatron's pattern is a projection whose output reaches a second projection, back into the
+residual stream, only through per-feature or per-head ops (activations, gating products, head
+reshapes, attention, rotary embedding); the first is sharded column-wise (output features), the
+second row-wise (input features), and the block between them runs on shards with no
+communication. It is visible in the graph whatever the modules are called:
+1. `find_projections`: every `mm`/`addmm` with a 2-D parameter operand, seen through
+   transposes and casts (nn.Linear's `permute`, a Conv1D's [in, out] weight): its data operand,
+   the weight's output-feature dimension and an `addmm` bias.
+2. `_classify`: every node is `const` (no trainable input: masks, positions, rotary tables,
+   labels), `param` (parameters and constants only, no user data), `port` (a projection's
+   output), `derived` (computed from projection outputs, not from the stream) or `stream`.
+3. `_components`: union-find over derived nodes, each projection's output side (the derived
+   nodes it feeds: a column) and input side (its data operand is derived: a row). A component
+   with columns and rows whose values never leak into the stream is a block (attention when it
+   holds attention, else MLP); one with columns only that reaches `_log_softmax` is the
+   vocabulary head. A column whose output features are split into k equal parts (a fused
+   q|k|v or gate|up) is block-sharded (`_StridedShard`, k blocks).
+4. `strategies/check_layout.py` runs DTensor's propagation and autopar's op rules on the
+   candidates (`check_candidates`): one stands only if nothing it shards needs communication
+   before its rows, whose outputs must be Partial; parameters inside a block take the placement
+   their consumer asks for. An attention that fails with smaller key/value projections is tried
+   again with them replicated (tensor axis larger than the key/value heads: each rank slices
+   the repeated heads it needs); a dimension the axis still does not divide (heads % tp) is
+   the PlanError that names it.
+5. Embeddings looked up with user token ids are vocabulary-parallel.
+`find_layout` returns a `FoundLayout`: a placement and the pattern that decided it per parameter,
+and the module boundaries of blocks, embeddings and heads, which `tensor_parallel()` turns into
+a `Strategy` (`strategies/tensor_parallel.py`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from autopar.context import PlaceholderInfo
+from autopar.errors import PlanError
+from autopar.ir import module_stack
+from autopar.strategies.check_layout import Candidate, check_candidates
+
+aten = torch.ops.aten
+_MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2)}  # op -> (data operand, weight operand)
+_PASS_THROUGH = {aten._to_copy.default, aten.alias.default, aten.clone.default, aten.detach.default}
+_ATTENTION = {aten.scaled_dot_product_attention.default, aten._softmax.default, aten._safe_softmax.default}
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A matmul against a 2-D parameter: `out_dim` is the weight dimension of its output features."""
+
+    node: torch.fx.Node
+    weight: str
+    out_dim: int
+    data: torch.fx.Node
+    bias: str | None
+
+    @property
+    def name(self) -> str:
+        return self.weight.removesuffix(".weight").rsplit(".", 1)[-1]
+
+
+@dataclass(frozen=True)
+class ParamChoice:
+    fqn: str
+    placement: Placement
+    why: str
+
+
+@dataclass(frozen=True)
+class FoundLayout:
+    """What `find_layout` decided: per parameter a placement and why; module boundaries by role
+    ("block": replicated in, reduced out; "embedding": reduced out; "head": replicated in)."""
+
+    params: tuple[ParamChoice, ...]
+    modules: tuple[tuple[str, str], ...]
+    notes: tuple[str, ...] = ()
+
+
+@dataclass
+class _Region:
+    kind: str  # "attention", "mlp", "head"
+    columns: list[Projection]
+    rows: list[Projection]
+    nodes: set[torch.fx.Node]
+    block: str
+    summary: str
+    fused: dict[str, int] = field(default_factory=dict)
+    replicated: list[Projection] = field(default_factory=list)
+    embedding: str | None = None  # the weight of an "embedding" region
+
+
+def _param_of(node: torch.fx.Node, placeholders: dict[str, PlaceholderInfo]) -> torch.fx.Node | None:
+    info = placeholders.get(node.name) if node.op == "placeholder" else None
+    return node if info is not None and info.kind == "parameter" else None
+
+
+def _weight_source(node: torch.fx.Node, placeholders: dict[str, PlaceholderInfo]) -> tuple[torch.fx.Node, bool] | None:
+    """The 2-D parameter behind a matmul operand and whether it arrives transposed."""
+    transposed = False
+    while node.op == "call_function":
+        if node.target is aten.permute.default and list(node.args[1]) == [1, 0]:
+            transposed = not transposed
+        elif node.target is aten.t.default or (node.target is aten.transpose.int and node.args[1] != node.args[2]):
+            transposed = not transposed
+        elif node.target not in _PASS_THROUGH:
+            return None
+        node = node.args[0]
+    param = _param_of(node, placeholders)
+    if param is None or param.meta["val"].dim() != 2:
+        return None
+    return param, transposed
+
+
+def find_projections(gm: torch.fx.GraphModule, placeholders: dict[str, PlaceholderInfo]) -> dict[torch.fx.Node, Projection]:
+    projections = {}
+    for node in gm.graph.nodes:
+        operands = _MATMULS.get(node.target) if node.op == "call_function" else None
+        if operands is None:
+            continue
+        source = _weight_source(node.args[operands[1]], placeholders)
+        if source is None or _weight_source(node.args[operands[0]], placeholders) is not None:
+            continue
+        param, transposed = source
+        bias = None
+        if node.target is aten.addmm.default:
+            bias_node = node.args[0]
+            while bias_node.op == "call_function" and bias_node.target in _PASS_THROUGH:
+                bias_node = bias_node.args[0]
+            bias = placeholders[bias_node.name].target if _param_of(bias_node, placeholders) is not None else None
+        projections[node] = Projection(node=node, weight=placeholders[param.name].target, out_dim=0 if transposed else 1,
+                                       data=node.args[operands[0]], bias=bias)
+    return projections
+
+
+def _classify(gm: torch.fx.GraphModule, placeholders: dict[str, PlaceholderInfo],
+              ports: dict[torch.fx.Node, Projection]) -> dict[torch.fx.Node, str]:
+    kinds: dict[torch.fx.Node, str] = {}
+    from_input: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            info = placeholders[node.name]
+            kinds[node] = "param" if info.kind == "parameter" else "const"
+            if info.kind == "input":
+                from_input.add(node)
+            continue
+        inputs = node.all_input_nodes
+        if any(i in from_input for i in inputs):
+            from_input.add(node)
+        found = {kinds.get(i, "const") for i in inputs}
+        if node in ports:
+            kinds[node] = "port"
+        elif node.op != "call_function" or "stream" in found:
+            kinds[node] = "stream" if found - {"const"} else "const"
+        elif found & {"port", "derived"}:
+            kinds[node] = "derived"
+        elif "param" in found:
+            kinds[node] = "stream" if node in from_input else "param"
+        else:
+            kinds[node] = "const"
+    return kinds
+
+
+class _UnionFind:
+    def __init__(self) -> None:
+        self.parent: dict = {}
+
+    def find(self, key):
+        self.parent.setdefault(key, key)
+        while self.parent[key] != key:
+            self.parent[key] = self.parent[self.parent[key]]
+            key = self.parent[key]
+        return key
+
+    def union(self, a, b) -> None:
+        self.parent[self.find(a)] = self.find(b)
+
+
+def _components(gm: torch.fx.GraphModule, kinds: dict, ports: dict[torch.fx.Node, Projection]) -> list[dict]:
+    """Derived nodes with the projections around them; each: columns, rows, nodes, escapes."""
+    sets = _UnionFind()
+    for node in gm.graph.nodes:
+        if kinds[node] == "derived":
+            sets.find(node)
+            for source in node.all_input_nodes:
+                if kinds[source] == "derived":
+                    sets.union(node, source)
+                elif kinds[source] == "port":
+                    sets.union(node, ("out", source))
+        elif kinds[node] == "port" and kinds[ports[node].data] in ("derived", "port"):
+            data = ports[node].data
+            sets.union(("in", node), data if kinds[data] == "derived" else ("out", data))
+    groups: dict = {}
+    for key in list(sets.parent):
+        group = groups.setdefault(sets.find(key), {"columns": [], "rows": [], "nodes": set(), "escapes": []})
+        if isinstance(key, tuple):
+            group["columns" if key[0] == "out" else "rows"].append(ports[key[1]])
+        else:
+            group["nodes"].add(key)
+    for group in groups.values():
+        members = list(group["nodes"]) + [p.node for p in group["columns"]]
+        for member in members:
+            for user in member.users:
+                leaks = user.op == "output" or kinds.get(user) == "stream"
+                leaks = leaks or (kinds.get(user) == "port" and ports[user].data is not member)
+                if leaks:
+                    group["escapes"].append((member, user))
+    return [g for g in groups.values() if g["columns"]]
+
+
+def _fused_blocks(projection: Projection) -> int:
+    """k when the output features are taken apart into k equal parts (split or slices), else 1."""
+    node, features = projection.node, projection.node.meta["val"].shape[-1]
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if user.target not in _VIEWS or user.meta["val"].shape[-1] != features:
+            break
+        node = user
+    last = node.meta["val"].dim() - 1
+    users = list(node.users)
+    if len(users) == 1 and users[0].target is aten.split_with_sizes.default:
+        sizes, dim = users[0].args[1], users[0].args[2] if len(users[0].args) > 2 else 0
+        return len(sizes) if dim % (last + 1) == last and len(set(sizes)) == 1 and len(sizes) > 1 else 1
+    if users and all(u.target is aten.slice.Tensor and u.args[1] % (last + 1) == last for u in users):
+        bounds = sorted((u.args[2] or 0, min(u.args[3], features) if len(u.args) > 3 else features) for u in users)
+        widths = {end - start for start, end in bounds}
+        tiles = all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])) and bounds[0][0] == 0 and bounds[-1][1] == features
+        return len(bounds) if tiles and len(widths) == 1 and len(bounds) > 1 else 1
+    return 1
+
+
+def _common_module(nodes: list[torch.fx.Node]) -> str:
+    """The innermost module that encloses every node ('' when only the root does)."""
+    common: list[str] | None = None
+    for node in nodes:
+        stack = module_stack(node)
+        if common is None:
+            common = stack
+            continue
+        depth = 0
+        while depth < min(len(common), len(stack)) and common[depth] == stack[depth]:
+            depth += 1
+        common = common[:depth]
+    return common[-1] if common else ""
+
+
+def _describe(kind: str, columns: list[Projection], rows: list[Projection], nodes: set[torch.fx.Node]) -> str:
+    ops = sorted({str(n.target).replace("aten.", "").split(".")[0] for n in nodes if n.op == "call_function"
+                  and n.target not in _VIEWS and n.target not in _PASS_THROUGH and "view" not in str(n.target)
+                  and str(n.target).startswith("aten.")})
+    middle = "scaled_dot_product_attention" if "scaled_dot_product_attention" in ops else ", ".join(ops[:5])
+    names = " + ".join(p.name for p in columns)
+    return f"{names} -> {middle} -> {' + '.join(p.name for p in rows)}" if rows else f"{names} -> {middle}"
+
+
+def _regions(components: list[dict], notes: list[str]) -> list[_Region]:
+    regions = []
+    for group in components:
+        columns, rows, nodes = group["columns"], group["rows"], group["nodes"]
+        kind = "attention" if any(n.target in _ATTENTION for n in nodes) else "mlp"
+        members = [p.node for p in columns + rows] + list(nodes)
+        if not rows:
+            if group["escapes"] and any(n.target is aten._log_softmax.default for n in nodes):
+                regions.append(_Region("head", columns, rows, nodes, _common_module([p.node for p in columns]),
+                                       _describe("head", columns, rows, nodes)))
+            continue
+        block = _common_module(members)
+        summary = _describe(kind, columns, rows, nodes)
+        if group["escapes"]:
+            member, user = group["escapes"][0]
+            notes.append(f"{kind} pattern in {block} ({summary}) not sharded: {member.name} also reaches "
+                         f"{user.name} ({user.target}) in the residual stream")
+        elif {p.node for p in columns} & {p.node for p in rows}:
+            both = next(p for p in columns if p in rows)
+            notes.append(f"{kind} pattern in {block} ({summary}) not sharded: {both.weight} both takes and "
+                         f"gives sharded features")
+        else:
+            regions.append(_Region(kind, columns, rows, nodes, block, summary,
+                                   fused={p.weight: k for p in columns if (k := _fused_blocks(p)) > 1}))
+    return regions
+
+
+def _upstream_params(nodes: set[torch.fx.Node], kinds: dict) -> set[torch.fx.Node]:
+    """`param`-kind ancestors of `nodes` (weight transposes, casts, `1 + w`), placeholders included."""
+    found: set[torch.fx.Node] = set()
+    stack = [i for n in nodes for i in n.all_input_nodes]
+    while stack:
+        node = stack.pop()
+        if kinds.get(node) == "param" and node not in found:
+            found.add(node)
+            stack.extend(node.all_input_nodes)
+    return found
+
+
+def _downstream(nodes: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    found, stack = set(), list(nodes)
+    while stack:
+        for user in stack.pop().users:
+            if user not in found and user.op == "call_function":
+                found.add(user)
+                stack.append(user)
+    return found
+
+
+def _seeds(region: _Region) -> dict[str, Placement]:
+    seeds: dict[str, Placement] = {region.embedding: Shard(0)} if region.embedding else {}
+    for p in region.columns:
+        if p in region.replicated:
+            continue
+        blocks = region.fused.get(p.weight, 1)
+        seeds[p.weight] = _StridedShard(p.out_dim, split_factor=blocks) if blocks > 1 else Shard(p.out_dim)
+        if p.bias is not None:
+            seeds[p.bias] = _StridedShard(0, split_factor=blocks) if blocks > 1 else Shard(0)
+    for p in region.rows:
+        seeds[p.weight] = Shard(1 - p.out_dim)
+    return seeds
+
+
+def _candidate(region: _Region, kinds: dict) -> Candidate:
+    nodes = set(region.nodes) | {p.node for p in region.columns + region.rows}
+    if region.kind == "head":
+        nodes |= _downstream(nodes)
+    nodes |= _upstream_params(nodes, kinds)
+    return Candidate(seeds=_seeds(region), nodes=nodes,
+                     columns=[p.node for p in region.columns if p not in region.replicated],
+                     rows=[p.node for p in region.rows])
+
+
+def _token_embeddings(gm: torch.fx.GraphModule, placeholders: dict[str, PlaceholderInfo]) -> list[tuple[torch.fx.Node, str]]:
+    """(node, weight FQN) of `aten.embedding`s of a parameter looked up by user inputs (token ids)."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.embedding.default:
+            continue
+        weight, ids = node.args[0], node.args[1]
+        while weight.op == "call_function" and weight.target in _PASS_THROUGH:
+            weight = weight.args[0]
+        while ids.op == "call_function" and (ids.target in _VIEWS or ids.target in _PASS_THROUGH):
+            ids = ids.args[0]
+        info = placeholders.get(ids.name) if ids.op == "placeholder" else None
+        if _param_of(weight, placeholders) is not None and info is not None and info.kind == "input":
+            found.append((node, placeholders[weight.name].target))
+    return found
+
+
+def _kv_fallback(region: _Region) -> bool:
+    """Replicate an attention's narrower columns (key/value heads fewer than the axis); False if none."""
+    widths = {p: p.node.meta["val"].shape[-1] for p in region.columns}
+    narrow = [p for p in region.columns if widths[p] < max(widths.values())]
+    if region.kind != "attention" or region.replicated or not narrow:
+        return False
+    region.replicated = narrow
+    return True
+
+
+def _checked(gm: torch.fx.GraphModule, placeholders: dict[str, PlaceholderInfo], kinds: dict, axis: str, size: int,
+             regions: list[_Region], notes: list[str]) -> tuple[list[_Region], dict[str, tuple[Placement, str, _Region]]]:
+    """Regions that pass `check_candidates`, and what parameters inside them want."""
+    wants: dict[str, tuple[Placement, str, _Region]] = {}
+    for _ in range(4):
+        candidates = [_candidate(r, kinds) for r in regions]
+        for candidate, region in zip(candidates, regions):
+            candidate.seeds.update({fqn: w[0] for fqn, w in wants.items() if w[2] is region})
+        results = check_candidates(gm, placeholders, axis=axis, size=size, candidates=candidates)
+        changed, kept = False, []
+        for region, result in zip(regions, results):
+            if result.failure is not None and _kv_fallback(region):
+                changed = True
+            elif result.uneven is not None:
+                raise result.uneven  # e.g. heads % tp != 0: the axis does not fit the model
+            elif result.failure is not None:
+                notes.append(f"{region.kind} pattern in {region.block or '<root>'} ({region.summary}) not sharded: "
+                             f"{result.failure}")
+                changed = True
+                continue
+            for fqn, (placement, consumer) in result.wants.items():
+                if wants.get(fqn, (None,))[0] != placement:
+                    wants[fqn] = (placement, consumer, region)
+                    changed = True
+            kept.append(region)
+        regions = kept
+        if not changed:
+            return regions, wants
+    raise PlanError("the tensor-parallel layout finder did not settle after 4 rounds; declare a layout: "
+                    "tensor_parallel(layout=TransformerLayout(...))")
+
+
+def _embedding_regions(gm: torch.fx.GraphModule, placeholders: dict[str, PlaceholderInfo]) -> list[_Region]:
+    regions = []
+    for node, weight in _token_embeddings(gm, placeholders):
+        module = _common_module([node])
+        regions.append(_Region("embedding", [], [], {node}, module, f"{node.args[1].name} -> embedding",
+                               embedding=weight))
+    return regions
+
+
+def _without_conflicts(regions: list[_Region], notes: list[str]) -> list[_Region]:
+    """A parameter seeded two ways (a weight shared by projections of different roles): later regions go."""
+    seeded: dict[str, Placement] = {}
+    kept = []
+    for region in regions:
+        seeds = _seeds(region)
+        clash = next((fqn for fqn, p in seeds.items() if seeded.get(fqn, p) != p), None)
+        if clash is not None:
+            notes.append(f"{region.kind} pattern in {region.block or '<root>'} not sharded: {clash} is also "
+                         f"{seeded[clash]} elsewhere")
+            continue
+        seeded.update(seeds)
+        kept.append(region)
+    return kept
+
+
+def _tied_to_rejected(regions: list[_Region], rejected_weights: set[str], notes: list[str]) -> list[_Region]:
+    """An embedding whose weight is also a head that failed stays replicated with it (one tensor)."""
+    kept = []
+    for region in regions:
+        if region.embedding in rejected_weights:
+            notes.append(f"embedding {region.block}: its weight {region.embedding} is tied to a head that is not "
+                         f"sharded, so it stays replicated")
+            continue
+        kept.append(region)
+    return kept
+
+
+def find_layout(gm: torch.fx.GraphModule, placeholders: dict[str, PlaceholderInfo], *, axis: str,
+                size: int) -> FoundLayout:
+    """The tensor-parallel layout of a traced graph on an axis of `size` ranks (module docstring)."""
+    ports = find_projections(gm, placeholders)
+    kinds = _classify(gm, placeholders, ports)
+    notes: list[str] = []
+    found = _regions(_components(gm, kinds, ports), notes) + _embedding_regions(gm, placeholders)
+    candidates = _without_conflicts(found, notes)
+    accepted, wants = _checked(gm, placeholders, kinds, axis, size, candidates, notes)
+    heads_weights = {p.weight for r in found if r.kind == "head" for p in r.columns}
+    rejected = heads_weights - {p.weight for r in accepted if r.kind == "head" for p in r.columns}
+    if rejected & {r.embedding for r in accepted if r.embedding}:
+        accepted = _tied_to_rejected(accepted, rejected, notes)
+        accepted, wants = _checked(gm, placeholders, kinds, axis, size, accepted, notes)
+    if not any(r.kind in ("attention", "mlp") for r in accepted):
+        detail = "\n  ".join(notes) or "no projection feeds another through per-feature ops"
+        raise PlanError(f"no tensor-parallel pattern found in the traced graph:\n  {detail}\n"
+                        f"  fix: declare the layout: tensor_parallel(layout=TransformerLayout(name=..., column=(...), "
+                        f"row=(...), embedding=(...), lm_head=(...), blocks=(...))), or leave tensor_parallel out")
+    return FoundLayout(params=tuple(_choices(accepted, wants, found)), modules=tuple(_boundaries(accepted)),
+                       notes=tuple(notes))
+
+
+def _choices(accepted: list[_Region], wants: dict, found: list[_Region]) -> list[ParamChoice]:
+    choices: dict[str, ParamChoice] = {}
+    for region in accepted:
+        where = f"{region.kind} pattern in {region.block or '<root>'}: {region.summary}"
+        for fqn, placement in _seeds(region).items():
+            role = ("vocabulary-parallel " + region.kind if region.kind in ("head", "embedding")
+                    else "column" if any(fqn in (p.weight, p.bias) for p in region.columns) else "row")
+            choices[fqn] = ParamChoice(fqn, placement, f"{role} of {where}")
+        for p in region.rows:
+            if p.bias is not None:
+                choices[p.bias] = ParamChoice(p.bias, Replicate(), f"row bias of {where} (added once, after the reduction)")
+        for p in region.replicated:
+            for fqn in filter(None, (p.weight, p.bias)):
+                choices[fqn] = ParamChoice(fqn, Replicate(), f"key/value projection of {where}: fewer heads than "
+                                                             f"the axis, replicated; each rank slices the heads it needs")
+        for fqn, (placement, consumer, owner) in wants.items():
+            if owner is region and fqn not in choices:
+                choices[fqn] = ParamChoice(fqn, placement, f"inside {where}: {consumer} takes it sharded")
+    for region in found:
+        if region not in accepted:
+            for p in region.columns + region.rows:
+                for fqn in filter(None, (p.weight, p.bias)):
+                    choices.setdefault(fqn, ParamChoice(fqn, Replicate(), f"replicated: {region.kind} pattern in "
+                                                                          f"{region.block or '<root>'} not sharded (see notes)"))
+    return list(choices.values())
+
+
+def _boundaries(accepted: list[_Region]) -> list[tuple[str, str]]:
+    """(module, role) per accepted region. A module that also holds another region's nodes (a
+    layer with an inline MLP, the root) gets none: its values are then placed op by op."""
+    members = {id(r): list(r.nodes) + [p.node for p in r.columns + r.rows] for r in accepted}
+    boundaries = []
+    for region in accepted:
+        others = [n for r in accepted if r is not region for n in members[id(r)]]
+        if not region.block or any(region.block in module_stack(n) for n in others):
+            continue
+        role = "block" if region.kind in ("attention", "mlp") else region.kind
+        if (region.block, role) not in boundaries:
+            boundaries.append((region.block, role))
+    return boundaries
