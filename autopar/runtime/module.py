@@ -56,6 +56,13 @@ def _unshard(tensor: torch.Tensor, placement: Any, group: str, size: int) -> tor
     return torch.cat([pieces[r][k] for k in range(placement.split_factor) for r in range(size)], dim=dim)
 
 
+def _original_names(weights: dict[str, torch.Tensor], traced: Any) -> dict[str, torch.Tensor]:
+    """Keyed as the original model's `state_dict()`: a tied parameter under each of its names (one
+    tensor), without the constants export lifted (an empty KV cache) or non-persistent buffers."""
+    names = traced.state_keys or tuple(weights)
+    return {key: weights[traced.aliases.get(key, key)] for key in names if traced.aliases.get(key, key) in weights}
+
+
 @dataclass(frozen=True)
 class _Regathered:
     how: tuple
@@ -181,7 +188,9 @@ class ParallelModule(torch.nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter whole (and the buffers), under the original names, on every rank: ZeRO
         units all-gathered, then tensor-parallel shards gathered axis by axis (innermost first).
-        For export or a single-device checkpoint; collective, so every rank must call it."""
+        Keys are the original model's `state_dict()` keys (tied names included), so
+        `model.load_state_dict(full)` loads strictly. For export or a single-device checkpoint;
+        collective, so every rank must call it."""
         local = {fqn: param.detach() for fqn, param in self.named_parameters()}
         if self.sharded is not None:
             for unit in self.plan.units:
@@ -194,7 +203,7 @@ class ParallelModule(torch.nn.Module):
             result[fqn] = tensor
         for fqn, buffer in self.named_buffers():
             result[fqn.removeprefix("_state.")] = buffer.detach().clone()
-        return result
+        return _original_names(result, self.plan.traced)
 
     def _sharded_axes(self, fqn: str) -> tuple[str, ...]:
         placements = self._placements[fqn]
