@@ -274,17 +274,25 @@ def slice_blocks_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx:
 
 @register(aten.copy.default)
 def copy_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext) -> RuleResult | None:
-    """`copy(self, src)` of equal shapes is `src`'s values: the output is placed as `src` is, and
-    `self` (overwritten) only needs the same local shape (sliced if sharded, else as it is).
-    Multi-head latent attention writes its rotary part into a fresh tensor this way."""
+    """`copy(self, src)` is `src`'s values in `self`'s shape (multi-head latent attention writes its
+    rotary part into a fresh tensor this way). Equal shapes: the output is placed as `src` is and
+    `self` (overwritten) only needs the same local shape (sliced if sharded, else as it is); a
+    broadcast `src`: everything replicated. aten has no derivative for the functional copy, so
+    it runs as `local_ops.copy_values` (gradient to `src`, none to `self`)."""
     destination, source = specs[:2]
-    if destination is None or source is None or destination.tensor_meta.shape != source.tensor_meta.shape:
+    if destination is None or source is None:
         return None
     if any(type(p) not in (Shard, Replicate, Partial) for p in source.placements + destination.placements):
         return None
-    wanted = tuple(p if isinstance(p, Shard) else Replicate() for p in source.placements)
-    return RuleResult(output=_spec_like(source, source.placements, node.meta["val"]),
-                      required=[_spec_like(destination, wanted), source] + [None] * (len(specs) - 2))
+    if destination.tensor_meta.shape == source.tensor_meta.shape:
+        placements = source.placements
+        wanted = tuple(p if isinstance(p, Shard) else Replicate() for p in source.placements)
+    else:
+        placements = wanted = (Replicate(),) * len(ctx.mesh_names)
+    return RuleResult(output=_spec_like(source, placements, node.meta["val"]),
+                      required=[_spec_like(destination, wanted), _spec_like(source, placements)]
+                      + [None] * (len(specs) - 2),
+                      local_kernel=local_ops.copy_values)
 
 
 @register(aten.sum.dim_IntList)

@@ -131,18 +131,21 @@ def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     return TracedProgram(graph_module=program.graph_module, placeholders=placeholders, state=state,
                          user_input_count=user_index, out_spec=program.call_spec.out_spec,
                          symbols=names, symbol_values=values, original_code=program.graph_module.code,
-                         state_keys=tuple(model.state_dict(keep_vars=True)), aliases=_tied_aliases(model, state))
+                         state_keys=tuple(model.state_dict(keep_vars=True)),
+                         aliases=_tied_aliases(model, program.graph_module, placeholders))
 
 
-def _tied_aliases(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, str]:
+def _tied_aliases(model: torch.nn.Module, gm: torch.fx.GraphModule,
+                  placeholders: dict[str, PlaceholderInfo]) -> dict[str, str]:
     """Every other name of a parameter or buffer reachable under several (tied embeddings) -> the
-    name the traced program holds it under."""
+    name whose placeholder the traced graph reads (export lifts each name; one is used)."""
+    read = {placeholders[n.name].target for n in gm.graph.nodes if n.op == "placeholder" and n.users}
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
     by_tensor: dict[int, list[str]] = {}
     for name, tensor in named:
         by_tensor.setdefault(id(tensor), []).append(name)
     aliases = {}
     for names in by_tensor.values():
-        kept = next((name for name in names if name in state), None)
+        kept = next((name for name in names if name in read), None)
         aliases.update({name: kept for name in names if kept is not None and name != kept})
     return aliases

@@ -5,7 +5,8 @@ attention layer lifts empty constants (`lifted_tensor_*`, shape [0]) and `aten.c
 its keys and values. Partial rotary embeddings concatenate a zero-width slice the same way. An
 empty input adds nothing to a concatenation (`aten.cat` skips 1-D empty tensors, and a tensor of
 size 0 on the cat dimension contributes no elements), so the pass removes it; a concatenation
-left with one input is that input. Nothing then asks for a placement of the empty constant, which
+left with one input becomes a contiguous clone of it (a cat's result is contiguous, and the
+views after it may rely on that). Nothing then asks for a placement of the empty constant, which
 a sharding rule would otherwise slice along a dimension it does not have (an IndexError at run
 time). A concatenation whose dtype differs from its remaining input's (type promotion by the
 empty tensor) is kept as it is; so is a list input that is not a graph node.
@@ -56,9 +57,9 @@ def drop_empty_concats(gm: torch.fx.GraphModule, ctx: CompileContext | None = No
         if any(t.meta["val"].dtype != value.dtype for t in kept):
             continue  # the empty tensor promoted the result's dtype
         dropped = [t for t in tensors if t not in kept]
-        if len(kept) == 1:
-            node.replace_all_uses_with(kept[0])
-            graph.erase_node(node)
+        if len(kept) == 1:  # a concatenation is a fresh contiguous tensor: later views may rely on that
+            node.target = torch.ops.aten.clone.default
+            node.args, node.kwargs = (kept[0],), {"memory_format": torch.contiguous_format}
         else:
             node.args = (kept, *node.args[1:])
         for empty in dropped:

@@ -93,6 +93,14 @@ class _Region:
     fused: dict[str, int] = field(default_factory=dict)
     replicated: list[Projection] = field(default_factory=list)
     embedding: str | None = None  # the weight of an "embedding" region
+    rejected: str | None = None  # why it is not sharded
+
+    def reject(self, reason: str) -> None:
+        self.rejected = reason
+
+    @property
+    def where(self) -> str:
+        return f"{self.kind} pattern in {self.block or '<root>'} ({self.summary})"
 
 
 def _param_of(node: torch.fx.Node, placeholders: dict[str, PlaceholderInfo]) -> torch.fx.Node | None:
@@ -258,7 +266,8 @@ def _describe(kind: str, columns: list[Projection], rows: list[Projection], node
     return f"{names} -> {middle} -> {' + '.join(p.name for p in rows)}" if rows else f"{names} -> {middle}"
 
 
-def _regions(components: list[dict], notes: list[str]) -> list[_Region]:
+def _regions(components: list[dict]) -> list[_Region]:
+    """Blocks and heads of the components; structurally impossible blocks come rejected."""
     regions = []
     for group in components:
         columns, rows, nodes = group["columns"], group["rows"], group["nodes"]
@@ -269,19 +278,14 @@ def _regions(components: list[dict], notes: list[str]) -> list[_Region]:
                 regions.append(_Region("head", columns, rows, nodes, _common_module([p.node for p in columns]),
                                        _describe("head", columns, rows, nodes)))
             continue
-        block = _common_module(members)
-        summary = _describe(kind, columns, rows, nodes)
+        region = _Region(kind, columns, rows, nodes, _common_module(members), _describe(kind, columns, rows, nodes),
+                         fused={p.weight: k for p in columns if (k := _fused_blocks(p)) > 1})
         if group["escapes"]:
             member, user = group["escapes"][0]
-            notes.append(f"{kind} pattern in {block} ({summary}) not sharded: {member.name} also reaches "
-                         f"{user.name} ({user.target}) in the residual stream")
+            region.reject(f"{member.name} also reaches {user.name} ({user.target}) in the residual stream")
         elif {p.node for p in columns} & {p.node for p in rows}:
-            both = next(p for p in columns if p in rows)
-            notes.append(f"{kind} pattern in {block} ({summary}) not sharded: {both.weight} both takes and "
-                         f"gives sharded features")
-        else:
-            regions.append(_Region(kind, columns, rows, nodes, block, summary,
-                                   fused={p.weight: k for p in columns if (k := _fused_blocks(p)) > 1}))
+            region.reject(f"{next(p for p in columns if p in rows).weight} both takes and gives sharded features")
+        regions.append(region)
     return regions
 
 
@@ -359,8 +363,9 @@ def _kv_fallback(region: _Region) -> bool:
 
 
 def _checked(gm: torch.fx.GraphModule, placeholders: dict[str, PlaceholderInfo], kinds: dict, axis: str, size: int,
-             regions: list[_Region], notes: list[str]) -> tuple[list[_Region], dict[str, tuple[Placement, str, _Region]]]:
-    """Regions that pass `check_candidates`, and what parameters inside them want."""
+             regions: list[_Region]) -> tuple[list[_Region], dict[str, tuple[Placement, str, _Region]]]:
+    """Regions that pass `check_candidates` (the others are rejected with the reason), and what
+    parameters inside them want."""
     wants: dict[str, tuple[Placement, str, _Region]] = {}
     for _ in range(4):
         candidates = [_candidate(r, kinds) for r in regions]
@@ -374,8 +379,7 @@ def _checked(gm: torch.fx.GraphModule, placeholders: dict[str, PlaceholderInfo],
             elif result.uneven is not None:
                 raise result.uneven  # e.g. heads % tp != 0: the axis does not fit the model
             elif result.failure is not None:
-                notes.append(f"{region.kind} pattern in {region.block or '<root>'} ({region.summary}) not sharded: "
-                             f"{result.failure}")
+                region.reject(result.failure)
                 changed = True
                 continue
             for fqn, (placement, consumer) in result.wants.items():
@@ -399,29 +403,27 @@ def _embedding_regions(gm: torch.fx.GraphModule, placeholders: dict[str, Placeho
     return regions
 
 
-def _without_conflicts(regions: list[_Region], notes: list[str]) -> list[_Region]:
+def _without_conflicts(regions: list[_Region]) -> list[_Region]:
     """A parameter seeded two ways (a weight shared by projections of different roles): later regions go."""
     seeded: dict[str, Placement] = {}
     kept = []
-    for region in regions:
+    for region in (r for r in regions if r.rejected is None):
         seeds = _seeds(region)
         clash = next((fqn for fqn, p in seeds.items() if seeded.get(fqn, p) != p), None)
         if clash is not None:
-            notes.append(f"{region.kind} pattern in {region.block or '<root>'} not sharded: {clash} is also "
-                         f"{seeded[clash]} elsewhere")
+            region.reject(f"{clash} is also {seeded[clash]} elsewhere")
             continue
         seeded.update(seeds)
         kept.append(region)
     return kept
 
 
-def _tied_to_rejected(regions: list[_Region], rejected_weights: set[str], notes: list[str]) -> list[_Region]:
+def _tied_to_rejected(regions: list[_Region], rejected_weights: set[str]) -> list[_Region]:
     """An embedding whose weight is also a head that failed stays replicated with it (one tensor)."""
     kept = []
     for region in regions:
         if region.embedding in rejected_weights:
-            notes.append(f"embedding {region.block}: its weight {region.embedding} is tied to a head that is not "
-                         f"sharded, so it stays replicated")
+            region.reject(f"its weight {region.embedding} is tied to a head that is not sharded")
             continue
         kept.append(region)
     return kept
@@ -432,15 +434,13 @@ def find_layout(gm: torch.fx.GraphModule, placeholders: dict[str, PlaceholderInf
     """The tensor-parallel layout of a traced graph on an axis of `size` ranks (module docstring)."""
     ports = find_projections(gm, placeholders)
     kinds = _classify(gm, placeholders, ports)
-    notes: list[str] = []
-    found = _regions(_components(gm, kinds, ports), notes) + _embedding_regions(gm, placeholders)
-    candidates = _without_conflicts(found, notes)
-    accepted, wants = _checked(gm, placeholders, kinds, axis, size, candidates, notes)
+    found = _regions(_components(gm, kinds, ports)) + _embedding_regions(gm, placeholders)
+    accepted, wants = _checked(gm, placeholders, kinds, axis, size, _without_conflicts(found))
     heads_weights = {p.weight for r in found if r.kind == "head" for p in r.columns}
     rejected = heads_weights - {p.weight for r in accepted if r.kind == "head" for p in r.columns}
     if rejected & {r.embedding for r in accepted if r.embedding}:
-        accepted = _tied_to_rejected(accepted, rejected, notes)
-        accepted, wants = _checked(gm, placeholders, kinds, axis, size, accepted, notes)
+        accepted, wants = _checked(gm, placeholders, kinds, axis, size, _tied_to_rejected(accepted, rejected))
+    notes = [f"{r.where} not sharded: {r.rejected}" for r in found if r.rejected is not None]
     if not any(r.kind in ("attention", "mlp") for r in accepted):
         detail = "\n  ".join(notes) or "no projection feeds another through per-feature ops"
         raise PlanError(f"no tensor-parallel pattern found in the traced graph:\n  {detail}\n"
@@ -469,24 +469,28 @@ def _choices(accepted: list[_Region], wants: dict, found: list[_Region]) -> list
             if owner is region and fqn not in choices:
                 choices[fqn] = ParamChoice(fqn, placement, f"inside {where}: {consumer} takes it sharded")
     for region in found:
-        if region not in accepted:
-            for p in region.columns + region.rows:
-                for fqn in filter(None, (p.weight, p.bias)):
-                    choices.setdefault(fqn, ParamChoice(fqn, Replicate(), f"replicated: {region.kind} pattern in "
-                                                                          f"{region.block or '<root>'} not sharded (see notes)"))
+        if region.rejected is not None:
+            for fqn in filter(None, [region.embedding] + [f for p in region.columns + region.rows for f in (p.weight, p.bias)]):
+                choices.setdefault(fqn, ParamChoice(fqn, Replicate(), f"{region.where} not sharded: {region.rejected}"))
     return list(choices.values())
 
 
 def _boundaries(accepted: list[_Region]) -> list[tuple[str, str]]:
-    """(module, role) per accepted region. A module that also holds another region's nodes (a
-    layer with an inline MLP, the root) gets none: its values are then placed op by op."""
-    members = {id(r): list(r.nodes) + [p.node for p in r.columns + r.rows] for r in accepted}
+    """(module, role) per accepted region: the innermost module holding the region. A block module
+    that also holds an embedding or a head (the root) gets none; one inside another block's
+    module (OPT's attention inside the layer that holds its MLP) gives way to it, so that what
+    runs between two blocks of one module stays replicated."""
+    ends = [n for r in accepted if r.kind in ("head", "embedding") for n in r.nodes | {p.node for p in r.columns}]
+    blocks = {r.block for r in accepted if r.kind in ("attention", "mlp") and r.block
+              and not any(r.block in module_stack(n) for n in ends)}
+    outermost = {b for b in blocks if not any(b.startswith(other + ".") for other in blocks)}
     boundaries = []
     for region in accepted:
-        others = [n for r in accepted if r is not region for n in members[id(r)]]
-        if not region.block or any(region.block in module_stack(n) for n in others):
-            continue
-        role = "block" if region.kind in ("attention", "mlp") else region.kind
-        if (region.block, role) not in boundaries:
-            boundaries.append((region.block, role))
+        if region.kind in ("attention", "mlp"):
+            block = next((b for b in outermost if region.block == b or region.block.startswith(b + ".")), None)
+            entry = (block, "block") if block is not None else None
+        else:
+            entry = (region.block, region.kind) if region.block else None
+        if entry is not None and entry not in boundaries:
+            boundaries.append(entry)
     return boundaries

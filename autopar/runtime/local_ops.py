@@ -8,6 +8,7 @@
 - `sharded_nll_loss`: nll_loss_forward on class shards and/or batch shards; over the batch axes
   the loss sum and the count of non-ignored targets are all-reduced together, so the mean
   matches one device and the loss is replicated there.
+- `copy_values`: aten's functional `copy`, which has no derivative, as one that has.
 - `split_equal_blocks`, `slice_blocks`: split / slice of a block-sharded fused projection (q|k|v)
   into its local blocks.
 The collectives they issue are declared by their rules in `autopar.op_rules` for the ledger.
@@ -92,3 +93,9 @@ def slice_blocks(x: torch.Tensor, dim: int, start: int | None = None, end: int |
     size = x.shape[dim] * parts
     start, end = min(max(start or 0, 0), size), min(end if end is not None else size, size)
     return torch.ops.aten.slice.Tensor(x, dim, start // parts, end // parts, step)
+
+
+def copy_values(destination: torch.Tensor, source: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """`aten.copy` (functional: `source` broadcast into `destination`'s shape and dtype) with a
+    derivative: the gradient flows to `source`; `destination`, overwritten, gets none."""
+    return source.to(destination.dtype).expand(destination.shape).clone()
