@@ -4,7 +4,8 @@ Each architecture comes from a small config with every other default left as shi
 (`examples.hf_models.tiny_causal_lm`: `use_cache`, tied embeddings, padding index, attention
 implementation untouched). Under each mesh of `CONFIGS` it must train like one device (losses,
 gradients and parameters after each AdamW step, fp32 rel <= 1e-5; ledger == bytes handed to the
-process groups), its `full_state_dict()` must load strictly into the original model with the
+process groups; `assert_matches`: each rank's shard relative to the one-device tensor's magnitude;
+AdamW's eps is `ZOO_EPS`), its `full_state_dict()` must load strictly into the original model with the
 trained values, and on dense architectures tensor parallelism must be found in the graph; or it
 is refused at plan time, where `REFUSED` says so, with an error naming the op, module and fix.
 Never a run-time crash.
@@ -28,7 +29,7 @@ import autopar
 from autopar.plan import local_tensor
 from autopar.runtime.comm_counter import CommCounter
 from autopar.runtime.launch import launch
-from tests.numerics import LR, assert_ledger_equals_measured, assert_matches, max_relative_error, parameter_layout
+from tests.numerics import LR, NOISE_FLOOR, assert_ledger_equals_measured, parameter_layout
 
 transformers = pytest.importorskip("transformers")
 from examples.hf_models import tiny_causal_lm, token_batch  # noqa: E402
@@ -100,6 +101,29 @@ def single_device(build: Any, data: list[tuple]) -> dict[str, list]:
         optimizer.step()
         out["params"].append({n: p.detach().clone() for n, p in model.named_parameters()})
     return out
+
+
+def relative_error(actual: torch.Tensor, expected_shard: torch.Tensor, expected: torch.Tensor) -> float:
+    """A rank's shard against the one-device tensor, relative to the whole tensor's magnitude (as
+    on one device): a ZeRO shard holding only a tensor's mathematically-zero part (Persimmon's
+    key-norm bias outside the rotary half, noise of 1e-9) is not judged against its own noise."""
+    return float((actual - expected_shard).abs().max() / expected.abs().max().clamp_min(NOISE_FLOOR))
+
+
+def assert_matches(expected: dict, results: list[dict], mesh: str, *, aliases: dict[str, str],
+                   tolerance: float = 1e-5) -> None:
+    """Loss, every gradient shard and every parameter shard after each step, on every rank."""
+    parsed = autopar.Mesh.parse(mesh)
+    for rank, result in enumerate(results):
+        for step, loss in enumerate(expected["losses"]):
+            error = relative_error(result["losses"][step], loss, loss)
+            assert error <= tolerance, f"rank {rank} step {step} loss rel err {error}"
+            for kind in ("grads", "params"):
+                for name, full in expected[kind][step].items():
+                    here = aliases.get(name, name)
+                    shard = local_tensor(full, result["placements"][here], parsed, rank, zero=result["zero"].get(here))
+                    error = relative_error(result[kind][step][here], shard, full)
+                    assert error <= tolerance, f"rank {rank} step {step} {kind} {name} rel err {error:.3g}"
 
 
 def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -198,7 +222,7 @@ def check_trained(arch: str, config: str, results: list[dict], steps: int) -> No
     full = results[0]["full"]
     assert list(full) == list(build_for(arch)().state_dict()), "full_state_dict keys differ from the model's"
     for name, value in expected["params"][-1].items():
-        assert max_relative_error(full[name], value) <= 1e-5, f"{arch} full_state_dict()[{name!r}]"
+        assert relative_error(full[name], value, value) <= 1e-5, f"{arch} full_state_dict()[{name!r}]"
     if "tp" in mesh and arch in DENSE:  # at least a column and a row in each of the 2 layers
         assert len([f for f in results[0]["tp_sharded"] if ".0." in f or ".1." in f]) >= 4, \
             f"{arch}: tensor parallelism found too little: {results[0]['tp_sharded']} {results[0]['tp_notes']}"
@@ -220,11 +244,11 @@ def test_zoo_trains_like_one_device_or_is_refused_at_plan_time(arch, config):
 def _cell(arch: str, config: str, results: list[dict], steps: int) -> str:
     if "refused" in results[0]:
         first = results[0]["refused"].splitlines()[0]
-        return f"refused: {first[:90]}"
+        return f"refused: {first[:100]}"
     try:
         check_trained(arch, config, results, steps)
     except AssertionError as error:
-        return f"FAILS: {str(error).splitlines()[0][:90]}"
+        return f"FAILS: {str(error).splitlines()[0][:160]}"
     return "✓"
 
 
@@ -236,7 +260,7 @@ def table(archs: list[str], configs: list[str], steps: int) -> str:
         runs = run_config(config, tuple(archs), steps)
         for arch in archs:
             rows[arch].append(_cell(arch, config, runs[arch], steps))
-            if config in ("tp2", CI_CONFIG) and "tp_sharded" in runs[arch][0]:
+            if arch not in tp_found and "tp_sharded" in runs[arch][0]:
                 notes = runs[arch][0]["tp_notes"]
                 kinds = sorted({n.split(" pattern")[0] for n in notes})
                 tp_found[arch] = (f"{len(runs[arch][0]['tp_sharded'])} sharded"

@@ -95,7 +95,22 @@ def slice_blocks(x: torch.Tensor, dim: int, start: int | None = None, end: int |
     return torch.ops.aten.slice.Tensor(x, dim, start // parts, end // parts, step)
 
 
+class _CopyValues(torch.autograd.Function):
+    """aten's derivative of `copy`: the gradient goes to `source` (summed over a broadcast), zeros to
+    the overwritten `destination`."""
+
+    @staticmethod
+    def forward(ctx, destination, source):
+        ctx.source_shape, ctx.source_dtype = source.shape, source.dtype
+        return source.to(destination.dtype).expand(destination.shape).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        to_source = grad.sum_to_size(ctx.source_shape).to(ctx.source_dtype) if ctx.needs_input_grad[1] else None
+        return (torch.zeros_like(grad) if ctx.needs_input_grad[0] else None), to_source
+
+
 def copy_values(destination: torch.Tensor, source: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-    """`aten.copy` (functional: `source` broadcast into `destination`'s shape and dtype) with a
-    derivative: the gradient flows to `source`; `destination`, overwritten, gets none."""
-    return source.to(destination.dtype).expand(destination.shape).clone()
+    """`aten.copy` (functional: `source` broadcast into `destination`'s shape and dtype), which aten
+    gives no derivative, with aten's `copy_` derivative."""
+    return _CopyValues.apply(destination, source)
