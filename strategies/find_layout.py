@@ -5,29 +5,29 @@ residual stream, only through per-feature or per-head ops (activations, gating p
 reshapes, attention, rotary embedding); the first is sharded column-wise (output features), the
 second row-wise (input features), and the block between them runs on shards with no
 communication. It is visible in the graph whatever the modules are called:
-1. `find_projections`: every `mm`/`addmm` with a 2-D parameter operand, seen through
-   transposes and casts (nn.Linear's `permute`, a Conv1D's [in, out] weight): its data operand,
-   the weight's output-feature dimension and an `addmm` bias.
-2. `_classify`: every node is `const` (no trainable input: masks, positions, rotary tables,
-   labels), `param` (parameters and constants only, no user data), `port` (a projection's
-   output), `derived` (computed from projection outputs, not from the stream) or `stream`.
-3. `_components`: union-find over derived nodes, each projection's output side (the derived
-   nodes it feeds: a column) and input side (its data operand is derived: a row). A component
-   with columns and rows whose values never leak into the stream is a block (attention when it
-   holds attention, else MLP); one with columns only that reaches `_log_softmax` is the
-   vocabulary head. A column whose output features are split into k equal parts (a fused
-   q|k|v or gate|up) is block-sharded (`_StridedShard`, k blocks).
-4. `strategies/check_layout.py` runs DTensor's propagation and autopar's op rules on the
-   candidates (`check_candidates`): one stands only if nothing it shards needs communication
+1. `strategies/graph_structure.py` finds the projections (`mm`/`addmm` against a 2-D
+   parameter), classifies every node (constant, parameter-only, projection output, derived from
+   projection outputs, residual stream) and joins derived nodes with the projections around
+   them into components (`components`).
+2. `_regions`: a component with columns (projections whose outputs it consumes) and rows
+   (projections whose data operand it produces) whose values never leak into the stream is a
+   block (attention when it holds attention, else MLP); one with columns only that reaches
+   `_log_softmax` is the vocabulary head. A column whose output features are split into k equal
+   parts (a fused q|k|v or gate|up) is block-sharded (`_StridedShard`, k blocks).
+3. `_without_conflicts`: a weight two regions want placed differently keeps the first.
+4. `_checked`: `strategies/check_layout.py` runs DTensor's propagation and autopar's op rules
+   on the candidates (`check_candidates`): one stands only if nothing it shards needs communication
    before its rows, whose outputs must be Partial; parameters inside a block take the placement
    their consumer asks for. An attention that fails with smaller key/value projections is tried
    again with them replicated (tensor axis larger than the key/value heads: each rank slices
    the repeated heads it needs); a dimension the axis still does not divide (heads % tp) is
    the PlanError that names it.
-5. Embeddings looked up with user token ids are vocabulary-parallel.
-`find_layout` returns a `FoundLayout`: a placement and the pattern that decided it per parameter,
-and the module boundaries of blocks, embeddings and heads, which `tensor_parallel()` turns into
-a `Strategy` (`strategies/tensor_parallel.py`).
+5. `_embedding_regions`: embeddings looked up with user token ids are vocabulary-parallel (a
+   weight tied to a head that is not sharded stays replicated with it).
+`find_layout` returns a `FoundLayout`: a placement and the pattern that decided it (or why it
+stayed replicated) per parameter (`_choices`), and the module boundaries of blocks, embeddings
+and heads (`_boundaries`), which `tensor_parallel()` turns into a `Strategy`
+(`strategies/tensor_parallel.py`).
 """
 from __future__ import annotations
 
@@ -42,27 +42,11 @@ from autopar.context import PlaceholderInfo
 from autopar.errors import PlanError
 from autopar.ir import module_stack
 from autopar.strategies.check_layout import Candidate, check_candidates
+from autopar.strategies.graph_structure import (PASS_THROUGH, VIEWS, Projection, classify, common_module, components,
+                                                find_projections, fused_blocks, param_of)
 
 aten = torch.ops.aten
-_MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2)}  # op -> (data operand, weight operand)
-_PASS_THROUGH = {aten._to_copy.default, aten.alias.default, aten.clone.default, aten.detach.default}
 _ATTENTION = {aten.scaled_dot_product_attention.default, aten._softmax.default, aten._safe_softmax.default}
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-
-
-@dataclass(frozen=True)
-class Projection:
-    """A matmul against a 2-D parameter: `out_dim` is the weight dimension of its output features."""
-
-    node: torch.fx.Node
-    weight: str
-    out_dim: int
-    data: torch.fx.Node
-    bias: str | None
-
-    @property
-    def name(self) -> str:
-        return self.weight.removesuffix(".weight").rsplit(".", 1)[-1]
 
 
 @dataclass(frozen=True)
@@ -103,163 +87,9 @@ class _Region:
         return f"{self.kind} pattern in {self.block or '<root>'} ({self.summary})"
 
 
-def _param_of(node: torch.fx.Node, placeholders: dict[str, PlaceholderInfo]) -> torch.fx.Node | None:
-    info = placeholders.get(node.name) if node.op == "placeholder" else None
-    return node if info is not None and info.kind == "parameter" else None
-
-
-def _weight_source(node: torch.fx.Node, placeholders: dict[str, PlaceholderInfo]) -> tuple[torch.fx.Node, bool] | None:
-    """The 2-D parameter behind a matmul operand and whether it arrives transposed."""
-    transposed = False
-    while node.op == "call_function":
-        if node.target is aten.permute.default and list(node.args[1]) == [1, 0]:
-            transposed = not transposed
-        elif node.target is aten.t.default or (node.target is aten.transpose.int and node.args[1] != node.args[2]):
-            transposed = not transposed
-        elif node.target not in _PASS_THROUGH:
-            return None
-        node = node.args[0]
-    param = _param_of(node, placeholders)
-    if param is None or param.meta["val"].dim() != 2:
-        return None
-    return param, transposed
-
-
-def find_projections(gm: torch.fx.GraphModule, placeholders: dict[str, PlaceholderInfo]) -> dict[torch.fx.Node, Projection]:
-    projections = {}
-    for node in gm.graph.nodes:
-        operands = _MATMULS.get(node.target) if node.op == "call_function" else None
-        if operands is None:
-            continue
-        source = _weight_source(node.args[operands[1]], placeholders)
-        if source is None or _weight_source(node.args[operands[0]], placeholders) is not None:
-            continue
-        param, transposed = source
-        bias = None
-        if node.target is aten.addmm.default:
-            bias_node = node.args[0]
-            while bias_node.op == "call_function" and bias_node.target in _PASS_THROUGH:
-                bias_node = bias_node.args[0]
-            bias = placeholders[bias_node.name].target if _param_of(bias_node, placeholders) is not None else None
-        projections[node] = Projection(node=node, weight=placeholders[param.name].target, out_dim=0 if transposed else 1,
-                                       data=node.args[operands[0]], bias=bias)
-    return projections
-
-
-def _classify(gm: torch.fx.GraphModule, placeholders: dict[str, PlaceholderInfo],
-              ports: dict[torch.fx.Node, Projection]) -> dict[torch.fx.Node, str]:
-    kinds: dict[torch.fx.Node, str] = {}
-    from_input: set[torch.fx.Node] = set()
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            info = placeholders[node.name]
-            kinds[node] = "param" if info.kind == "parameter" else "const"
-            if info.kind == "input":
-                from_input.add(node)
-            continue
-        inputs = node.all_input_nodes
-        if any(i in from_input for i in inputs):
-            from_input.add(node)
-        found = {kinds.get(i, "const") for i in inputs}
-        if node in ports:
-            kinds[node] = "port"
-        elif node.op != "call_function" or "stream" in found:
-            kinds[node] = "stream" if found - {"const"} else "const"
-        elif found & {"port", "derived"}:
-            kinds[node] = "derived"
-        elif "param" in found:
-            kinds[node] = "stream" if node in from_input else "param"
-        else:
-            kinds[node] = "const"
-    return kinds
-
-
-class _UnionFind:
-    def __init__(self) -> None:
-        self.parent: dict = {}
-
-    def find(self, key):
-        self.parent.setdefault(key, key)
-        while self.parent[key] != key:
-            self.parent[key] = self.parent[self.parent[key]]
-            key = self.parent[key]
-        return key
-
-    def union(self, a, b) -> None:
-        self.parent[self.find(a)] = self.find(b)
-
-
-def _components(gm: torch.fx.GraphModule, kinds: dict, ports: dict[torch.fx.Node, Projection]) -> list[dict]:
-    """Derived nodes with the projections around them; each: columns, rows, nodes, escapes."""
-    sets = _UnionFind()
-    for node in gm.graph.nodes:
-        if kinds[node] == "derived":
-            sets.find(node)
-            for source in node.all_input_nodes:
-                if kinds[source] == "derived":
-                    sets.union(node, source)
-                elif kinds[source] == "port":
-                    sets.union(node, ("out", source))
-        elif kinds[node] == "port" and kinds[ports[node].data] in ("derived", "port"):
-            data = ports[node].data
-            sets.union(("in", node), data if kinds[data] == "derived" else ("out", data))
-    groups: dict = {}
-    for key in list(sets.parent):
-        group = groups.setdefault(sets.find(key), {"columns": [], "rows": [], "nodes": set(), "escapes": []})
-        if isinstance(key, tuple):
-            group["columns" if key[0] == "out" else "rows"].append(ports[key[1]])
-        else:
-            group["nodes"].add(key)
-    for group in groups.values():
-        members = list(group["nodes"]) + [p.node for p in group["columns"]]
-        for member in members:
-            for user in member.users:
-                leaks = user.op == "output" or kinds.get(user) == "stream"
-                leaks = leaks or (kinds.get(user) == "port" and ports[user].data is not member)
-                if leaks:
-                    group["escapes"].append((member, user))
-    return [g for g in groups.values() if g["columns"]]
-
-
-def _fused_blocks(projection: Projection) -> int:
-    """k when the output features are taken apart into k equal parts (split or slices), else 1."""
-    node, features = projection.node, projection.node.meta["val"].shape[-1]
-    while len(node.users) == 1:
-        user = next(iter(node.users))
-        if user.target not in _VIEWS or user.meta["val"].shape[-1] != features:
-            break
-        node = user
-    last = node.meta["val"].dim() - 1
-    users = list(node.users)
-    if len(users) == 1 and users[0].target is aten.split_with_sizes.default:
-        sizes, dim = users[0].args[1], users[0].args[2] if len(users[0].args) > 2 else 0
-        return len(sizes) if dim % (last + 1) == last and len(set(sizes)) == 1 and len(sizes) > 1 else 1
-    if users and all(u.target is aten.slice.Tensor and u.args[1] % (last + 1) == last for u in users):
-        bounds = sorted((u.args[2] or 0, min(u.args[3], features) if len(u.args) > 3 else features) for u in users)
-        widths = {end - start for start, end in bounds}
-        tiles = all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])) and bounds[0][0] == 0 and bounds[-1][1] == features
-        return len(bounds) if tiles and len(widths) == 1 and len(bounds) > 1 else 1
-    return 1
-
-
-def _common_module(nodes: list[torch.fx.Node]) -> str:
-    """The innermost module that encloses every node ('' when only the root does)."""
-    common: list[str] | None = None
-    for node in nodes:
-        stack = module_stack(node)
-        if common is None:
-            common = stack
-            continue
-        depth = 0
-        while depth < min(len(common), len(stack)) and common[depth] == stack[depth]:
-            depth += 1
-        common = common[:depth]
-    return common[-1] if common else ""
-
-
 def _describe(kind: str, columns: list[Projection], rows: list[Projection], nodes: set[torch.fx.Node]) -> str:
     ops = sorted({str(n.target).replace("aten.", "").split(".")[0] for n in nodes if n.op == "call_function"
-                  and n.target not in _VIEWS and n.target not in _PASS_THROUGH and "view" not in str(n.target)
+                  and n.target not in VIEWS and n.target not in PASS_THROUGH and "view" not in str(n.target)
                   and str(n.target).startswith("aten.")})
     middle = "scaled_dot_product_attention" if "scaled_dot_product_attention" in ops else ", ".join(ops[:5])
     names = " + ".join(p.name for p in columns)
@@ -275,11 +105,11 @@ def _regions(components: list[dict]) -> list[_Region]:
         members = [p.node for p in columns + rows] + list(nodes)
         if not rows:
             if group["escapes"] and any(n.target is aten._log_softmax.default for n in nodes):
-                regions.append(_Region("head", columns, rows, nodes, _common_module([p.node for p in columns]),
+                regions.append(_Region("head", columns, rows, nodes, common_module([p.node for p in columns]),
                                        _describe("head", columns, rows, nodes)))
             continue
-        region = _Region(kind, columns, rows, nodes, _common_module(members), _describe(kind, columns, rows, nodes),
-                         fused={p.weight: k for p in columns if (k := _fused_blocks(p)) > 1})
+        region = _Region(kind, columns, rows, nodes, common_module(members), _describe(kind, columns, rows, nodes),
+                         fused={p.weight: k for p in columns if (k := fused_blocks(p)) > 1})
         if group["escapes"]:
             member, user = group["escapes"][0]
             region.reject(f"{member.name} also reaches {user.name} ({user.target}) in the residual stream")
@@ -342,12 +172,12 @@ def _token_embeddings(gm: torch.fx.GraphModule, placeholders: dict[str, Placehol
         if node.op != "call_function" or node.target is not aten.embedding.default:
             continue
         weight, ids = node.args[0], node.args[1]
-        while weight.op == "call_function" and weight.target in _PASS_THROUGH:
+        while weight.op == "call_function" and weight.target in PASS_THROUGH:
             weight = weight.args[0]
-        while ids.op == "call_function" and (ids.target in _VIEWS or ids.target in _PASS_THROUGH):
+        while ids.op == "call_function" and (ids.target in VIEWS or ids.target in PASS_THROUGH):
             ids = ids.args[0]
         info = placeholders.get(ids.name) if ids.op == "placeholder" else None
-        if _param_of(weight, placeholders) is not None and info is not None and info.kind == "input":
+        if param_of(weight, placeholders) is not None and info is not None and info.kind == "input":
             found.append((node, placeholders[weight.name].target))
     return found
 
@@ -397,7 +227,7 @@ def _checked(gm: torch.fx.GraphModule, placeholders: dict[str, PlaceholderInfo],
 def _embedding_regions(gm: torch.fx.GraphModule, placeholders: dict[str, PlaceholderInfo]) -> list[_Region]:
     regions = []
     for node, weight in _token_embeddings(gm, placeholders):
-        module = _common_module([node])
+        module = common_module([node])
         regions.append(_Region("embedding", [], [], {node}, module, f"{node.args[1].name} -> embedding",
                                embedding=weight))
     return regions
@@ -433,8 +263,8 @@ def find_layout(gm: torch.fx.GraphModule, placeholders: dict[str, PlaceholderInf
                 size: int) -> FoundLayout:
     """The tensor-parallel layout of a traced graph on an axis of `size` ranks (module docstring)."""
     ports = find_projections(gm, placeholders)
-    kinds = _classify(gm, placeholders, ports)
-    found = _regions(_components(gm, kinds, ports)) + _embedding_regions(gm, placeholders)
+    kinds = classify(gm, placeholders, ports)
+    found = _regions(components(gm, kinds, ports)) + _embedding_regions(gm, placeholders)
     accepted, wants = _checked(gm, placeholders, kinds, axis, size, _without_conflicts(found))
     heads_weights = {p.weight for r in found if r.kind == "head" for p in r.columns}
     rejected = heads_weights - {p.weight for r in accepted if r.kind == "head" for p in r.columns}

@@ -241,6 +241,17 @@ def test_zoo_trains_like_one_device_or_is_refused_at_plan_time(arch, config):
         check_trained(arch, config, results, STEPS)
 
 
+def test_key_value_heads_fewer_than_the_axis_train_like_one_device():
+    """Mistral ships grouped-query attention (2 key/value heads here): on tp=4 they are replicated
+    and each rank slices the repeated heads its query heads need."""
+    results = launch(zoo_rank, 4, ["mistral"], batches(STEPS), "tp=4", [autopar.tensor_parallel()], timeout_s=180)
+    results = [r["mistral"] for r in results]
+    assert "model.model.layers.0.self_attn.k_proj.weight" not in results[0]["tp_sharded"]
+    assert "model.model.layers.0.self_attn.q_proj.weight" in results[0]["tp_sharded"]
+    assert_matches(reference("mistral", STEPS), results, "tp=4", aliases={})
+    assert_ledger_equals_measured(results)
+
+
 def _cell(arch: str, config: str, results: list[dict], steps: int) -> str:
     if "refused" in results[0]:
         first = results[0]["refused"].splitlines()[0]
