@@ -254,8 +254,9 @@ def test_key_value_heads_fewer_than_the_axis_train_like_one_device():
 
 def _cell(arch: str, config: str, results: list[dict], steps: int) -> str:
     if "refused" in results[0]:
-        first = results[0]["refused"].splitlines()[0]
-        return f"refused: {first[:100]}"
+        lines = results[0]["refused"].splitlines()
+        module = next((line.split("module:", 1)[1].strip() for line in lines if "module:" in line), "")
+        return f"refused: {lines[0].split(' with inputs')[0][:80]} in `{module}`"
     try:
         check_trained(arch, config, results, steps)
     except AssertionError as error:
