@@ -68,7 +68,7 @@ class FoundLayout:
 
 @dataclass
 class _Region:
-    kind: str  # "attention", "mlp", "head"
+    kind: str  # "attention", "mlp", "head", "embedding"
     columns: list[Projection]
     rows: list[Projection]
     nodes: set[torch.fx.Node]
