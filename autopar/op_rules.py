@@ -11,7 +11,8 @@ Rules: scaled_dot_product_attention (batch- or head-sharded; DTensor has no rule
 kernel), embedding (vocabulary-parallel), _log_softmax and nll_loss_forward (vocabulary- and
 batch-sharded cross-entropy that never gathers the logits), sum over all dimensions written as
 `sum.dim_IntList(x, [])` (DTensor keeps the input's Shard on the 0-d output), split_with_sizes of a block-sharded
-(`_StridedShard`) fused projection into its blocks (HF GPT-2's q|k|v). Register one with `@register(op)`;
+(`_StridedShard`) fused projection into its blocks (HF GPT-2's q|k|v) and slices of whole blocks
+(Phi-3's), copy (`aten.copy`: the result is the source, placed as the source is). Register one with `@register(op)`;
 registering an op twice is an error.
 """
 from __future__ import annotations
@@ -26,7 +27,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from autopar.ir import hint, sym_size, tensor_meta
+from autopar.errors import PlanError
+from autopar.ir import hint, shard_dim, sym_size, tensor_meta
 from autopar.runtime import local_ops
 
 aten = torch.ops.aten
@@ -95,14 +97,16 @@ def _numel(value: torch.Tensor) -> sympy.Expr:
 
 @register(aten.scaled_dot_product_attention.default)
 def sdpa_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext) -> RuleResult:
-    """q, k, v sharded alike on batch (0) or heads (1) keep that sharding; anything else replicates."""
+    """q sharded on batch (0) or heads (1) keeps that sharding when k and v are sharded alike or
+    replicated (then sliced locally: key/value heads a rank holds whole, e.g. replicated because
+    the tensor axis exceeds the key/value heads, after repeat_kv); anything else replicates."""
     q, k, v = specs[:3]
     mask = specs[3] if len(specs) > 3 else None
     chosen = []
     for axis_index in range(len(ctx.mesh_names)):
         placement = q.placements[axis_index]
-        same = all(s.placements[axis_index] == placement for s in (k, v))
-        keep = isinstance(placement, Shard) and placement.dim in (0, 1) and same
+        same = all(s.placements[axis_index] in (placement, Replicate()) for s in (k, v))
+        keep = type(placement) is Shard and placement.dim in (0, 1) and same
         chosen.append(placement if keep else Replicate())
     chosen_t = tuple(chosen)
     required: list[DTensorSpec | None] = [_spec_like(s, chosen_t) for s in (q, k, v)]
@@ -117,7 +121,8 @@ def sdpa_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleCon
 
 @register(aten.embedding.default)
 def embedding_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext) -> RuleResult | None:
-    """Vocabulary-sharded weight (Shard(0)) with replicated ids gives a Partial output."""
+    """Vocabulary-sharded weight (Shard(0)) with replicated ids gives a Partial output; every
+    `aten.embedding` argument is passed on (padding_idx: the kernel maps it to its local row)."""
     weight, ids = specs[:2]
     vocab_axes = [i for i, p in enumerate(weight.placements) if p == Shard(0)]
     if not vocab_axes:
@@ -125,6 +130,12 @@ def embedding_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: Ru
     if len(vocab_axes) > 1 or any(not isinstance(p, (Replicate, Shard)) or p == Shard(1) for p in weight.placements):
         return None
     axis_index = vocab_axes[0]
+    if any(bool(a) for a in node.args[3:5]):
+        raise PlanError.at(node, "a vocabulary-parallel embedding cannot scale gradients by frequency or give sparse "
+                                 "gradients (counts and rows would be those of one vocabulary shard)",
+                           fix="keep this embedding's weight replicated on the tensor axis (declare a "
+                               "TransformerLayout without it), or construct the embedding with "
+                               "scale_grad_by_freq=False, sparse=False")
     ids_placements = list(ids.placements)
     ids_placements[axis_index] = Replicate()
     out = []
@@ -231,6 +242,57 @@ def split_blocks_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx:
     return RuleResult(output=outputs, required=[x, None, None][:len(node.args)],
                       local_kernel=local_ops.split_equal_blocks,
                       kernel_kwargs={"parts": ("size", ctx.mesh_names[axis_index])})
+
+
+@register(aten.slice.Tensor)
+def slice_blocks_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext) -> RuleResult | None:
+    """A slice of whole blocks of a block-sharded dimension (a fused q|k|v taken apart by slicing,
+    as Phi-3 does) is block-sharded the same way: one block gives Shard(dim), several a
+    `_StridedShard` over them; locally the bounds divide by the axis size. Other slices: DTensor."""
+    x = specs[0]
+    value = node.args[0].meta["val"]
+    dim = (node.args[1] if len(node.args) > 1 else 0) % value.dim()
+    strided = [i for i, p in enumerate(x.placements) if isinstance(p, _StridedShard) and p.dim == dim]
+    if len(strided) != 1 or any(shard_dim(p) == dim for i, p in enumerate(x.placements) if i != strided[0]):
+        return None
+    size = hint(value.shape[dim])
+    start, end, step = (list(node.args[2:5]) + [None, None, 1][len(node.args[2:5]):])
+    if not all(isinstance(a, (int, type(None))) for a in (start, end, step)):
+        return None
+    start, end = min(max(start or 0, 0), size), min(end if end is not None else size, size)
+    blocks = x.placements[strided[0]].split_factor
+    width = size // blocks
+    if step != 1 or start % width or end % width or end <= start:
+        return None
+    count = (end - start) // width
+    placement = Shard(dim) if count == 1 else _StridedShard(dim, split_factor=count)
+    placements = tuple(placement if i == strided[0] else p for i, p in enumerate(x.placements))
+    return RuleResult(output=_spec_like(x, placements, node.meta["val"]), required=[x] + [None] * (len(specs) - 1),
+                      local_kernel=local_ops.slice_blocks,
+                      kernel_kwargs={"parts": ("size", ctx.mesh_names[strided[0]])})
+
+
+@register(aten.copy.default)
+def copy_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext) -> RuleResult | None:
+    """`copy(self, src)` is `src`'s values in `self`'s shape (multi-head latent attention writes its
+    rotary part into a fresh tensor this way). Equal shapes: the output is placed as `src` is and
+    `self` (overwritten) only needs the same local shape (sliced if sharded, else as it is); a
+    broadcast `src`: everything replicated. aten has no derivative for the functional copy, so
+    it runs as `local_ops.copy_values` (gradient to `src`, none to `self`)."""
+    destination, source = specs[:2]
+    if destination is None or source is None:
+        return None
+    if any(type(p) not in (Shard, Replicate, Partial) for p in source.placements + destination.placements):
+        return None
+    if destination.tensor_meta.shape == source.tensor_meta.shape:
+        placements = source.placements
+        wanted = tuple(p if isinstance(p, Shard) else Replicate() for p in source.placements)
+    else:
+        placements = wanted = (Replicate(),) * len(ctx.mesh_names)
+    return RuleResult(output=_spec_like(source, placements, node.meta["val"]),
+                      required=[_spec_like(destination, wanted), _spec_like(source, placements)]
+                      + [None] * (len(specs) - 2),
+                      local_kernel=local_ops.copy_values)
 
 
 @register(aten.sum.dim_IntList)

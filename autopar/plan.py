@@ -22,6 +22,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils import _pytree as pytree
 
+from autopar.check_rank_graphs import check_rank_graphs
 from autopar.context import CompileContext
 from autopar.errors import PlanError
 from autopar.ir import SPEC, local_shape
@@ -252,8 +253,7 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, strateg
         args, kwargs = _one_microbatch(args, kwargs, pipelined)
     traced = trace_model(_with_param_dtype(model, param_dtype), args, kwargs, dynamic_dims=dynamic_dims)
     masters = _keep_master_weights(traced, model) if param_dtype is not None else {}
-    param_names = [i.target for i in traced.placeholders.values() if i.kind == "parameter"]
-    strategy = resolve_strategies(mesh, list(strategies), param_names)
+    strategy = resolve_strategies(mesh, list(strategies), traced.graph_module, traced.placeholders)
     if pipelined is not None:
         first = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
         _check_microbatch_divides(strategy, mesh, pipelined, first.shape[pipelined.batch_dim])
@@ -264,5 +264,7 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, strateg
     for stage in program.stages:
         stage.buckets = _stage_buckets(stage, context, mesh, int(bucket_cap_mb * 2**20))
     comm = build_comm_ledger(program, mesh, traced.symbols, traced.symbol_values)
-    return Plan(mesh=mesh, strategy=strategy, traced=traced, program=program, context=context,
-                pass_records=records, comm=comm)
+    planned = Plan(mesh=mesh, strategy=strategy, traced=traced, program=program, context=context,
+                   pass_records=records, comm=comm)
+    check_rank_graphs(planned)  # every accepted plan runs: forward and backward on fake tensors
+    return planned

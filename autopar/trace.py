@@ -5,12 +5,14 @@ and under FakeTensorMode, so models far larger than this machine can be planned)
 decomposes to core ATen with DTensor-friendly ops, keeping `scaled_dot_product_attention` as one
 node. `dynamic_dims={"b": 0, "s": 1}` marks those dimensions of every user input dynamic; the
 resulting export symbols are renamed to the user's names so ledgers come out in `b` and `s`.
-Parameters, buffers and constants are lifted to placeholders, described by `PlaceholderInfo`.
+Parameters, buffers and constants are lifted to placeholders, described by `PlaceholderInfo`;
+the model's `state_dict()` names and the other names of tied parameters are kept, so that a
+gathered state dict loads back into the original model strictly.
 """
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
@@ -35,6 +37,9 @@ class TracedProgram:
     symbols: dict[sympy.Symbol, sympy.Symbol]
     symbol_values: dict[sympy.Symbol, int]
     original_code: str = ""  # the traced single-device graph, before any pass changed it
+    # the model's state_dict() names, and each name of a tied parameter -> the name the graph reads
+    state_keys: tuple[str, ...] = ()
+    aliases: dict[str, str] = field(default_factory=dict)
 
 
 def _decomposition_table() -> dict:
@@ -125,4 +130,22 @@ def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     names, values = _symbols(program, placeholders, dynamic_dims)
     return TracedProgram(graph_module=program.graph_module, placeholders=placeholders, state=state,
                          user_input_count=user_index, out_spec=program.call_spec.out_spec,
-                         symbols=names, symbol_values=values, original_code=program.graph_module.code)
+                         symbols=names, symbol_values=values, original_code=program.graph_module.code,
+                         state_keys=tuple(model.state_dict(keep_vars=True)),
+                         aliases=_tied_aliases(model, program.graph_module, placeholders))
+
+
+def _tied_aliases(model: torch.nn.Module, gm: torch.fx.GraphModule,
+                  placeholders: dict[str, PlaceholderInfo]) -> dict[str, str]:
+    """Every other name of a parameter or buffer reachable under several (tied embeddings) -> the
+    name whose placeholder the traced graph reads (export lifts each name; one is used)."""
+    read = {placeholders[n.name].target for n in gm.graph.nodes if n.op == "placeholder" and n.users}
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    by_tensor: dict[int, list[str]] = {}
+    for name, tensor in named:
+        by_tensor.setdefault(id(tensor), []).append(name)
+    aliases = {}
+    for names in by_tensor.values():
+        kept = next((name for name in names if name in read), None)
+        aliases.update({name: kept for name in names if kept is not None and name != kept})
+    return aliases

@@ -3,6 +3,15 @@
 `CausalLMLoss` wraps a `*ForCausalLM` so that forward(input_ids, labels) returns the scalar loss
 autopar trains on. `tiny_llama()` and `tiny_gpt2()` build small configs; `example_llama` and
 `example_gpt2` are CLI entry points returning (model, example_inputs).
+
+`tiny_causal_lm(model_type)` builds any architecture of the zoo (`tests/test_zoo.py`) the way a
+new user would: the config class with small sizes (`ZOO_SIZES`) and every other default left as
+shipped (`use_cache`, tied embeddings, padding index, attention implementation). Sizes the
+small config forces are set to fit it (`_fit_sizes`): a head dimension of hidden/heads, key/value
+heads (2 where the architecture ships grouped-query attention, else one per query head), a
+padding index or rotary width that would lie outside the small vocabulary or head, and each
+architecture's own size fields (`_ZOO_EXTRA`). Dropout is set to 0: random masks cannot be
+compared with one device.
 """
 from __future__ import annotations
 
@@ -55,3 +64,54 @@ def example_llama() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
 def example_gpt2() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(0)
     return tiny_gpt2(), token_batch()
+
+
+ZOO_SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=128,
+                 max_position_embeddings=64)
+_ZOO_EXTRA: dict[str, dict] = {
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_layers": 2},
+    "deepseek_v3": {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                    "v_head_dim": 16, "head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+                    "topk_group": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1},
+    "minicpm3": {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                 "v_head_dim": 16, "head_dim": 8},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+}
+
+
+def _field(config, name: str) -> bool:
+    """A settable config field (not a property derived from others, not absent)."""
+    return hasattr(config, name) and not isinstance(getattr(type(config), name, None), property)
+
+
+def _fit_sizes(config, model_type: str) -> None:
+    """Size fields the small config forces (module docstring); nothing else is changed."""
+    shipped = type(config)()
+    heads = config.num_attention_heads
+    if _field(config, "num_key_value_heads"):
+        shipped_kv = shipped.num_key_value_heads
+        grouped = shipped_kv is not None and shipped_kv < shipped.num_attention_heads
+        config.num_key_value_heads = 2 if grouped else heads
+    if getattr(config, "head_dim", None) and _field(config, "head_dim"):
+        config.head_dim = config.hidden_size // heads
+    if (getattr(config, "pad_token_id", None) or 0) >= config.vocab_size:
+        config.pad_token_id = config.vocab_size - 1
+    if getattr(config, "rotary_dim", None) and config.rotary_dim > config.hidden_size // heads:
+        config.rotary_dim = config.hidden_size // heads // 2
+    for name, value in _ZOO_EXTRA.get(model_type, {}).items():
+        setattr(config, name, value)
+    for name, value in list(config.to_dict().items()):
+        if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float) and value > 0:
+            setattr(config, name, 0.0)
+
+
+def tiny_causal_lm(model_type: str, dtype: torch.dtype = torch.float32) -> CausalLMLoss:
+    """A small `model_type` causal LM (e.g. "gpt2", "qwen3") with the shipped defaults (see above),
+    its floating-point parameters and buffers in `dtype`."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[model_type](**ZOO_SIZES, **_ZOO_EXTRA.get(model_type, {}))
+    _fit_sizes(config, model_type)
+    return CausalLMLoss(AutoModelForCausalLM.from_config(config)).to(dtype)

@@ -1,7 +1,8 @@
 """The compiler passes, one per file, and the runner that applies them in order.
 
-Every pass maps a `Program` (autopar.program) to a `Program`. Order: `propagate_placements` ->
-`insert_collectives` -> `insert_grad_reductions` (these three decide the whole graph) ->
+Every pass maps a `Program` (autopar.program) to a `Program`. Order: `drop_empty_concats` (an
+empty KV cache concatenated with keys and values) -> `propagate_placements` ->
+`insert_collectives` -> `insert_grad_reductions` (these decide the whole graph) ->
 `split_pipeline` (the stage graphs: one, the whole graph, without a pipeline) ->
 `shard_parameters` (ZeRO/FSDP units per stage; a no-op without a sharded-state strategy), then
 `emit_rank_graph` once per (rank, stage). `run_passes` names the pass that failed, times each
@@ -45,10 +46,12 @@ def run_passes(program: Program, ctx: CompileContext, passes: list[Pass]) -> tup
 
 
 def default_passes() -> list[Pass]:
+    from autopar.passes.drop_empty_concats import drop_empty_concats
     from autopar.passes.insert_collectives import insert_collectives
     from autopar.passes.insert_grad_reductions import insert_grad_reductions
     from autopar.passes.propagate_placements import propagate_placements
     from autopar.passes.shard_parameters import shard_parameters
     from autopar.passes.split_pipeline import split_pipeline
 
-    return [propagate_placements, insert_collectives, insert_grad_reductions, split_pipeline, shard_parameters]
+    return [drop_empty_concats, propagate_placements, insert_collectives, insert_grad_reductions, split_pipeline,
+            shard_parameters]

@@ -13,8 +13,10 @@ replicated tensors. Every other node, in topological order:
    `LOCAL_ARGS` (arguments with local shapes), `RULE` (an autopar rule's result, if any) and
    `ORIGIN` (why: the seed rule, the module layouts its inputs crossed, who decided, and with
    `CompileContext.explain` the alternatives DTensor weighed with their costs).
-A sharded dimension that its axis does not divide, or an op with no rule, is a `PlanError`
-naming the node, module and source line.
+An op with no rule whose inputs are all replicated runs whole on every rank (`_held_whole`). A
+sharded dimension that its axis does not divide, or an op with no rule on sharded inputs, is a
+`PlanError` naming the node, module and source line. `propagate_node` places one node (the
+tensor-parallel layout finder, `strategies/find_layout.py`, checks its candidates with it).
 """
 from __future__ import annotations
 
@@ -109,6 +111,8 @@ def _propagate_with_dtensor(node: torch.fx.Node, args: tuple, kwargs: dict, ctx:
     try:
         result = propagator.propagate_op_sharding_non_cached(schema)
     except NotImplementedError as error:
+        if _held_whole(node, args, kwargs, ctx):
+            return
         raise PlanError.at(node, f"no sharding rule for {node.target} with inputs "
                                  f"{[describe(a.placements) for a in pytree.tree_leaves(args) if isinstance(a, DTensorSpec)]}: {error}",
                            fix="register one with @autopar.op_rules.register(<op>) returning a RuleResult, "
@@ -138,6 +142,18 @@ def _propagate_with_dtensor(node: torch.fx.Node, args: tuple, kwargs: dict, ctx:
     node.meta[ARG_SPECS] = [w if isinstance(a, DTensorSpec) else None for a, w in zip(arg_leaves, wanted_leaves)]
 
 
+def _held_whole(node: torch.fx.Node, args: tuple, kwargs: dict, ctx: CompileContext) -> bool:
+    """An op without a sharding rule whose tensor inputs are all replicated runs whole on every rank
+    (an opaque custom op, a random op on a replicated tensor): its outputs are replicated."""
+    specs = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensorSpec)]
+    if not specs or any(not isinstance(p, Replicate) for s in specs for p in s.placements):
+        return False
+    node.meta[SPEC] = _replicated(ctx, node.meta.get("val"))
+    node.meta[ARG_SPECS] = [a if isinstance(a, DTensorSpec) else None for a in pytree.tree_leaves((args, kwargs))]
+    node.meta.setdefault(ORIGIN, {})["decided_by"] = f"no sharding rule for {node.target}; every input replicated: run whole"
+    return True
+
+
 def _propagate_with_rule(node: torch.fx.Node, rule: Any, args: tuple, kwargs: dict, ctx: CompileContext) -> bool:
     """An autopar rule sees and constrains positional tensor arguments; list and keyword tensors pass as is."""
     positional = [a if isinstance(a, DTensorSpec) else None for a in args]
@@ -165,13 +181,18 @@ def propagate_placements(program: Program, ctx: CompileContext) -> Program:
         elif node.op == "get_attr":
             node.meta[SPEC] = _replicated(ctx, node.meta.get("val"))
         elif node.op == "call_function":
-            _propagate_node(node, ctx)
-            _check_divisible(node, node.meta.get(SPEC), ctx)
+            propagate_node(node, ctx)
         elif node.op == "output":
             outputs = pytree.tree_leaves(node.args)
             node.meta[ARG_SPECS] = [_replicated(ctx, o.meta.get("val")) if isinstance(o, torch.fx.Node) else None
                                     for o in outputs]
     return program
+
+
+def propagate_node(node: torch.fx.Node, ctx: CompileContext) -> None:
+    """Place one call_function node whose inputs are placed; refuse an uneven shard (PlanError)."""
+    _propagate_node(node, ctx)
+    _check_divisible(node, node.meta.get(SPEC), ctx)
 
 
 def _propagate_node(node: torch.fx.Node, ctx: CompileContext) -> None:

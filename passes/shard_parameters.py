@@ -30,7 +30,7 @@ import torch.fx
 
 from autopar.context import CompileContext
 from autopar.errors import PlanError
-from autopar.ir import SPEC, local_shape, module_path
+from autopar.ir import ARG_SPECS, COLLECTIVE, LOCAL_ARGS, RULE, SPEC, local_shape, module_path
 from autopar.passes.insert_grad_reductions import GRAD_SYNC
 from autopar.program import Program
 from autopar.runtime import sharded_state
@@ -157,7 +157,10 @@ def _boundary(graph: torch.fx.Graph, node: torch.fx.Node, users: list[torch.fx.N
         return
     with graph.inserting_after(node):
         boundary = graph.call_function(calls.unit_boundary, (node,), {"unit": unit.index})
-    boundary.meta.update({k: v for k, v in node.meta.items() if k != "nn_module_stack"})
+    # what the node computes (value, placement, provenance), not how it was lowered (a view's local
+    # shape arguments, a rule's kernel) nor the collective it performs (the ledger would count it twice)
+    lowering = ("nn_module_stack", LOCAL_ARGS, RULE, ARG_SPECS, COLLECTIVE)
+    boundary.meta.update({k: v for k, v in node.meta.items() if k not in lowering})
     boundary.meta[ZERO_UNIT] = unit.index
     for user in users:
         user.replace_input_with(node, boundary)

@@ -4,11 +4,13 @@ A `Strategy` is a frozen record bound to one mesh axis: parameter rules (FQN glo
 placement), input rules (user input index -> placement) and module layouts (module-path glob
 -> placement of what enters and what leaves the module, like torchtitan's PrepareModuleInput /
 PrepareModuleOutput but applied to graph edges). Strategies for different axes compose;
-`resolve_strategies` merges them into a `ResolvedStrategy` the planner queries, and refuses an
-axis the mesh does not have. Constructors live beside: `data_parallel.py`, `tensor_parallel.py`
-(+ sequence parallel), `zero.py` (ZeRO-1/2/3, FSDP, HSDP: a data-parallel axis that also shards
-the training state), `pipeline.py` (pipeline stages, schedule and micro-batches on an axis) and
-`layouts.py` (which modules of a model are which).
+`resolve_strategies` binds deferred ones to the traced graph (`tensor_parallel()` without a
+layout finds it there), merges them into a `ResolvedStrategy` the planner queries, and refuses
+an axis the mesh does not have. Constructors live beside: `data_parallel.py`,
+`tensor_parallel.py` (+ sequence parallel), `zero.py` (ZeRO-1/2/3, FSDP, HSDP: a data-parallel
+axis that also shards the training state), `pipeline.py` (pipeline stages, schedule and
+micro-batches on an axis); `find_layout.py` + `check_layout.py` find Megatron's patterns in the
+graph, `layouts.py` declares them by module names (an override).
 """
 from __future__ import annotations
 
@@ -23,16 +25,21 @@ from autopar.errors import PlanError
 from autopar.mesh import Mesh
 
 if TYPE_CHECKING:
+    import torch.fx
+
+    from autopar.context import PlaceholderInfo
     from autopar.strategies.pipeline import PipelineDeclaration
     from autopar.strategies.zero import ShardedState
 
 
 @dataclass(frozen=True)
 class ParamRule:
-    """Parameters whose FQN matches `pattern` get `placement` on the strategy's axis."""
+    """Parameters whose FQN matches `pattern` get `placement` on the strategy's axis; `why` (e.g.
+    the graph pattern that decided it) appears in the parameter's origin."""
 
     pattern: str
     placement: Placement
+    why: str = ""
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class Strategy:
     sharded_state: "ShardedState | None" = None  # ZeRO / FSDP on this axis (strategies/zero.py)
     pipeline: "PipelineDeclaration | None" = None  # pipeline stages on this axis (strategies/pipeline.py)
     regather_in_backward: bool = False  # all-gathers on this axis keep their input for backward, not output
+    notes: tuple[str, ...] = ()  # what the strategy left out and why (e.g. a pattern it could not shard)
 
 
 def _matches(pattern: str, path: str) -> bool:
@@ -113,7 +121,8 @@ class ResolvedStrategy:
             for strategy in self._for_axis(axis):
                 rule = next((r for r in strategy.params if _matches(r.pattern, fqn)), None)
                 if rule is not None:
-                    chosen = (rule.placement, f"{rule.placement} from {strategy.name} rule {rule.pattern!r}")
+                    why = f": {rule.why}" if rule.why else ""
+                    chosen = (rule.placement, f"{rule.placement} from {strategy.name} rule {rule.pattern!r}{why}")
                     break
             choices.append(chosen)
         return choices
@@ -154,12 +163,16 @@ class ResolvedStrategy:
 
 
 def resolve_strategies(mesh: Mesh, strategies: "list[Strategy] | tuple[Strategy, ...]",
-                       param_names: list[str]) -> ResolvedStrategy:
-    """Bind deferred strategies (layout detection) and check every strategy names an axis of `mesh`."""
+                       graph_module: "torch.fx.GraphModule", placeholders: "dict[str, PlaceholderInfo]") -> ResolvedStrategy:
+    """Bind deferred strategies (the tensor-parallel layout found in the traced graph) and check
+    every strategy names an axis of `mesh`."""
     flat = []
     for strategy in strategies:  # hsdp() declares two axes at once: a tuple of strategies
         flat.extend(strategy if isinstance(strategy, (tuple, list)) else [strategy])
-    strategies = [s.bind(param_names) if hasattr(s, "bind") else s for s in flat]
+    for deferred in (s for s in flat if hasattr(s, "bind")):
+        mesh.require_axis(deferred.axis, wanted_by=f"strategy {deferred.name!r}")
+    strategies = [s.bind(mesh=mesh, graph_module=graph_module, placeholders=placeholders) if hasattr(s, "bind") else s
+                  for s in flat]
     for strategy in strategies:
         if not isinstance(strategy, Strategy):
             raise PlanError(f"{strategy!r} is not a Strategy; build one with autopar.strategies "

@@ -5,16 +5,16 @@ are split), row-parallel linears (their input features are split), the vocabular
 LM head, and the attention / MLP blocks whose boundaries carry the f/g conjugate operators.
 `weight_in_out` marks Conv1D-style weights stored [in, out] (HF GPT-2); `fused_column` lists
 column-parallel linears whose outputs are several blocks (GPT-2's q|k|v `c_attn`), which are
-block-sharded (`_StridedShard`) so each rank holds its heads of every block. Built-in layouts cover
-our example GPT, Llama-family names and HF GPT-2; `detect_layout` picks one from parameter names,
-and a user declares another model's layout by building a `TransformerLayout`.
+block-sharded (`_StridedShard`) so each rank holds its heads of every block.
+
+`tensor_parallel()` finds the layout in the traced graph (`strategies/find_layout.py`); a layout
+declared here overrides that: `tensor_parallel(layout=LLAMA)`, or a user's own
+`TransformerLayout`. `EXAMPLE_GPT`, `LLAMA` (Llama-family names) and `GPT2` (HF GPT-2) are
+ready-made ones.
 """
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
-
-from autopar.errors import PlanError
 
 
 @dataclass(frozen=True)
@@ -57,22 +57,3 @@ GPT2 = TransformerLayout(
     weight_in_out=True,
     fused_column=(("*.attn.c_attn", 3),),
 )
-
-BUILTIN_LAYOUTS = (EXAMPLE_GPT, LLAMA, GPT2)
-
-
-def _has(param_names: list[str], module_patterns: tuple[str, ...]) -> bool:
-    """Every pattern matches the module of at least one parameter."""
-    modules = {name.rsplit(".", 1)[0] for name in param_names}
-    return all(any(fnmatch.fnmatchcase(module, pattern) for module in modules) for pattern in module_patterns)
-
-
-def detect_layout(param_names: list[str]) -> TransformerLayout:
-    """The first built-in layout all of whose column, row and embedding patterns exist in the model."""
-    for layout in BUILTIN_LAYOUTS:
-        if _has(param_names, layout.column) and _has(param_names, layout.row) and _has(param_names, layout.embedding):
-            return layout
-    sample = ", ".join(param_names[:6])
-    raise PlanError(f"no built-in tensor-parallel layout matches this model's parameters ({sample}, ...); "
-                    f"declare one: autopar.strategies.tensor_parallel(layout=TransformerLayout(name=..., column=(...), "
-                    f"row=(...), embedding=(...), lm_head=(...), blocks=(...)))")

@@ -1,6 +1,9 @@
 """Megatron tensor parallelism (and sequence parallelism on top of it) as data.
 
-From a `TransformerLayout` this builds one `Strategy` on the tensor axis:
+From the layout found in the traced graph (`FindLayout`, `strategies/find_layout.py`: which
+projections are columns and rows, which embeddings and heads are vocabulary-parallel, and why) or
+from a declared `TransformerLayout` (module-name globs, `strategies/layouts.py`) this builds one
+`Strategy` on the tensor axis:
 - column-parallel linears: weight split on output features (Shard(0) of an [out, in] weight),
   bias split too; row-parallel linears: weight split on input features, bias replicated;
 - vocabulary-parallel embedding and LM head (both Shard(0) on the vocabulary); the loss then
@@ -15,38 +18,57 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.fx
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from autopar.context import PlaceholderInfo
+from autopar.mesh import Mesh
 from autopar.strategies import ModuleLayout, ParamRule, Strategy
-from autopar.strategies.layouts import TransformerLayout, detect_layout
+from autopar.strategies.find_layout import find_layout
+from autopar.strategies.layouts import TransformerLayout
 
 
 @dataclass(frozen=True)
-class DetectLayout:
-    """`tensor_parallel()` without a layout: bound to a built-in layout once the model is traced."""
+class FindLayout:
+    """`tensor_parallel()` without a layout: bound to the layout found in the traced graph
+    (`strategies/find_layout.py`) once the model is traced."""
 
     axis: str
     sequence_parallel: bool
     sequence_dim: int
     regather_in_backward: bool = False
 
-    def bind(self, param_names: list[str]) -> Strategy:
-        return tensor_parallel(layout=detect_layout(param_names), axis=self.axis,
-                               sequence_parallel=self.sequence_parallel, sequence_dim=self.sequence_dim,
-                               regather_in_backward=self.regather_in_backward)
+    @property
+    def name(self) -> str:
+        return "tensor_parallel+sp" if self.sequence_parallel else "tensor_parallel"
+
+    def bind(self, *, mesh: Mesh, graph_module: torch.fx.GraphModule,
+             placeholders: dict[str, PlaceholderInfo]) -> Strategy:
+        name = f"{self.name}[graph]"
+        if mesh.size(self.axis) == 1:  # nothing to shard: every placement on the axis is Replicate
+            return Strategy(name=name, axis=self.axis)
+        found = find_layout(graph_module, placeholders, axis=self.axis, size=mesh.size(self.axis))
+        block_output = Shard(self.sequence_dim) if self.sequence_parallel else Replicate()
+        params = tuple(ParamRule(choice.fqn, choice.placement, why=choice.why) for choice in found.params)
+        inputs = {"block": Replicate(), "head": Replicate(), "embedding": None}
+        outputs = {"block": block_output, "embedding": block_output, "head": None}
+        modules = tuple(ModuleLayout(module, inputs=inputs[role], outputs=outputs[role]) for module, role in found.modules)
+        return Strategy(name=name, axis=self.axis, params=params, modules=modules,
+                        regather_in_backward=self.regather_in_backward, notes=found.notes)
 
 
 def tensor_parallel(*, layout: TransformerLayout | None = None, axis: str = "tp", sequence_parallel: bool = False,
-                    sequence_dim: int = 1, regather_in_backward: bool = False) -> "Strategy | DetectLayout":
-    """Megatron TP over `axis`; `layout=None` means: detect it from the model at plan time.
+                    sequence_dim: int = 1, regather_in_backward: bool = False) -> "Strategy | FindLayout":
+    """Megatron TP over `axis`; `layout=None` means: find it in the traced graph at plan time
+    (`strategies/find_layout.py`); a `TransformerLayout` declares it by module names instead.
 
     `regather_in_backward` (with sequence parallelism): keep the sequence shard a block's
     all-gather takes in for backward instead of the gathered input of its first linears, and
     all-gather it again in backward, as Megatron does: s·b·h·(1 - 1/t) fewer saved elements per
     such linear, one more all-gather per block input in backward (both in the ledgers)."""
     if layout is None:
-        return DetectLayout(axis=axis, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
+        return FindLayout(axis=axis, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
                             regather_in_backward=regather_in_backward)
     out_dim, in_dim = (1, 0) if layout.weight_in_out else (0, 1)
     params: list[ParamRule] = []
@@ -69,7 +91,7 @@ def tensor_parallel(*, layout: TransformerLayout | None = None, axis: str = "tp"
 
 
 def sequence_parallel(*, layout: TransformerLayout | None = None, axis: str = "tp", sequence_dim: int = 1,
-                      regather_in_backward: bool = False) -> "Strategy | DetectLayout":
+                      regather_in_backward: bool = False) -> "Strategy | FindLayout":
     """Tensor parallelism with Megatron sequence parallelism on the same axis."""
     return tensor_parallel(layout=layout, axis=axis, sequence_parallel=True, sequence_dim=sequence_dim,
                            regather_in_backward=regather_in_backward)

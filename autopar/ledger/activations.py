@@ -150,7 +150,7 @@ class _SavedTensorRecorder(torch.fx.Interpreter):
         return list(self.saved.values())
 
 
-def _fake_inputs(plan: "Plan", graph: torch.fx.Graph, mode: Any, device: torch.device) -> list[torch.Tensor | Any]:
+def fake_inputs(plan: "Plan", graph: torch.fx.Graph, mode: Any, device: torch.device) -> list[torch.Tensor | Any]:
     """One fake tensor per placeholder of a stage graph: local shape at the hints; trainable
     parameters (and a receiving stage's gradient token) require grad."""
     inputs = []
@@ -171,7 +171,7 @@ def _fake_inputs(plan: "Plan", graph: torch.fx.Graph, mode: Any, device: torch.d
     return inputs
 
 
-def _kernel_device(plan: "Plan", device: "str | torch.device | None") -> torch.device:
+def kernel_device(plan: "Plan", device: "str | torch.device | None") -> torch.device:
     """The device whose kernels decide what is saved: given, else the traced one (cpu for meta)."""
     if device is not None:
         return torch.device(device)
@@ -182,7 +182,7 @@ def _kernel_device(plan: "Plan", device: "str | torch.device | None") -> torch.d
     return torch.device("cpu")
 
 
-def _on_device(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
+def on_device(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
     """Factory calls (arange, scalar_tensor, ...) of the rank graph moved to `device`; pipeline
     sends and receives replaced by their planning stand-ins (nothing moves)."""
     for node in gm.graph.nodes:
@@ -197,11 +197,11 @@ def _on_device(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.Graph
 def _saved_storages(plan: "Plan", rank: int, device: torch.device,
                     stage: int | None) -> tuple[torch.fx.GraphModule, list[_Saved]]:
     chosen = plan.stages[stage] if stage is not None else plan.stages_of_rank(rank)[0]
-    gm = _on_device(plan.rank_graph(rank, stage=chosen.index), device)
+    gm = on_device(plan.rank_graph(rank, stage=chosen.index), device)
     values = [n.meta["val"] for n in plan.graph_module.graph.nodes if n.op == "placeholder"]
     mode = torch._guards.detect_fake_mode(values) or torch._subclasses.FakeTensorMode()
     recorder = _SavedTensorRecorder(gm)
-    inputs = _fake_inputs(plan, chosen.graph_module.graph, mode, device)
+    inputs = fake_inputs(plan, chosen.graph_module.graph, mode, device)
     with mode, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
         recorder.run(*inputs)
     return gm, recorder.resolved()
@@ -300,7 +300,7 @@ def saved_activations(plan: "Plan", *, rank: int = 0, recompute: str | None = No
     kernels decide what is saved (default: the traced device; cpu for a model traced on meta)."""
     if recompute not in (None, "attention"):
         raise ValueError(f"recompute={recompute!r}: expected None or 'attention'")
-    gm, saved = _saved_storages(plan, rank, _kernel_device(plan, device), stage)
+    gm, saved = _saved_storages(plan, rank, kernel_device(plan, device), stage)
     kinds = {name: info.kind for name, info in plan.context.placeholders.items()}
     dropped = attention_core(gm, kinds) if recompute == "attention" else set()
     chosen = plan.stages[stage] if stage is not None else plan.stages_of_rank(rank)[0]

@@ -76,6 +76,13 @@ def tie_groups(plan: Plan) -> dict[str, str]:
     return names
 
 
+def _original_names(weights: dict[str, torch.Tensor], traced: Any) -> dict[str, torch.Tensor]:
+    """Keyed as the original model's `state_dict()`: a tied parameter under each of its names (one
+    tensor), without the constants export lifted (an empty KV cache) or non-persistent buffers."""
+    names = traced.state_keys or tuple(weights)
+    return {key: weights[traced.aliases.get(key, key)] for key in names if traced.aliases.get(key, key) in weights}
+
+
 class ParallelModule(torch.nn.Module):
     def __init__(self, plan: Plan, *, rank: int, groups: dict[str, str], state: dict[str, torch.Tensor]) -> None:
         super().__init__()
@@ -230,8 +237,10 @@ class ParallelModule(torch.nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter whole (and the buffers), under the original names, on every rank: ZeRO
         units all-gathered, then tensor-parallel shards gathered axis by axis (innermost first),
-        then under a pipeline each stage's parameters broadcast from a rank holding them.
-        For export or a single-device checkpoint; collective, so every rank must call it."""
+        then under a pipeline each stage's parameters broadcast from a rank holding them. Keys are
+        the original model's `state_dict()` keys (tied names included), so `model.load_state_dict(
+        full)` loads strictly. For export or a single-device checkpoint; collective, so every rank
+        must call it."""
         local = {fqn: param.detach() for fqn, param in self.named_parameters()}
         for runner in self.stages:
             if runner.sharded is not None:
@@ -247,7 +256,7 @@ class ParallelModule(torch.nn.Module):
             result[fqn.removeprefix("_state.")] = buffer.detach().clone()
         if self.pipeline is not None:
             result.update(self.pipeline.share_parameters(result))
-        return result
+        return _original_names(result, self.plan.traced)
 
     def _sharded_axes(self, fqn: str) -> tuple[str, ...]:
         placements = self._placements[fqn]

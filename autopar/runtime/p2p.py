@@ -146,8 +146,9 @@ def recv_activation(token: torch.Tensor, *, group: str, peer: int, value: int, s
 
 
 def plan_send(x: torch.Tensor, *, group: str, peer: Any, value: int) -> torch.Tensor:
-    """Planning stand-in of `send_activation` (the activation ledger's fake run): moves nothing."""
-    return x.new_zeros(())
+    """Planning stand-in of `send_activation` (fake runs: the activation ledger, the plan-time run
+    check): moves nothing, saves nothing, and lets backward reach `x` as a real send's would."""
+    return x.sum() * 0.0
 
 
 def plan_recv(token: torch.Tensor, *, group: str, peer: Any, value: int, shape: list[int], dtype: torch.dtype,

@@ -320,12 +320,3 @@ class ShardedState(UnitCalls):
             for index in indices:
                 for full, new in zip(self.full[index], self._finish(index)):
                     full.copy_(new)
-
-    # ---- measurement
-    def held_bytes(self) -> dict[str, int]:
-        """Bytes this runtime holds beyond the module's parameters: replicated compute copies
-        (stages 1/2) and ZeRO-1's full-gradient buffers."""
-        replicated = sum(f.numel() * f.element_size() for i, fulls in self.full.items()
-                         if self.units[i].stage < 3 for f in fulls)
-        buffers = sum(b.numel() * b.element_size() for b in self._grad_buffers.values())
-        return {"parameters": replicated, "gradients": buffers}
