@@ -25,6 +25,7 @@ EXAMPLES = {
     "example_gpt_tp2": ("tp=2", [autopar.tensor_parallel]),
     "example_gpt_tp2_sp": ("tp=2", [autopar.sequence_parallel]),
     "example_gpt_dp2_tp2_sp": ("dp=2,tp=2", [autopar.data_parallel, autopar.sequence_parallel]),
+    "example_gpt_pp2_dp2": ("pp=2,dp=2", [autopar.pipeline_parallel, autopar.data_parallel]),
 }
 # a "regression": the MLP's down projection no longer row-parallel; autopar then slices its weight
 # locally and must all-reduce the weight's gradient over tp every step
@@ -91,7 +92,7 @@ def test_plan_file_round_trip_gives_identical_reports(tmp_path):
 def test_plan_file_of_another_schema_is_refused(tmp_path):
     path = tmp_path / "old.json"
     path.write_text(json.dumps({"schema": "autopar.plan/0", "nodes": []}))
-    with pytest.raises(PlanError, match=r"schema 'autopar.plan/0', this autopar reads 'autopar.plan/1'.*--save"):
+    with pytest.raises(PlanError, match=r"schema 'autopar.plan/0', this autopar reads 'autopar.plan/2'.*--save"):
         load_plan(path)
     (tmp_path / "broken.json").write_text("{not json")
     with pytest.raises(PlanError, match="cannot read plan file"):
