@@ -151,3 +151,18 @@ class Mesh:
     def __str__(self) -> str:
         text = ",".join(f"{name}={size}" for name, size in self.axes)
         return f"{text};node={self.ranks_per_node}" if self.ranks_per_node else text
+
+
+def release_planning_caches() -> None:
+    """Let planning-only DeviceMeshes go once a plan is made. Asking DTensor's rules fills three
+    caches that keep the meshes of the specs they saw alive for the life of the process (and with
+    them each mesh's rank map): the redistribution planner cache (keyed by a weak reference to the
+    mesh, but the cached planner holds the mesh), and the sharding propagator's LRU caches of
+    tensor metadata and of shardings. A plan keeps its own mesh; the layout checker's and earlier
+    plans' would otherwise stay. DTensor refills the caches on demand."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    _redistribute.clear_redistribute_planner_cache()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    propagator.propagate_op_sharding.cache.cache_clear()

@@ -27,7 +27,7 @@ from autopar.context import CompileContext
 from autopar.errors import PlanError
 from autopar.ir import SPEC, local_shape
 from autopar.ledger.comm import CommLedger, build_comm_ledger
-from autopar.mesh import Mesh
+from autopar.mesh import Mesh, release_planning_caches
 from autopar.passes import PassRecord, default_passes, run_passes
 from autopar.passes.emit_rank_graph import emit_rank_graph
 from autopar.passes.insert_grad_reductions import GRAD_SYNC
@@ -267,4 +267,5 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, strateg
     planned = Plan(mesh=mesh, strategy=strategy, traced=traced, program=program, context=context,
                    pass_records=records, comm=comm)
     check_rank_graphs(planned)  # every accepted plan runs: forward and backward on fake tensors
+    release_planning_caches()  # DTensor's caches would keep every planning mesh alive
     return planned

@@ -209,12 +209,12 @@ def in_flight(order: list[Action], *, split_backward: bool) -> dict[int, int]:
 
 
 def peak_held(order: list[Action], *, releases: dict[int, str], forward_bytes: dict[int, float],
-              weight_input_bytes: dict[int, float] | None = None) -> dict[int, tuple[int, int]]:
-    """Per stage of one rank, at the moment the rank holds the most bytes: (micro-batches held
-    since their forward, of which past their B and waiting for their W). A micro-batch of stage s
-    holds `forward_bytes[s]` from F until `releases[s]` ("B", or "W" for a split backward), and
-    from B to W also `weight_input_bytes[s]` (what the weight gradient still needs)."""
-    extra = weight_input_bytes or {}
+              after_input_bytes: dict[int, float] | None = None) -> dict[int, tuple[int, int]]:
+    """Per stage of one rank, at the moment the rank holds the most bytes: (micro-batches past their
+    forward and before their backward, micro-batches past their B and before their W). A stage's
+    micro-batch holds `forward_bytes[s]` from F to B, and with a split backward (`releases[s]` "W")
+    `after_input_bytes[s]` from B to W."""
+    after = after_input_bytes or {}
     forward = {stage: 0 for stage in forward_bytes}
     waiting = {stage: 0 for stage in forward_bytes}
     best, best_total = {s: (0, 0) for s in forward_bytes}, -1.0
@@ -222,12 +222,12 @@ def peak_held(order: list[Action], *, releases: dict[int, str], forward_bytes: d
         s = action.stage
         if action.kind == "F":
             forward[s] += 1
-        elif action.kind == "B" and releases[s] == "W":
-            waiting[s] += 1
-        if action.kind == releases[s]:
+        elif action.kind == "B":
             forward[s] -= 1
-            waiting[s] -= 1 if action.kind == "W" else 0
-        total = sum(forward[t] * forward_bytes[t] + waiting[t] * extra.get(t, 0) for t in forward)
+            waiting[s] += 1 if releases[s] == "W" else 0
+        elif action.kind == "W":
+            waiting[s] -= 1
+        total = sum(forward[t] * forward_bytes[t] + waiting[t] * after.get(t, 0) for t in forward)
         if total > best_total:
             best, best_total = {t: (forward[t], waiting[t]) for t in forward}, total
     return best

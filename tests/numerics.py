@@ -39,7 +39,7 @@ from autopar.measure.activations import measure_saved_activations
 from autopar.measure.comm_counter import CommCounter
 from autopar.measure.memory import held_bytes
 from autopar.measure.reassemble import Dim0Shard, check_mesh, full_tensors
-from autopar.measure.storages import LiveStorages, distinct_storage_bytes
+from autopar.measure.storages import LiveStorages, distinct_storage_bytes, storage_key
 
 STEPS = 3
 LR = 1e-2
@@ -50,30 +50,33 @@ LR = 1e-2
 EPS = 1e-3
 
 
-def reference_trainer(build: Callable[[], torch.nn.Module]) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def reference_trainer(build: Callable[[], torch.nn.Module], *, eps: float = EPS
+                      ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The single-device model (seeded like every rank) and its AdamW."""
     torch.manual_seed(0)
     model = build()
-    return model, torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    return model, torch.optim.AdamW(model.parameters(), lr=LR, eps=eps)
 
 
 def parallel_trainer(build: Callable[[], torch.nn.Module], example_inputs: Any, mesh: str,
-                     strategies: list) -> tuple[Any, torch.optim.Optimizer]:
+                     strategies: list, *, eps: float = EPS) -> tuple[Any, torch.optim.Optimizer]:
     """This rank's ParallelModule of the same seeded model, and AdamW over its parameters (shards)."""
     torch.manual_seed(0)
     module = autopar.parallelize(build(), mesh, strategies=strategies, example_inputs=example_inputs)
-    return module, torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
+    return module, torch.optim.AdamW(module.parameters(), lr=LR, eps=eps)
 
 
 def single_device(build: Callable[[], torch.nn.Module], batches: list[tuple], *, clip_norm: float | None = None,
-                  param_dtype: torch.dtype | None = None) -> dict[str, Any]:
+                  param_dtype: torch.dtype | None = None, microbatches: int = 1, eps: float = EPS) -> dict[str, Any]:
     """Losses, gradients and parameters per step. `clip_norm`: gradients are clipped (and the norms
     recorded) before the step. `param_dtype`: FSDP-style mixed precision on one device, a copy in
-    that dtype computes and the fp32 masters are updated. `backward_temporaries`: per step, the
-    most bytes allocated after the forward that are alive at once (measured like a rank's)."""
+    that dtype computes and the fp32 masters are updated. `microbatches`: each global batch is cut
+    along dim 0 and the gradients of the micro-batches' losses / m accumulated, the loss being their
+    mean (what a pipeline computes, in the same order). `backward_temporaries`: per step, the most
+    bytes allocated after the forward that are alive at once (measured like a rank's)."""
     storages = LiveStorages()
     with storages:
-        model, optimizer = reference_trainer(build)
+        model, optimizer = reference_trainer(build, eps=eps)
         compute = copy.deepcopy(model) if param_dtype is not None else model
     result: dict[str, list] = {"losses": [], "grads": [], "params": [], "norms": [], "backward_temporaries": []}
     for batch in batches:
@@ -83,9 +86,13 @@ def single_device(build: Callable[[], torch.nn.Module], batches: list[tuple], *,
             if compute is not model:
                 for low, high in zip(compute.parameters(), model.parameters()):
                     low.data, low.grad = high.detach().to(param_dtype), None
-            loss = compute(*batch)
-            storages.watch(storages.mark())
-            loss.backward()
+            losses = []
+            for micro in zip(*(t.chunk(microbatches) for t in batch)):
+                micro_loss = compute(*micro)
+                storages.watch(storages.mark())
+                (micro_loss / microbatches).backward()
+                losses.append(micro_loss.detach())
+            loss = torch.stack(losses).mean()
             if compute is not model:
                 for low, high in zip(compute.parameters(), model.parameters()):
                     high.grad = low.grad.float()
@@ -172,6 +179,20 @@ class Probed:
         return getattr(self._module, name)
 
 
+def device_mesh_keys() -> set[int]:
+    """The storages of the rank maps of every live torch DeviceMesh, found by the garbage
+    collector's object list (torch's own objects, not autopar's accounting); called after setup,
+    before `settle_garbage` freezes the survivors out of that list."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return {storage_key(o.mesh) for o in gc.get_objects() if isinstance(o, DeviceMesh)}
+
+
+def device_mesh_bytes(storages: LiveStorages, keys: set[int]) -> int:
+    """Live tracked bytes of those rank maps."""
+    return sum(nbytes for key, nbytes in storages.live().items() if key in keys)
+
+
 def settle_garbage() -> None:
     """Free what setup left in reference cycles (the original model, tracing state), then freeze
     the survivors out of the cyclic collector: the measurements' `gc.collect()` calls in each step
@@ -237,22 +258,26 @@ def rank_summary(module: Any, rank: int, world: int, instruments: Instruments, s
             "kept_units": {"padded": unit_bytes(plan, keep=kept, padded=True),
                            "unpadded": unit_bytes(plan, keep=kept, padded=False)},
             "all_units_unpadded": unit_bytes(plan, keep=lambda unit: unit.stage == 3, padded=False),
-            "regathered_shard_bound": regathered_shard_bound(plan)}
+            "regathered_shard_bound": regathered_shard_bound(plan),
+            "sends_bound": sum(nbytes for (_, kind, _), (_, nbytes) in plan.comm.by_key(rank=rank).items()
+                               if kind == "send")}
 
 
 def distributed_rank(rank: int, world: int, build: Callable[[], torch.nn.Module], batches: list[tuple], mesh: str,
                      strategies: list, step: Callable[[Any, list], torch.Tensor] = train_step,
-                     clip_norm: float | None = None) -> dict[str, Any]:
+                     clip_norm: float | None = None, eps: float = EPS) -> dict[str, Any]:
     """Train STEPS steps; per step: loss, whole gradients and parameters, collectives by phase,
     bytes held after the step (by category), the step's peak, activations left by the forward."""
     instruments = Instruments()
     with instruments.phase("setup"):
-        module, optimizer = parallel_trainer(build, batches[0], mesh, strategies)
+        module, optimizer = parallel_trainer(build, batches[0], mesh, strategies, eps=eps)
     setup = instruments.next_counter()
+    gc.collect()
+    meshes = device_mesh_keys()
     settle_garbage()
     check = comparison_mesh(module)
     result = rank_summary(module, rank, world, instruments, setup)
-    result.update(losses=[], grads=[], params=[], norms=[], comm=[], held=[], peak=[])
+    result.update(losses=[], grads=[], params=[], norms=[], comm=[], held=[], peak=[], device_mesh_bytes=[])
     instruments.storages.track(batches)  # the harness's own: alive throughout, named in the peak's "at rest"
     result["batch_bytes"] = distinct_storage_bytes([t for batch in batches for t in batch])
     for batch in batches:
@@ -261,6 +286,7 @@ def distributed_rank(rank: int, world: int, build: Callable[[], torch.nn.Module]
             optimizer.zero_grad()
         with instruments.phase("local_batch"):
             local = module.local_batch(*batch)
+        instruments.epochs["forward"] = instruments.storages.mark()  # a body that never calls the module
         with instruments.phase("step"):
             loss = step(Probed(module, instruments), local)
         if clip_norm is not None:
@@ -271,6 +297,7 @@ def distributed_rank(rank: int, world: int, build: Callable[[], torch.nn.Module]
         result["peak"].append(instruments.peak())
         result["held"].append(held_bytes(instruments.storages, module=module, optimizer=optimizer,
                                          exclude=[batches, local, loss, result["norms"]]))
+        result["device_mesh_bytes"].append(device_mesh_bytes(instruments.storages, meshes))
         result["comm"].append(instruments.next_counter().by_phase(result["group_to_axis"]))
         result["losses"].append(loss.detach().clone())
         result["loss_bytes"] = loss.untyped_storage().nbytes()

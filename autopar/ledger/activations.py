@@ -32,7 +32,7 @@ moved there too). CUDA's fused attention saves other internals (e.g. RNG state) 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import sympy
@@ -68,6 +68,7 @@ class ActivationEntry:
     bytes: sympy.Expr
     number: int
     internal: bool = False
+    saved_by: tuple[str, ...] = ()  # the nodes whose backward keeps it (a split backward frees some early)
 
 
 @dataclass
@@ -109,6 +110,7 @@ class _Saved:
     tensor: torch.Tensor
     producer: tuple[torch.fx.Node, int, torch.Tensor] | None
     running: torch.fx.Node
+    savers: list[torch.fx.Node] = field(default_factory=list)  # every node whose forward saved it
 
 
 class _SavedTensorRecorder(torch.fx.Interpreter):
@@ -139,6 +141,8 @@ class _SavedTensorRecorder(torch.fx.Interpreter):
         key = StorageWeakRef(tensor.untyped_storage())
         if key not in self.saved:
             self.saved[key] = _Saved(tensor.untyped_storage(), tensor, None, self.running)
+        if self.running not in self.saved[key].savers:
+            self.saved[key].savers.append(self.running)
         return tensor
 
     def resolved(self) -> list[_Saved]:
@@ -247,7 +251,8 @@ def _entry(plan: "Plan", saved: _Saved, planned: dict[str, torch.fx.Node]) -> Ac
     if internal:  # allocated inside a kernel: what was saved, at its concrete size
         tensor, expr = saved.tensor, sympy.Integer(nbytes)
     return ActivationEntry(node=node.name, output=output, op=_op_name(node), module=module_path(node),
-                           shape=tuple(tensor.shape), dtype=tensor.dtype, bytes=expr, number=nbytes, internal=internal)
+                           shape=tuple(tensor.shape), dtype=tensor.dtype, bytes=expr, number=nbytes, internal=internal,
+                           saved_by=tuple(n.name for n in saved.savers))
 
 
 def _reachable(node: torch.fx.Node, *, forward: bool) -> set[torch.fx.Node]:

@@ -21,6 +21,7 @@ categories each stage shards that the strategies implement.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -139,24 +140,34 @@ def _transient_entries(plan: Any, stages: list) -> list[MemoryEntry]:
     if not units:
         return []
     gathered = {u.index: sympy.Integer(u.gathered_numel * u.dtype.itemsize) for u in units}
+    laid_out = {u.index: sympy.Integer(u.gathered_numel * u.reduce_dtype.itemsize) for u in units}
+    entries = []
     if plan.pipeline is not None:  # every ZeRO-3 unit of the rank's stages stays gathered over the micro-batches
         kept = [gathered[u.index] for u in units if u.stage == 3]
-        return [MemoryEntry("transient", "ZeRO-3 units gathered for the whole pipeline step", sum(kept))] if kept \
-            else []
-    entries = []
-    kept = [u for u in units if u.stage == 3 and not u.reshard]
-    resharded = [u for u in units if u.reshard]
-    if kept:
-        entries.append(MemoryEntry("transient", "ZeRO-3 units kept gathered forward to backward",
-                                   sum(gathered[u.index] for u in kept)))
-    if resharded:
-        alive = 2 if any(u.prefetch or u.backward_prefetch for u in resharded) else 1
-        largest = sorted((gathered[u.index] for u in resharded), reverse=True)[:alive]
-        entries.append(MemoryEntry("transient", f"ZeRO-3 resharded blocks gathered at once ({alive})", sum(largest)))
-    reducing = [gathered[u.index] for u in units if u.stage > 1]
+        if kept:
+            entries.append(MemoryEntry("transient", "ZeRO-3 units gathered for the whole pipeline step", sum(kept)))
+    else:
+        kept = [u for u in units if u.stage == 3 and not u.reshard]
+        resharded = [u for u in units if u.reshard]
+        if kept:
+            entries.append(MemoryEntry("transient", "ZeRO-3 units kept gathered forward to backward",
+                                       sum(gathered[u.index] for u in kept)))
+        if resharded:
+            alive = 2 if any(u.prefetch or u.backward_prefetch for u in resharded) else 1
+            largest = sorted((gathered[u.index] for u in resharded), reverse=True)[:alive]
+            entries.append(MemoryEntry("transient", f"ZeRO-3 resharded blocks gathered at once ({alive})", sum(largest)))
+    reducing = [laid_out[u.index] for u in units if u.stage > 1]
     if reducing:
         entries.append(MemoryEntry("transient", "reduce-scatter inputs in flight (2)",
                                    sum(sorted(reducing, reverse=True)[:2])))
+    buffered = [laid_out[u.index] for u in units if u.stage == 1]
+    if buffered:  # ZeRO-1: each unit's gradients are laid out flat, then added into the persistent buffer
+        entries.append(MemoryEntry("transient", "ZeRO-1 gradients laid out for the full-gradient buffer (1)",
+                                   max(buffered)))
+    # while a unit's gradients are laid out, the whole gradients autograd handed over still exist
+    handed = [sympy.Integer(sum(math.prod(p.shape) for p in u.params) * u.dtype.itemsize) for u in units]
+    entries.append(MemoryEntry("transient", "a unit's gradients as backward hands them over, while laid out (1)",
+                               max(handed)))
     return entries
 
 
@@ -176,9 +187,9 @@ def build_memory_ledger(plan: Any, *, rank: int = 0, optimizer: str = "adamw",
 
 def _activation_entries(plan: Any, rank: int, stages: list) -> list[MemoryEntry]:
     """Saved for backward: one forward's worth without a pipeline. With one, each stage's micro-batch
-    times the micro-batches the rank holds at its peak (`schedules.peak_held`); with a split
-    backward, a micro-batch past its B also holds, until its W, the gradients its weight-gradient
-    pass starts from (`weight_gradient_inputs`)."""
+    times the micro-batches the rank holds at its peak (`schedules.peak_held`). With a split
+    backward, a micro-batch past its B (input gradient) and before its W (weight gradient) holds
+    what the weight pass still needs (`split_backward_hold`) instead of its whole forward."""
     from autopar.ledger.activations import saved_activations
 
     if plan.pipeline is None:
@@ -187,54 +198,76 @@ def _activation_entries(plan: Any, rank: int, stages: list) -> list[MemoryEntry]
 
     layout = plan.pipeline
     split = layout.schedule in schedules.SPLIT_BACKWARD
-    saved = {s.index: saved_activations(plan, rank=rank, stage=s.index).total for s in stages}
+    ledgers = {s.index: saved_activations(plan, rank=rank, stage=s.index) for s in stages}
     # the runtime runs a stage's whole backward at B when it receives nothing (no input gradient to split)
     releases = {s.index: "W" if split and s.receives else "B" for s in stages}
-    waiting = {s.index: weight_gradient_inputs(plan, s) for s in stages if releases[s.index] == "W"}
+    waiting = {s.index: split_backward_hold(plan, s, ledgers[s.index]) for s in stages if releases[s.index] == "W"}
     order = schedules.actions(layout.schedule, degree=layout.degree, virtual=layout.virtual,
                               microbatches=layout.microbatches)[plan.mesh.coordinate(rank, layout.axis)]
-    held = schedules.peak_held(order, releases=releases, forward_bytes={s: plan.comm.number(b) for s, b in saved.items()},
-                               weight_input_bytes={s: plan.comm.number(b) for s, b in waiting.items()})
-    entries = [MemoryEntry("activations", f"stage {s}: {count} micro-batch(es) in flight at the peak ({layout.schedule})",
-                           count * saved[s]) for s, (count, _) in held.items()]
-    entries += [MemoryEntry("activations", f"stage {s}: {count} micro-batch(es) between B and W at the peak: "
-                                           f"gradients the weight pass starts from", count * waiting[s])
-                for s, (_, count) in held.items() if count]
+    held = schedules.peak_held(order, releases=releases,
+                               forward_bytes={s: plan.comm.number(ledger.total) for s, ledger in ledgers.items()},
+                               after_input_bytes={s: plan.comm.number(sum(b)) for s, b in waiting.items()})
+    entries = [MemoryEntry("activations", f"stage {s}: {count} micro-batch(es) before their backward at the peak "
+                                          f"({layout.schedule})", count * ledgers[s].total)
+               for s, (count, _) in held.items() if count]
+    for s, (_, count) in held.items():
+        if count:
+            retained, gradients = waiting[s]
+            entries.append(MemoryEntry("activations", f"stage {s}: {count} micro-batch(es) between B and W at the "
+                                                      f"peak: what the weight pass still reads", count * retained))
+            entries.append(MemoryEntry("activations", f"stage {s}: {count} micro-batch(es) between B and W at the "
+                                                      f"peak: gradients the weight pass starts from", count * gradients))
     return entries
 
 
-def weight_gradient_inputs(plan: Any, stage: Any) -> sympy.Expr:
-    """Bytes a split backward's B keeps for W per micro-batch: the gradient of each op where a
-    trainable parameter's path meets the stage's received activations (a linear's output, a
-    norm's output), as `torch.distributed.pipelining`'s `stage_backward_input` captures them."""
-    from autopar.ir import local_numel
+def _weight_meets_input(plan: Any, stage: Any) -> list[Any]:
+    """The ops where a trainable parameter's path meets what the stage received (a linear, a norm):
+    where `torch.distributed.pipelining`'s `stage_backward_input` stops and keeps the gradient."""
     from autopar.passes.insert_grad_reductions import VIEW_LIKE
 
-    graph = stage.graph_module.graph
     weights: set = set()
     received: set = set()
-    for node in graph.nodes:
+    meets = []
+    for node in stage.graph_module.graph.nodes:
         info = plan.context.placeholders.get(node.name) if node.op == "placeholder" else None
+        inputs = node.all_input_nodes
         if info is not None and info.kind == "parameter" and info.requires_grad:
             weights.add(node)
         elif info is not None and info.kind == "token":
             received.add(node)
-        elif node.op == "call_function":
-            inputs = node.all_input_nodes
-            if node.target in VIEW_LIKE and inputs and all(i in weights for i in inputs):
-                weights.add(node)
-            elif any(i in received for i in inputs):
-                received.add(node)
-    total = sympy.Integer(0)
-    for node in graph.nodes:
-        inputs = node.all_input_nodes
-        if node in received and node.target not in VIEW_LIKE and any(i in weights for i in inputs) \
-                and any(i in received for i in inputs):
-            value, spec = node.meta.get("val"), node.meta.get(SPEC)
-            if isinstance(value, (tuple, list)):
-                value, spec = value[0], spec[0]
-            total += local_numel(tuple(value.shape), spec.placements, plan.mesh.shape) * value.dtype.itemsize
-    return sympy.simplify(total.subs(plan.traced.symbols))
+        elif node.op == "call_function" and node.target in VIEW_LIKE and inputs and all(i in weights for i in inputs):
+            weights.add(node)
+        elif node.op == "call_function" and any(i in received for i in inputs):
+            received.add(node)
+            if node.target not in VIEW_LIKE and any(i in weights for i in inputs):
+                meets.append(node)
+    return meets
+
+
+def split_backward_hold(plan: Any, stage: Any, ledger: Any) -> tuple[sympy.Expr, sympy.Expr]:
+    """Per micro-batch between a split backward's B and W: (saved activations the weight pass still
+    reads — those saved by the meeting ops and everything before them; what only later ops saved,
+    e.g. the loss's log-probabilities, is freed when B lets the outputs go — and the gradients B
+    kept at the meeting ops, one per op output)."""
+    from autopar.ir import local_numel
+
+    meets = _weight_meets_input(plan, stage)
+    before: set[str] = set()
+    stack = list(meets)
+    while stack:
+        node = stack.pop()
+        if node.name not in before:
+            before.add(node.name)
+            stack.extend(node.all_input_nodes)
+    retained = sum((e.bytes for e in ledger.entries if before & set(e.saved_by)), sympy.Integer(0))
+    gradients = sympy.Integer(0)
+    for node in meets:
+        value, spec = node.meta.get("val"), node.meta.get(SPEC)
+        if isinstance(value, (tuple, list)):
+            value, spec = value[0], spec[0]
+        gradients += local_numel(tuple(value.shape), spec.placements, plan.mesh.shape) * value.dtype.itemsize
+    return sympy.simplify(retained), sympy.simplify(gradients.subs(plan.traced.symbols))
+
 
 def largest_model(*, devices: int, memory_bytes: float, stage: int,
                   bytes_per_param: tuple[float, float, float] = (2, 2, 8)) -> float:

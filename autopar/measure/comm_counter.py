@@ -14,7 +14,8 @@ ledger's convention (all-reduce, reduce-scatter, all-to-all, broadcast, reduce: 
 and gather: output; scatter: the root's input; send/recv: the tensor; barrier: 0) and, for
 point-to-point ops, the peer's rank in the group. Point-to-point wire bytes equal logical bytes.
 Classic ops name their group by a `ProcessGroup` script object (unboxed for its name); functional
-ops by the group name string. The counter sees what torch.distributed receives, not what the
+ops by the group name string. Ops on fake tensors (shape-only runs, such as the planner's check
+that a plan's rank graphs run) move nothing and are not counted. The counter sees what torch.distributed receives, not what the
 program says it sends: it never asks the program.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -141,8 +143,8 @@ class CommCounter(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor issues its collectives as ops that come back here
         kwargs = kwargs or {}
-        if func.namespace in OPS_NAMESPACES:
-            self._count(func, args, kwargs)
+        if func.namespace in OPS_NAMESPACES and not any(issubclass(t, FakeTensor) for t in types):
+            self._count(func, args, kwargs)  # on fake tensors (a plan-time check run) nothing moves
         return func(*args, **kwargs)
 
     def _count(self, func: Any, args: tuple, kwargs: dict) -> None:

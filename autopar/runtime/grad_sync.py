@@ -50,9 +50,10 @@ class GradSynchronizer:
     """Launches each bucket's all-reduce as soon as its gradients exist; finishes at end of backward.
 
     Each bucket owns one flat buffer. A gradient is copied into its slice when autograd has
-    accumulated it; a complete bucket is all-reduced in place, asynchronously, while backward
-    goes on; at the end of backward every `param.grad` becomes a view of its reduced slice (no
-    copy back). Gradients must be zeroed or set to None between backward passes (optimizer.zero_grad,
+    accumulated it the first time, and `param.grad` becomes that slice (a view): later backward
+    passes of an accumulation (no_sync, a pipeline's micro-batches) add into it in place. A
+    complete bucket is all-reduced in place, asynchronously, while backward goes on; nothing is
+    copied back. Gradients must be zeroed or set to None between backward passes (optimizer.zero_grad,
     either way): the reduction sums Partial gradients, so gradients left from a synchronised step
     would be counted once per rank. Accumulate micro-batches under `ParallelModule.no_sync()` (the
     synchronising backward then reduces the accumulated sum), or by summing their losses; a pipeline
@@ -83,14 +84,17 @@ class GradSynchronizer:
 
     def _make_hook(self, fqn: str):
         def hook(param: torch.Tensor) -> None:
+            view = self._view(fqn)
+            if param.grad.data_ptr() != view.data_ptr():  # zero_grad(set_to_none=False) keeps our view
+                view.copy_(param.grad)
+                # the gradient lives in the bucket from now on: accumulating micro-batches add into it
+                # in place (autograd's AccumulateGrad), so no second copy of the gradients exists
+                param.grad = view
             if not self.enabled:
                 return
             if not self._callback_queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
                 self._callback_queued = True
-            view = self._view(fqn)
-            if param.grad.data_ptr() != view.data_ptr():  # zero_grad(set_to_none=False) keeps our view
-                view.copy_(param.grad)
             index = self._slot[fqn][0]
             self._ready[index].add(fqn)
             if len(self._ready[index]) == len(self.buckets[index].params):

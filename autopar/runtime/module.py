@@ -28,6 +28,7 @@ from autopar.ir import shard_dim
 from autopar.plan import Plan, shard
 from autopar.runtime import collectives
 from autopar.runtime.collectives import raw_all_reduce
+from autopar.runtime.pipeline import PipelineExecutor
 from autopar.runtime.stage import StageRunner
 from autopar.zero_units import shard_of
 
@@ -97,8 +98,6 @@ class ParallelModule(torch.nn.Module):
                                    shards=shards, fulls=fulls) for stage in stages]
         self.pipeline = None
         if plan.pipeline is not None:
-            from autopar.runtime.pipeline import PipelineExecutor
-
             self.pipeline = PipelineExecutor(plan, rank=rank, runners=self.stages, groups=self.groups)
 
     def _register(self, plan: Plan, stages: list, state: dict[str, torch.Tensor]) -> tuple[dict, dict, dict, dict]:

@@ -151,10 +151,23 @@ def plan_send(x: torch.Tensor, *, group: str, peer: Any, value: int) -> torch.Te
     return x.sum() * 0.0
 
 
+class _PlanRecv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, token, shape, dtype):
+        return torch.empty(shape, dtype=dtype, device=token.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, None
+
+
 def plan_recv(token: torch.Tensor, *, group: str, peer: Any, value: int, shape: list[int], dtype: torch.dtype,
               requires_grad: bool = True) -> torch.Tensor:
-    """Planning stand-in of `recv_activation`: a fresh tensor of the received shape."""
-    return torch.empty(shape, dtype=dtype, device=token.device).requires_grad_(requires_grad)
+    """Planning stand-in of `recv_activation`: a fresh tensor of the received shape, reached by
+    backward from the token as a real receive is (and saving nothing)."""
+    if not (requires_grad and torch.is_grad_enabled()):
+        return torch.empty(shape, dtype=dtype, device=token.device)
+    return _PlanRecv.apply(token, shape, dtype)
 
 
 PLANNING_STAND_INS = {send_activation: plan_send, recv_activation: plan_recv}
