@@ -248,7 +248,8 @@ def regathered_shard_bound(plan: Any) -> int:
                 if e.why == "the shard saved for backward gathered again"), default=0)
 
 
-def rank_summary(module: Any, rank: int, world: int, instruments: Instruments, setup: CommCounter) -> dict[str, Any]:
+def rank_summary(module: Any, rank: int, world: int, setup: CommCounter) -> dict[str, Any]:
+    """What a rank reports besides its steps: setup traffic, ledgers, layout, the named sizes."""
     group_to_axis = {name: axis for axis, name in module.groups.items()}
     plan = module.plan
     kept = lambda unit: unit.stage == 3 and not unit.reshard  # noqa: E731
@@ -265,9 +266,12 @@ def rank_summary(module: Any, rank: int, world: int, instruments: Instruments, s
 
 def distributed_rank(rank: int, world: int, build: Callable[[], torch.nn.Module], batches: list[tuple], mesh: str,
                      strategies: list, step: Callable[[Any, list], torch.Tensor] = train_step,
-                     clip_norm: float | None = None, eps: float = EPS) -> dict[str, Any]:
-    """Train STEPS steps; per step: loss, whole gradients and parameters, collectives by phase,
-    bytes held after the step (by category), the step's peak, activations left by the forward."""
+                     clip_norm: float | None = None, eps: float = EPS,
+                     after: Callable[[Any, int], dict] | None = None) -> dict[str, Any]:
+    """Train one step per batch; per step: loss, whole gradients and parameters, collectives by
+    phase, bytes held after the step (by category), the step's peak, activations left by the
+    forward. `after(module, rank)` (module-level, so that it pickles) adds its own entries once
+    training is done (e.g. a state dict loaded into a fresh model)."""
     instruments = Instruments()
     with instruments.phase("setup"):
         module, optimizer = parallel_trainer(build, batches[0], mesh, strategies, eps=eps)
@@ -276,7 +280,7 @@ def distributed_rank(rank: int, world: int, build: Callable[[], torch.nn.Module]
     meshes = device_mesh_keys()
     settle_garbage()
     check = comparison_mesh(module)
-    result = rank_summary(module, rank, world, instruments, setup)
+    result = rank_summary(module, rank, world, setup)
     result.update(losses=[], grads=[], params=[], norms=[], comm=[], held=[], peak=[], device_mesh_bytes=[])
     instruments.storages.track(batches)  # the harness's own: alive throughout, named in the peak's "at rest"
     result["batch_bytes"] = distinct_storage_bytes([t for batch in batches for t in batch])
@@ -304,4 +308,6 @@ def distributed_rank(rank: int, world: int, build: Callable[[], torch.nn.Module]
         result["grads"].append(whole_tensors(module, check, grads=True))
         result["params"].append(whole_tensors(module, check, grads=False))
     result["activations"] = instruments.activations
+    if after is not None:
+        result.update(after(module, rank))
     return result

@@ -88,7 +88,7 @@ def _accumulating_rank(rank: int, world: int, build, batch, mesh: str, strategie
     instruments = Instruments()
     with instruments.phase("setup"):
         module, optimizer = parallel_trainer(build, micro_batch(batch, 0), mesh, strategies)
-    result = rank_summary(module, rank, world, instruments, instruments.next_counter())
+    result = rank_summary(module, rank, world, instruments.next_counter())
     settle_garbage()
     check = comparison_mesh(module)
     instruments.storages.track(batch)
