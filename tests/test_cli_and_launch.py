@@ -52,3 +52,34 @@ def test_a_failed_rank_ends_the_job_with_its_message():
     with pytest.raises(RuntimeError, match="rank one is broken"):
         launch(fail_on_rank_one, 2, timeout_s=30)
     assert time.monotonic() - start < 60
+
+
+def sleep_forever(rank: int, world: int) -> None:
+    time.sleep(600)
+
+
+def spawned_children() -> list[int]:
+    """Live (not zombie) processes whose parent is this one and that run a spawned rank, from /proc."""
+    import os
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat, open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                fields = stat.read().rsplit(")", 1)[1].split()
+                command = cmdline.read()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"spawn_main" in command and b"pipe_handle" in command:
+            found.append(int(entry))
+    return found
+
+
+def test_a_job_past_its_deadline_is_killed_not_left_running():
+    """A job stopped by its deadline (as by a test runner's timeout) leaves no rank alive."""
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="deadline"):
+        launch(sleep_forever, 2, timeout_s=30, deadline_s=15)
+    assert time.monotonic() - start < 60
+    assert spawned_children() == []

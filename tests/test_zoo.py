@@ -165,6 +165,8 @@ def check_trained(arch: str, config: str, results: list[dict], steps: int) -> No
 ARCHS, RUN_CONFIGS, STEPS = selected()
 
 
+# the first architecture's test runs the launch for all of them (about 4 minutes on 2 quiet cores)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("config", RUN_CONFIGS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_zoo_trains_like_one_device_or_is_refused_at_plan_time(arch, config):

@@ -3,8 +3,10 @@
 `launch(fn, world_size, *args)` spawns `world_size` processes on this machine, each with one
 CPU thread, a gloo process group on a free loopback port with a timeout, runs `fn(rank,
 world_size, *args)` and returns every rank's return value (pickled through a temp file). If a
-rank raises, the others are terminated and the error is re-raised here with the rank's traceback:
-nothing hangs. Under torchrun use `init_from_env()` instead.
+rank raises, the others are terminated and the error is re-raised here with the rank's traceback.
+Whatever ends the wait here — a rank's error, `deadline_s` passing, a test runner's timeout or
+Ctrl-C raised in this process — the ranks are killed before it propagates: nothing is left
+running. Under torchrun use `init_from_env()` instead.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -58,15 +61,34 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: floa
     os._exit(0)
 
 
-def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
-    """Run fn(rank, world_size, *args) on `world_size` local gloo processes; return the results by rank."""
+def _kill(context: Any) -> None:
+    for process in context.processes:
+        if process.is_alive():
+            process.kill()
+    for process in context.processes:
+        process.join(5)
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
+           deadline_s: float | None = None) -> list[Any]:
+    """Run fn(rank, world_size, *args) on `world_size` local gloo processes; return the results by rank.
+
+    `timeout_s` bounds each collective (the process group's timeout); `deadline_s` (default: none
+    beyond the caller's own) bounds the whole job, after which the ranks are killed."""
     with tempfile.TemporaryDirectory() as out_dir:
+        context = mp.start_processes(_worker, args=(world_size, free_port(), out_dir, timeout_s, fn, args),
+                                     nprocs=world_size, join=False, start_method="spawn")
+        started = time.monotonic()
         try:
-            mp.start_processes(_worker, args=(world_size, free_port(), out_dir, timeout_s, fn, args),
-                               nprocs=world_size, join=True, start_method="spawn")
+            while not context.join(timeout=1.0):
+                if deadline_s is not None and time.monotonic() - started > deadline_s:
+                    raise TimeoutError(f"the {world_size}-rank job of {getattr(fn, '__name__', fn)} ran past its "
+                                       f"deadline of {deadline_s:.0f} s; its ranks were killed")
         except mp.ProcessRaisedException as error:
             details = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.endswith(".err")]
             raise RuntimeError("a rank failed:\n" + "\n".join(details)) from error
         except mp.ProcessExitedException as error:
             raise RuntimeError(f"a rank exited abnormally: {error}") from error
+        finally:
+            _kill(context)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
