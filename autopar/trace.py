@@ -12,6 +12,7 @@ gathered state dict loads back into the original model strictly.
 from __future__ import annotations
 
 import inspect
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ class TracedProgram:
     symbols: dict[sympy.Symbol, sympy.Symbol]
     symbol_values: dict[sympy.Symbol, int]
     original_code: str = ""  # the traced single-device graph, before any pass changed it
+    seconds: dict[str, float] = field(default_factory=dict)  # "export", "decompose": wall seconds of each
     # the model's state_dict() names, and each name of a tied parameter -> the name the graph reads
     state_keys: tuple[str, ...] = ()
     aliases: dict[str, str] = field(default_factory=dict)
@@ -62,8 +64,10 @@ def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_d
             for name, value in bound.items()}
 
 
-def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims: dict[str, int] | None) -> ExportedProgram:
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims: dict[str, int] | None,
+            seconds: dict[str, float]) -> ExportedProgram:
     dynamic = _dynamic_shapes(model, args, kwargs, dynamic_dims) if dynamic_dims else None
+    start = time.perf_counter()
     try:
         program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception as error:
@@ -73,7 +77,11 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims: dic
             f"  fix: make forward traceable (no data-dependent Python control flow on tensor values, no "
             f"unsupported side effects; for HF models set use_cache=False), or trace a wrapper that returns "
             f"the loss") from error
-    return program.run_decompositions(_decomposition_table())
+    seconds["export"] = time.perf_counter() - start
+    start = time.perf_counter()
+    program = program.run_decompositions(_decomposition_table())
+    seconds["decompose"] = time.perf_counter() - start
+    return program
 
 
 def _symbols(program: ExportedProgram, placeholders: dict[str, PlaceholderInfo],
@@ -99,7 +107,8 @@ def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     kwargs = kwargs or {}
     if any(p.device.type == "meta" for p in model.parameters()):  # planning a model built on the meta device
         args, kwargs = pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, (tuple(args), kwargs))
-    program = _export(model, tuple(args), kwargs, dynamic_dims)
+    seconds: dict[str, float] = {}
+    program = _export(model, tuple(args), kwargs, dynamic_dims, seconds)
     signature = program.graph_signature
     # remove_duplicate=False: a tied weight is reachable under every name, and export may keep any of them
     trainable = {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
@@ -132,7 +141,7 @@ def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
                          user_input_count=user_index, out_spec=program.call_spec.out_spec,
                          symbols=names, symbol_values=values, original_code=program.graph_module.code,
                          state_keys=tuple(model.state_dict(keep_vars=True)),
-                         aliases=_tied_aliases(model, program.graph_module, placeholders))
+                         aliases=_tied_aliases(model, program.graph_module, placeholders), seconds=seconds)
 
 
 def _tied_aliases(model: torch.nn.Module, gm: torch.fx.GraphModule,
