@@ -254,10 +254,13 @@ def _keep_master_weights(traced: TracedProgram, model: torch.nn.Module) -> dict[
 
 def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, strategies: Sequence[Any],
          example_inputs: Sequence[Any], example_kwargs: dict | None = None, dynamic_dims: dict[str, int] | None = None,
-         ranks_per_node: int | None = None, bucket_cap_mb: float = 25.0, explain: bool = False) -> Plan:
+         ranks_per_node: int | None = None, bucket_cap_mb: float = 25.0, explain: bool = False,
+         reuse_blocks: bool = True) -> Plan:
     """Plan `model` for `mesh` in this process; no process group is needed. See module docstring.
 
-    `explain=True` also records, for every op DTensor decided, the alternatives it weighed."""
+    `explain=True` also records, for every op DTensor decided, the alternatives it weighed.
+    `reuse_blocks=False` exports every repeated block instead of copying the traced one
+    (`autopar/repeated_blocks.py`; the plan is the same, only slower)."""
     mesh = Mesh.parse(mesh, ranks_per_node=ranks_per_node)
     param_dtype = _declared_param_dtype(strategies, mesh)
     pipelined = _declared_pipeline(strategies, mesh)
@@ -265,7 +268,8 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, strateg
     if pipelined is not None:
         args, kwargs = _one_microbatch(args, kwargs, pipelined)
     seconds: dict[str, float] = {}
-    traced = trace_model(_with_param_dtype(model, param_dtype), args, kwargs, dynamic_dims=dynamic_dims)
+    traced = trace_model(_with_param_dtype(model, param_dtype), args, kwargs, dynamic_dims=dynamic_dims,
+                         reuse_blocks=reuse_blocks)
     seconds.update(traced.seconds)
     masters = _keep_master_weights(traced, model) if param_dtype is not None else {}
     with _timed(seconds, "resolve_strategies"):
