@@ -12,6 +12,7 @@ Helpers here also answer "where did this node come from": `module_path`, `module
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,7 +148,14 @@ def local_numel(global_shape: tuple[Any, ...], placements: tuple[Placement, ...]
     numel = sympy.Integer(1)
     for size in sizes:
         numel *= size
-    return sympy.simplify(numel)
+    return simplified(numel)
+
+
+@functools.lru_cache(maxsize=4096)
+def simplified(expr: sympy.Expr) -> sympy.Expr:
+    """`sympy.simplify(expr)`, once per distinct expression: it costs milliseconds, and every
+    layer of a deep model asks for the same few sizes."""
+    return sympy.simplify(expr)
 
 
 def node_value(node: torch.fx.Node) -> Any:
