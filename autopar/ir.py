@@ -158,5 +158,15 @@ def simplified(expr: sympy.Expr) -> sympy.Expr:
     return sympy.simplify(expr)
 
 
+def lazy_graph_module(root: "torch.nn.Module | dict", graph: torch.fx.Graph, *,
+                      class_name: str = "GraphModule") -> torch.fx.GraphModule:
+    """A GraphModule whose Python code is generated when it is first read (`.code`) or run: the
+    passes rewrite a graph and `recompile()` it several times, and the code of a 20,000-node graph
+    takes seconds to generate (torch.fx's `_LazyGraphModule`, as inductor uses it)."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    return _LazyGraphModule(root, graph, class_name=class_name)
+
+
 def node_value(node: torch.fx.Node) -> Any:
     return node.meta.get("val")

@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.context import PlaceholderInfo
 from autopar.errors import PlanError
-from autopar.ir import sym_size
+from autopar.ir import lazy_graph_module, sym_size
 from autopar.repeated_blocks import TRACED, find_repeated_blocks, replicate_blocks, truncated
 
 
@@ -133,9 +133,11 @@ def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
                             f"pure training steps. fix: avoid in-place buffer updates (e.g. BatchNorm running stats) "
                             f"in forward")
     names, values = _symbols(program, placeholders, dynamic_dims)
-    return TracedProgram(graph_module=program.graph_module, placeholders=placeholders, state=state,
+    original_code = program.graph_module.code
+    # the passes recompile it after each rewrite: its code is generated only when read
+    return TracedProgram(graph_module=lazy_graph_module(program.graph_module, program.graph_module.graph), placeholders=placeholders, state=state,
                          user_input_count=user_count, out_spec=program.call_spec.out_spec,
-                         symbols=names, symbol_values=values, original_code=program.graph_module.code,
+                         symbols=names, symbol_values=values, original_code=original_code,
                          state_keys=tuple(model.state_dict(keep_vars=True)),
                          aliases=_tied_aliases(model, program.graph_module, placeholders), seconds=seconds,
                          copied_blocks=copied)

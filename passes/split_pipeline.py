@@ -36,8 +36,8 @@ import torch.fx
 from autopar.comm_kinds import comm_step
 from autopar.context import CompileContext, PlaceholderInfo
 from autopar.errors import PlanError
-from autopar.ir import (COLLECTIVE, SPEC, CollectiveInfo, local_numel, local_shape, module_path, module_stack,
-                        simplified)
+from autopar.ir import (COLLECTIVE, SPEC, CollectiveInfo, lazy_graph_module, local_numel, local_shape, module_path,
+                        module_stack, simplified)
 from autopar.ledger.compute import node_flops
 from autopar.passes.insert_grad_reductions import GRAD_SYNC, REQUIRES_GRAD
 from autopar.program import TOKEN, Boundary, PipelineLayout, Program, Stage
@@ -328,7 +328,7 @@ class _Builder:
         for node in [n for n in graph.nodes if n.op == "placeholder" and not n.users and n.name != TOKEN]:
             graph.erase_node(node)
         graph.lint()
-        return Stage(index=index, graph_module=torch.fx.GraphModule(self.gm, graph, class_name=f"Stage{index}"),
+        return Stage(index=index, graph_module=lazy_graph_module(self.gm, graph, class_name=f"Stage{index}"),
                      user_outputs=user_outputs)
 
     def _tie(self, copy: torch.fx.Node, ties: dict) -> None:
