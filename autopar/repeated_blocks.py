@@ -18,7 +18,10 @@ this machine, and the layers of a transformer are the same graph again with othe
    from block 1 is read from the copy before, and what came after block 2 (the final norm, the
    head) reads the last copy. The result is the graph a full export would give, node for node,
    except that the copies' node names are fx's (`mm_13_1`) rather than export's counters.
-When a check fails the caller traces the whole model (`trace.trace_model`).
+When a check fails the caller traces the whole model (`trace.trace_model`). Not seen by the
+checks: a forward that reads the list's length for anything but iterating it (a constant such as
+1/len(layers) computed in forward, rather than in __init__) sees three blocks; such a model
+should be planned with `reuse_blocks=False`.
 `tests/test_repeated_blocks.py` compares the reused plan with the full one: placements of every
 node and the communication ledger.
 """
