@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import sympy
 
+from autopar.ir import simplified
 from autopar.mesh import Mesh
 from autopar.runtime import collectives, p2p
 
@@ -51,7 +52,7 @@ KINDS: dict[str, CommKind] = {kind.name: kind for kind in (
 
 
 def wire_bytes(kind: str, group_size: int, logical: sympy.Expr) -> sympy.Expr:
-    return sympy.simplify(KINDS[kind].wire_factor(group_size) * logical)
+    return simplified(KINDS[kind].wire_factor(group_size) * logical)
 
 
 def _bind_peer(value: Any, mesh: Mesh, rank: int, groups: dict[str, str]) -> int:

@@ -30,6 +30,9 @@ class CompileContext:
     units: list = field(default_factory=list)
     master_dtypes: dict = field(default_factory=dict)  # mixed precision: FQN -> dtype of the master weights  # ShardUnits of ZeRO/FSDP (passes/shard_parameters.py)
     explain: bool = False  # record the alternatives DTensor weighed for each op (autopar explain)
+    # DTensor's decision per (op, argument specs and values): repeated layers ask the same question
+    # (passes/propagate_placements.py, `_dtensor_decision`)
+    sharding_decisions: dict = field(default_factory=dict)
 
     def axis_size(self, axis_index: int) -> int:
         return self.mesh.shape[axis_index]

@@ -12,6 +12,7 @@ Helpers here also answer "where did this node come from": `module_path`, `module
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,7 +148,24 @@ def local_numel(global_shape: tuple[Any, ...], placements: tuple[Placement, ...]
     numel = sympy.Integer(1)
     for size in sizes:
         numel *= size
-    return sympy.simplify(numel)
+    return simplified(numel)
+
+
+@functools.lru_cache(maxsize=4096)
+def simplified(expr: sympy.Expr) -> sympy.Expr:
+    """`sympy.simplify(expr)`, once per distinct expression: it costs milliseconds, and every
+    layer of a deep model asks for the same few sizes."""
+    return sympy.simplify(expr)
+
+
+def lazy_graph_module(root: "torch.nn.Module | dict", graph: torch.fx.Graph, *,
+                      class_name: str = "GraphModule") -> torch.fx.GraphModule:
+    """A GraphModule whose Python code is generated when it is first read (`.code`) or run: the
+    passes rewrite a graph and `recompile()` it several times, and the code of a 20,000-node graph
+    takes seconds to generate (torch.fx's `_LazyGraphModule`, as inductor uses it)."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    return _LazyGraphModule(root, graph, class_name=class_name)
 
 
 def node_value(node: torch.fx.Node) -> Any:

@@ -25,6 +25,7 @@ class Mesh:
     axes: tuple[tuple[str, int], ...]
     ranks_per_node: int | None = None
     _sizes: dict[str, int] = field(init=False, repr=False, compare=False)
+    _links: dict[str, str] = field(init=False, repr=False, compare=False)  # `link` per group key, once
 
     def __init__(self, axes: dict[str, int] | None = None, *, ranks_per_node: int | None = None, **sizes: int) -> None:
         declared = dict(axes or {}, **sizes)
@@ -41,6 +42,7 @@ class Mesh:
         object.__setattr__(self, "axes", tuple(declared.items()))
         object.__setattr__(self, "ranks_per_node", ranks_per_node)
         object.__setattr__(self, "_sizes", dict(declared))
+        object.__setattr__(self, "_links", {})
 
     @classmethod
     def parse(cls, spec: "str | Mesh | dict[str, int]", *, ranks_per_node: int | None = None) -> "Mesh":
@@ -123,6 +125,11 @@ class Mesh:
 
     def link(self, key: str) -> str:
         """'intra' if every group along the axis (or `axis@i,j` sub-group) stays inside one node, else 'inter'."""
+        if key not in self._links:
+            self._links[key] = self._find_link(key)
+        return self._links[key]
+
+    def _find_link(self, key: str) -> str:
         per_node = self.ranks_per_node or self.world_size
         axis, coordinates = self.split_group(key)
         for rank in range(self.world_size):

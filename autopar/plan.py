@@ -11,9 +11,11 @@ batch dimension): every shape in the graphs and ledgers is a micro-batch's.
 from __future__ import annotations
 
 import math
+import time
+from contextlib import contextmanager
 from copy import deepcopy
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 import torch.fx
@@ -70,6 +72,8 @@ class Plan:
     context: CompileContext
     pass_records: list[PassRecord]
     comm: CommLedger
+    # wall seconds of each planning phase (trace, layout search, each pass, ledger, check), in order
+    phase_seconds: dict[str, float] = field(default_factory=dict, compare=False)
     _document: "PlanDocument | None" = field(default=None, repr=False, compare=False)
 
     @property
@@ -151,6 +155,15 @@ class Plan:
     def pass_timings(self) -> str:
         return tabulate([[r.name, f"{r.seconds * 1000:.0f} ms", r.nodes_before, r.nodes_after]
                          for r in self.pass_records], headers=["pass", "time", "nodes in", "nodes out"])
+
+
+@contextmanager
+def _timed(seconds: dict[str, float], phase: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - start
 
 
 def _flat(strategies: Sequence[Any]) -> list[Any]:
@@ -241,19 +254,26 @@ def _keep_master_weights(traced: TracedProgram, model: torch.nn.Module) -> dict[
 
 def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, strategies: Sequence[Any],
          example_inputs: Sequence[Any], example_kwargs: dict | None = None, dynamic_dims: dict[str, int] | None = None,
-         ranks_per_node: int | None = None, bucket_cap_mb: float = 25.0, explain: bool = False) -> Plan:
+         ranks_per_node: int | None = None, bucket_cap_mb: float = 25.0, explain: bool = False,
+         reuse_blocks: bool = True) -> Plan:
     """Plan `model` for `mesh` in this process; no process group is needed. See module docstring.
 
-    `explain=True` also records, for every op DTensor decided, the alternatives it weighed."""
+    `explain=True` also records, for every op DTensor decided, the alternatives it weighed.
+    `reuse_blocks=False` exports every repeated block instead of copying the traced one
+    (`autopar/repeated_blocks.py`; the plan is the same, only slower)."""
     mesh = Mesh.parse(mesh, ranks_per_node=ranks_per_node)
     param_dtype = _declared_param_dtype(strategies, mesh)
     pipelined = _declared_pipeline(strategies, mesh)
     args, kwargs = tuple(example_inputs), example_kwargs or {}
     if pipelined is not None:
         args, kwargs = _one_microbatch(args, kwargs, pipelined)
-    traced = trace_model(_with_param_dtype(model, param_dtype), args, kwargs, dynamic_dims=dynamic_dims)
+    seconds: dict[str, float] = {}
+    traced = trace_model(_with_param_dtype(model, param_dtype), args, kwargs, dynamic_dims=dynamic_dims,
+                         reuse_blocks=reuse_blocks)
+    seconds.update(traced.seconds)
     masters = _keep_master_weights(traced, model) if param_dtype is not None else {}
-    strategy = resolve_strategies(mesh, list(strategies), traced.graph_module, traced.placeholders)
+    with _timed(seconds, "resolve_strategies"):
+        strategy = resolve_strategies(mesh, list(strategies), traced.graph_module, traced.placeholders)
     if pipelined is not None:
         first = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
         _check_microbatch_divides(strategy, mesh, pipelined, first.shape[pipelined.batch_dim])
@@ -261,11 +281,14 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, strateg
                              placeholders=traced.placeholders, symbols=traced.symbols, explain=explain,
                              master_dtypes=masters)
     program, records = run_passes(Program(graph_module=traced.graph_module), context, default_passes())
-    for stage in program.stages:
-        stage.buckets = _stage_buckets(stage, context, mesh, int(bucket_cap_mb * 2**20))
-    comm = build_comm_ledger(program, mesh, traced.symbols, traced.symbol_values)
+    seconds.update((record.name, record.seconds) for record in records)
+    with _timed(seconds, "comm_ledger"):
+        for stage in program.stages:
+            stage.buckets = _stage_buckets(stage, context, mesh, int(bucket_cap_mb * 2**20))
+        comm = build_comm_ledger(program, mesh, traced.symbols, traced.symbol_values)
     planned = Plan(mesh=mesh, strategy=strategy, traced=traced, program=program, context=context,
-                   pass_records=records, comm=comm)
-    check_rank_graphs(planned)  # every accepted plan runs: forward and backward on fake tensors
+                   pass_records=records, comm=comm, phase_seconds=seconds)
+    with _timed(seconds, "check_rank_graphs"):
+        check_rank_graphs(planned)  # every accepted plan runs: forward and backward on fake tensors
     release_planning_caches()  # DTensor's caches would keep every planning mesh alive
     return planned

@@ -5,13 +5,16 @@ and under FakeTensorMode, so models far larger than this machine can be planned)
 decomposes to core ATen with DTensor-friendly ops, keeping `scaled_dot_product_attention` as one
 node. `dynamic_dims={"b": 0, "s": 1}` marks those dimensions of every user input dynamic; the
 resulting export symbols are renamed to the user's names so ledgers come out in `b` and `s`.
-Parameters, buffers and constants are lifted to placeholders, described by `PlaceholderInfo`;
+A list of equal blocks (a transformer's layers) is exported three blocks deep and the third
+block's graph copied for the others (`autopar/repeated_blocks.py`): tracing costs what the
+distinct blocks cost, not the layer count. Parameters, buffers and constants are lifted to placeholders, described by `PlaceholderInfo`;
 the model's `state_dict()` names and the other names of tied parameters are kept, so that a
 gathered state dict loads back into the original model strictly.
 """
 from __future__ import annotations
 
 import inspect
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +27,8 @@ from torch.utils import _pytree as pytree
 
 from autopar.context import PlaceholderInfo
 from autopar.errors import PlanError
-from autopar.ir import sym_size
+from autopar.ir import lazy_graph_module, sym_size
+from autopar.repeated_blocks import TRACED, find_repeated_blocks, replicate_blocks, truncated
 
 
 @dataclass
@@ -37,6 +41,8 @@ class TracedProgram:
     symbols: dict[sympy.Symbol, sympy.Symbol]
     symbol_values: dict[sympy.Symbol, int]
     original_code: str = ""  # the traced single-device graph, before any pass changed it
+    seconds: dict[str, float] = field(default_factory=dict)  # "export", "decompose": wall seconds of each
+    copied_blocks: str = ""  # which blocks were copied rather than traced (autopar/repeated_blocks.py)
     # the model's state_dict() names, and each name of a tied parameter -> the name the graph reads
     state_keys: tuple[str, ...] = ()
     aliases: dict[str, str] = field(default_factory=dict)
@@ -62,8 +68,10 @@ def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_d
             for name, value in bound.items()}
 
 
-def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims: dict[str, int] | None) -> ExportedProgram:
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims: dict[str, int] | None,
+            seconds: dict[str, float]) -> ExportedProgram:
     dynamic = _dynamic_shapes(model, args, kwargs, dynamic_dims) if dynamic_dims else None
+    start = time.perf_counter()
     try:
         program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception as error:
@@ -73,7 +81,11 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims: dic
             f"  fix: make forward traceable (no data-dependent Python control flow on tensor values, no "
             f"unsupported side effects; for HF models set use_cache=False), or trace a wrapper that returns "
             f"the loss") from error
-    return program.run_decompositions(_decomposition_table())
+    seconds["export"] = seconds.get("export", 0.0) + time.perf_counter() - start
+    start = time.perf_counter()
+    program = program.run_decompositions(_decomposition_table())
+    seconds["decompose"] = seconds.get("decompose", 0.0) + time.perf_counter() - start
+    return program
 
 
 def _symbols(program: ExportedProgram, placeholders: dict[str, PlaceholderInfo],
@@ -95,18 +107,50 @@ def _symbols(program: ExportedProgram, placeholders: dict[str, PlaceholderInfo],
 
 
 def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
-                dynamic_dims: dict[str, int] | None = None) -> TracedProgram:
+                dynamic_dims: dict[str, int] | None = None, reuse_blocks: bool = True) -> TracedProgram:
+    """`reuse_blocks`: export the first blocks of a list of equal blocks and copy the last of them
+    for the rest (`autopar/repeated_blocks.py`); the whole model where they are not the same graph."""
     kwargs = kwargs or {}
     if any(p.device.type == "meta" for p in model.parameters()):  # planning a model built on the meta device
         args, kwargs = pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, (tuple(args), kwargs))
-    program = _export(model, tuple(args), kwargs, dynamic_dims)
-    signature = program.graph_signature
+    seconds: dict[str, float] = {}
+    repeated = find_repeated_blocks(model) if reuse_blocks else None
+    if repeated is not None:
+        with truncated(model, repeated[0]):
+            program = _export(model, tuple(args), kwargs, dynamic_dims, seconds)
+        placeholders, state, user_count = _lift(program, model)
+        start = time.perf_counter()
+        reused = replicate_blocks(program.graph_module, placeholders, state, model, *repeated)
+        seconds["replicate_blocks"] = time.perf_counter() - start
+        copied = f"{repeated[0]}.{TRACED}-{repeated[1] - 1}" if reused else ""
+    if repeated is None or not reused:
+        copied = ""
+        program = _export(model, tuple(args), kwargs, dynamic_dims, seconds)
+        placeholders, state, user_count = _lift(program, model)
+    for spec in program.graph_signature.output_specs:
+        if spec.kind != OutputKind.USER_OUTPUT:
+            raise PlanError(f"the model's forward mutates state ({spec.kind.name} {spec.target}); autopar plans "
+                            f"pure training steps. fix: avoid in-place buffer updates (e.g. BatchNorm running stats) "
+                            f"in forward")
+    names, values = _symbols(program, placeholders, dynamic_dims)
+    original_code = program.graph_module.code
+    # the passes recompile it after each rewrite: its code is generated only when read
+    return TracedProgram(graph_module=lazy_graph_module(program.graph_module, program.graph_module.graph), placeholders=placeholders, state=state,
+                         user_input_count=user_count, out_spec=program.call_spec.out_spec,
+                         symbols=names, symbol_values=values, original_code=original_code,
+                         state_keys=tuple(model.state_dict(keep_vars=True)),
+                         aliases=_tied_aliases(model, program.graph_module, placeholders), seconds=seconds,
+                         copied_blocks=copied)
+
+
+def _lift(program: ExportedProgram, model: torch.nn.Module) -> tuple[dict[str, PlaceholderInfo], dict, int]:
+    """What each graph input is (`PlaceholderInfo`), the state tensors by name, the user input count."""
     # remove_duplicate=False: a tied weight is reachable under every name, and export may keep any of them
     trainable = {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
     placeholders: dict[str, PlaceholderInfo] = {}
     state: dict[str, torch.Tensor] = {}
     user_index = 0
-    for position, spec in enumerate(signature.input_specs):
+    for position, spec in enumerate(program.graph_signature.input_specs):
         name = spec.arg.name
         if spec.kind == InputKind.USER_INPUT:
             placeholders[name] = PlaceholderInfo("input", str(user_index), user_index)
@@ -122,17 +166,7 @@ def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         else:
             raise PlanError(f"graph input {name} of kind {spec.kind.name} is not supported yet; "
                             f"fix: remove it from the model's forward")
-    for spec in signature.output_specs:
-        if spec.kind != OutputKind.USER_OUTPUT:
-            raise PlanError(f"the model's forward mutates state ({spec.kind.name} {spec.target}); autopar plans "
-                            f"pure training steps. fix: avoid in-place buffer updates (e.g. BatchNorm running stats) "
-                            f"in forward")
-    names, values = _symbols(program, placeholders, dynamic_dims)
-    return TracedProgram(graph_module=program.graph_module, placeholders=placeholders, state=state,
-                         user_input_count=user_index, out_spec=program.call_spec.out_spec,
-                         symbols=names, symbol_values=values, original_code=program.graph_module.code,
-                         state_keys=tuple(model.state_dict(keep_vars=True)),
-                         aliases=_tied_aliases(model, program.graph_module, placeholders))
+    return placeholders, state, user_index
 
 
 def _tied_aliases(model: torch.nn.Module, gm: torch.fx.GraphModule,

@@ -7,7 +7,7 @@ kernel (`autopar.runtime.local_ops`) with arguments bound the same way; shape ar
 rewrote to local sizes replace the global ones; `view`s become `reshape`s (a shard's strides
 may differ from the traced tensor's); dead nodes (unused outputs of multi-output ops)
 are removed. The result is an ordinary `torch.fx.GraphModule` over local tensors, whose code
-(`gm.code`) reads like the hand-written per-rank program.
+(`gm.code`, generated when first read or run) reads like the hand-written per-rank program.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.comm_kinds import bind, comm_step
 from autopar.context import CompileContext
-from autopar.ir import LOCAL_ARGS, RULE
+from autopar.ir import LOCAL_ARGS, RULE, lazy_graph_module
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
@@ -62,4 +62,4 @@ def emit_rank_graph(gm: torch.fx.GraphModule, ctx: CompileContext, *, rank: int,
             node.target = torch.ops.aten.reshape.default
     graph.eliminate_dead_code()
     graph.lint()
-    return torch.fx.GraphModule(gm, graph, class_name=f"Rank{rank}")
+    return lazy_graph_module(gm, graph, class_name=f"Rank{rank}")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import sympy
 import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -26,7 +25,7 @@ from torch.utils import _pytree as pytree
 from autopar.comm_kinds import STEPS
 from autopar.context import CompileContext
 from autopar.errors import PlanError
-from autopar.ir import ARG_SPECS, COLLECTIVE, SPEC, CollectiveInfo, describe, local_numel, module_path
+from autopar.ir import ARG_SPECS, COLLECTIVE, SPEC, CollectiveInfo, describe, local_numel, module_path, simplified
 from autopar.program import Program
 from autopar.runtime import collectives
 
@@ -69,7 +68,7 @@ def collective_info(kind: str | None, axis: str, phase: str, spec: DTensorSpec, 
     if kind is None:
         return None
     numel = local_numel(tuple(value.shape), spec.placements, mesh_shape)
-    return CollectiveInfo(kind=kind, axis=axis, phase=phase, logical_bytes=sympy.simplify(numel * value.dtype.itemsize),
+    return CollectiveInfo(kind=kind, axis=axis, phase=phase, logical_bytes=simplified(numel * value.dtype.itemsize),
                           dtype=value.dtype, tensor=tensor, module=module, why=why)
 
 

@@ -8,7 +8,10 @@ replicated tensors. Every other node, in topological order:
 2. autopar's own rule for the op (`autopar.op_rules`) decides if there is one, otherwise DTensor's
    sharding propagator (`propagate_op_sharding_non_cached`, the rules DTensor registers) picks the
    output placement and the placements the arguments must be redistributed to, and rewrites
-   shape arguments (view, reshape, expand, new_*) to local sizes;
+   shape arguments (view, reshape, expand, new_*) to local sizes; DTensor's answer is a pure
+   function of the op and its argument specs and values, so it is asked once per distinct
+   question and remembered in `CompileContext.sharding_decisions` (`_dtensor_decision`: the
+   layers of a deep model ask the same questions);
 3. the node records `SPEC` (its output), `ARG_SPECS` (what each tensor argument must be),
    `LOCAL_ARGS` (arguments with local shapes), `RULE` (an autopar rule's result, if any) and
    `ORIGIN` (why: the seed rule, the module layouts its inputs crossed, who decided, and with
@@ -109,7 +112,7 @@ def _propagate_with_dtensor(node: torch.fx.Node, args: tuple, kwargs: dict, ctx:
         propagator.op_to_schema_info_for_single_dim_strategy.get(node.target)
     schema = OpSchema(node.target, args, kwargs, schema_info=info)
     try:
-        result = propagator.propagate_op_sharding_non_cached(schema)
+        result = _dtensor_decision(propagator, schema, node, ctx)
     except NotImplementedError as error:
         if _held_whole(node, args, kwargs, ctx):
             return
@@ -140,6 +143,24 @@ def _propagate_with_dtensor(node: torch.fx.Node, args: tuple, kwargs: dict, ctx:
     else:
         wanted_leaves = arg_leaves
     node.meta[ARG_SPECS] = [w if isinstance(a, DTensorSpec) else None for a, w in zip(arg_leaves, wanted_leaves)]
+
+
+def _decision_key(node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
+    """The op, the arguments' structure and every leaf with its type (1, 1.0 and True differ)."""
+    leaves, structure = pytree.tree_flatten((args, kwargs))
+    return node.target, structure, tuple((type(leaf), leaf) for leaf in leaves)
+
+
+def _dtensor_decision(propagator: Any, schema: OpSchema, node: torch.fx.Node, ctx: CompileContext) -> Any:
+    """DTensor's sharding decision for `schema`, asked once per distinct key (failures are not kept)."""
+    key = _decision_key(node, schema.args_schema, schema.kwargs_schema)
+    try:
+        known = ctx.sharding_decisions.get(key)
+    except TypeError:  # an unhashable argument value: ask every time
+        return propagator.propagate_op_sharding_non_cached(schema)
+    if known is None:
+        known = ctx.sharding_decisions[key] = propagator.propagate_op_sharding_non_cached(schema)
+    return known
 
 
 def _held_whole(node: torch.fx.Node, args: tuple, kwargs: dict, ctx: CompileContext) -> bool:

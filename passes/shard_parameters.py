@@ -92,9 +92,35 @@ def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declar
     return units
 
 
-def _rewrite_unit(graph: torch.fx.Graph, unit: ShardUnit, nodes: list[torch.fx.Node], calls) -> None:
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    first_use = min((user for n in nodes for user in n.users), key=order.__getitem__)
+def _graph_order(graph: torch.fx.Graph, order: dict[torch.fx.Node, int], wanted: list[torch.fx.Node]
+                 ) -> dict[torch.fx.Node, int]:
+    """Positions in `graph`: `order` as computed before, refreshed when a wanted node is newer."""
+    if any(node not in order for node in wanted):
+        order.clear()
+        order.update((n, i) for i, n in enumerate(graph.nodes))
+    return order
+
+
+def _unit_members(graph: torch.fx.Graph, units: list[ShardUnit]) -> dict[str, list[torch.fx.Node]]:
+    """The call_function nodes inside each unit's module (`_inside`), in graph order, found once:
+    the nodes the rewrite adds (gathers, their items, boundaries) carry no module path."""
+    names = {unit.name for unit in units if unit.name}
+    members: dict[str, list[torch.fx.Node]] = {name: [] for name in names}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        parts = module_path(node).split(".")
+        for end in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:end])
+            if prefix in names:
+                members[prefix].append(node)
+    return members
+
+
+def _rewrite_unit(graph: torch.fx.Graph, unit: ShardUnit, nodes: list[torch.fx.Node], calls,
+                  order: dict[torch.fx.Node, int], members: dict[str, list[torch.fx.Node]]) -> None:
+    users = [user for n in nodes for user in n.users]
+    first_use = min(users, key=_graph_order(graph, order, users).__getitem__)
     with graph.inserting_before(first_use):
         gather = graph.call_function(calls.gather_unit, (tuple(nodes),), {"unit": unit.index})
         gather.meta[ZERO_UNIT] = unit.index
@@ -111,10 +137,10 @@ def _rewrite_unit(graph: torch.fx.Graph, unit: ShardUnit, nodes: list[torch.fx.N
     if not unit.reshard:
         return
     users = [user for view in _aliases(gathered) for user in view.users]
-    last_use = max(users, key=order.__getitem__)
+    last_use = max(users, key=_graph_order(graph, order, users).__getitem__)
     with graph.inserting_after(last_use):
         graph.call_function(calls.release_unit, (), {"unit": unit.index})
-    _insert_boundaries(graph, unit, calls)
+    _insert_boundaries(graph, unit, calls, members.get(unit.name, []))
 
 
 def _returns_alias(node: torch.fx.Node) -> bool:
@@ -133,7 +159,7 @@ def _aliases(nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
     return found
 
 
-def _insert_boundaries(graph: torch.fx.Graph, unit: ShardUnit, calls) -> None:
+def _insert_boundaries(graph: torch.fx.Graph, unit: ShardUnit, calls, inside: list[torch.fx.Node]) -> None:
     """`unit_boundary` on every floating-point tensor computed in the block and read outside it;
     for the root unit, on the graph's outputs (its backward is the first to run)."""
     if not unit.name:
@@ -141,9 +167,7 @@ def _insert_boundaries(graph: torch.fx.Graph, unit: ShardUnit, calls) -> None:
         for node in output.all_input_nodes:
             _boundary(graph, node, [output], unit, calls)
         return
-    for node in list(graph.nodes):
-        if node.op != "call_function" or not _inside(node, unit.name):
-            continue
+    for node in inside:
         outside = [u for u in node.users if not _inside(u, unit.name)
                    and sharded_state.unit_call(u.target) != "release_unit"]
         _boundary(graph, node, outside, unit, calls)
@@ -191,8 +215,10 @@ def shard_parameters(program: Program, ctx: CompileContext) -> Program:
         gm = stage.graph_module
         units = _plan_units(gm, ctx, axis, state, first=len(ctx.units), stage=stage.index)
         calls = sharded_state.UnitCalls([unit for unit, _ in units])
+        order: dict[torch.fx.Node, int] = {}
+        members = _unit_members(gm.graph, [unit for unit, _ in units])
         for unit, nodes in units:
-            _rewrite_unit(gm.graph, unit, nodes, calls)
+            _rewrite_unit(gm.graph, unit, nodes, calls, order, members)
         stage.units = [unit for unit, _ in units]
         ctx.units += stage.units
         gm.graph.lint()

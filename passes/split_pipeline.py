@@ -30,14 +30,14 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-import sympy
 import torch
 import torch.fx
 
 from autopar.comm_kinds import comm_step
 from autopar.context import CompileContext, PlaceholderInfo
 from autopar.errors import PlanError
-from autopar.ir import COLLECTIVE, SPEC, CollectiveInfo, local_numel, local_shape, module_path, module_stack
+from autopar.ir import (COLLECTIVE, SPEC, CollectiveInfo, lazy_graph_module, local_numel, local_shape, module_path,
+                        module_stack, simplified)
 from autopar.ledger.compute import node_flops
 from autopar.passes.insert_grad_reductions import GRAD_SYNC, REQUIRES_GRAD
 from autopar.program import TOKEN, Boundary, PipelineLayout, Program, Stage
@@ -285,7 +285,7 @@ class _Builder:
     def _collective(self, kind: str, phase: str, source: torch.fx.Node, boundary: Boundary) -> CollectiveInfo:
         spec, value = source.meta[SPEC], source.meta["val"]
         nbytes = local_numel(tuple(value.shape), spec.placements, self.ctx.mesh.shape) * value.dtype.itemsize
-        return CollectiveInfo(kind=kind, axis=self.layout.axis, phase=phase, logical_bytes=sympy.simplify(nbytes),
+        return CollectiveInfo(kind=kind, axis=self.layout.axis, phase=phase, logical_bytes=simplified(nbytes),
                               dtype=value.dtype, tensor=source.name, module=module_path(source),
                               why=f"pipeline boundary: {source.name} from stage {boundary.source} to {boundary.target}")
 
@@ -328,7 +328,7 @@ class _Builder:
         for node in [n for n in graph.nodes if n.op == "placeholder" and not n.users and n.name != TOKEN]:
             graph.erase_node(node)
         graph.lint()
-        return Stage(index=index, graph_module=torch.fx.GraphModule(self.gm, graph, class_name=f"Stage{index}"),
+        return Stage(index=index, graph_module=lazy_graph_module(self.gm, graph, class_name=f"Stage{index}"),
                      user_outputs=user_outputs)
 
     def _tie(self, copy: torch.fx.Node, ties: dict) -> None:

@@ -15,7 +15,7 @@ graph, `layouts.py` declares them by module names (an override).
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from torch.distributed.tensor import Replicate
@@ -78,12 +78,47 @@ def _matches(pattern: str, path: str) -> bool:
     return fnmatch.fnmatchcase(path, pattern)
 
 
+class _FirstMatch:
+    """The first of `rules` (in order) whose glob `pattern` matches a path, remembered per path.
+    A found layout declares one rule per parameter and per block, so a deep model has thousands:
+    patterns without glob characters are looked up in a dict, the others tried in order."""
+
+    def __init__(self, rules: "tuple[ParamRule, ...] | list[ModuleLayout]") -> None:
+        self.rules = list(rules)
+        self.exact: dict[str, int] = {}
+        self.globs: list[int] = []
+        for index, rule in enumerate(self.rules):
+            if any(c in rule.pattern for c in "*?["):
+                self.globs.append(index)
+            else:
+                self.exact.setdefault(rule.pattern, index)
+        self.found: dict[str, object] = {}
+
+    def __call__(self, path: str):
+        if path not in self.found:
+            by_glob = next((i for i in self.globs if _matches(self.rules[i].pattern, path)), None)
+            indices = [i for i in (self.exact.get(path), by_glob) if i is not None]
+            self.found[path] = self.rules[min(indices)] if indices else None
+        return self.found[path]
+
+
 @dataclass(frozen=True)
 class ResolvedStrategy:
     """The composed strategies on one mesh; every query returns one placement per mesh axis."""
 
     mesh: Mesh
     strategies: tuple[Strategy, ...]
+    _lookups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def _first(self, strategy: Strategy, kind: str, path: str):
+        """The first parameter rule ("params") or module layout with inputs ("inputs") or outputs
+        ("outputs") of `strategy` matching `path` (`_FirstMatch`, built once per strategy and kind)."""
+        key = (next(i for i, s in enumerate(self.strategies) if s is strategy), kind)
+        if key not in self._lookups:
+            rules = strategy.params if kind == "params" else [
+                layout for layout in strategy.modules if getattr(layout, kind) is not None]
+            self._lookups[key] = _FirstMatch(rules)
+        return self._lookups[key](path)
 
     def _for_axis(self, axis: str) -> list[Strategy]:
         """Strategies on `axis`; none on an axis of size 1, where every placement is Replicate."""
@@ -119,7 +154,7 @@ class ResolvedStrategy:
         for axis in self.mesh.names:
             chosen: tuple[Placement, str] = (Replicate(), "replicated (no parameter rule on this axis)")
             for strategy in self._for_axis(axis):
-                rule = next((r for r in strategy.params if _matches(r.pattern, fqn)), None)
+                rule = self._first(strategy, "params", fqn)
                 if rule is not None:
                     why = f": {rule.why}" if rule.why else ""
                     chosen = (rule.placement, f"{rule.placement} from {strategy.name} rule {rule.pattern!r}{why}")
@@ -148,13 +183,13 @@ class ResolvedStrategy:
         for index, axis in enumerate(self.mesh.names):
             for strategy in self._for_axis(axis):
                 for module in reversed(left):
-                    layout = next((l for l in strategy.modules if l.outputs is not None and _matches(l.pattern, module)), None)
+                    layout = self._first(strategy, "outputs", module)
                     if layout is not None:
                         result[index] = layout.outputs
                         if reasons is not None:
                             reasons.append(f"{axis}: {layout.outputs} leaving {module} ({strategy.name} layout {layout.pattern!r})")
                 for module in entered:
-                    layout = next((l for l in strategy.modules if l.inputs is not None and _matches(l.pattern, module)), None)
+                    layout = self._first(strategy, "inputs", module)
                     if layout is not None:
                         result[index] = layout.inputs
                         if reasons is not None:

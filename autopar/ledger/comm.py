@@ -26,6 +26,7 @@ import torch
 from tabulate import tabulate
 
 from autopar.comm_kinds import wire_bytes
+from autopar.ir import simplified
 from autopar.mesh import Mesh
 
 
@@ -177,7 +178,7 @@ def build_comm_ledger(program: Any, mesh: Mesh, symbols: dict[sympy.Symbol, symp
               logical: sympy.Expr, *, times: int = 1, stage: int | None = -1) -> CommEntry:
         return CommEntry(phase=phase, kind=kind, axis=axis, link=mesh.link(axis), group_size=mesh.group_size(axis),
                          module=module, tensor=tensor, why=why, dtype=dtype,
-                         logical_bytes=sympy.simplify(sympy.sympify(logical).subs(symbols)),
+                         logical_bytes=simplified(sympy.sympify(logical).subs(symbols)),
                          stage=stage_index if stage == -1 else stage, times=times)
 
     entries = []

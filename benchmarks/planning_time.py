@@ -1,0 +1,136 @@
+"""Planning time against layer count: Llama-3 shapes on the meta device, dp=8 x tp=8 with FSDP + TP.
+
+One process plans the whole model (`autopar.plan`, no process group) with a symbolic batch and
+sequence (`dynamic_dims={"b": 0, "s": 1}`), as `tests/test_plan_at_scale.py` does. Each row runs
+in a fresh Python process (no warm caches from an earlier row; its own peak memory) and reports
+the seconds of each phase, from `Plan.phase_seconds`:
+
+- export: `torch.export` of the model (of its first blocks when repeated blocks are reused)
+- decompose: `run_decompositions` to core ATen
+- replicate: the traced block copied for the other repeated blocks (`autopar/repeated_blocks.py`)
+- layout: the tensor-parallel layout found in the graph (`resolve_strategies`)
+- propagation: `drop_empty_concats` + `propagate_placements`
+- insertion: `insert_collectives`, `insert_grad_reductions`, `split_pipeline`, `shard_parameters`
+- ledger: gradient buckets and the communication ledger
+- emission: rank 0's graph (`Plan.rank_graph(0)`: the graph this process would run)
+- total: `autopar.plan` from call to return, plus emission
+- peak: the process's peak resident memory (torch and transformers imported: about 0.4 GiB)
+
+Run: python benchmarks/planning_time.py [--shape 8b] [--layers 2,4,8,16,32] [--repeat 3]
+     python benchmarks/planning_time.py --targets        # 8B (32 layers), 70B (80), 405B (126)
+Each cell is the minimum over `--repeat` runs (the machine is shared; the minimum is the
+least disturbed run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPES = {  # hidden, intermediate, heads, key/value heads, layers of the released model
+    "8b": (4096, 14336, 32, 8, 32),
+    "70b": (8192, 28672, 64, 8, 80),
+    "405b": (16384, 53248, 128, 8, 126),
+}
+TARGETS = {"8b": 8.0, "70b": 12.0, "405b": 30.0}
+PHASES = {
+    "export": ("export",),
+    "decompose": ("decompose",),
+    "replicate": ("replicate_blocks",),
+    "layout": ("resolve_strategies",),
+    "propagation": ("drop_empty_concats", "propagate_placements"),
+    "insertion": ("insert_collectives", "insert_grad_reductions", "split_pipeline", "shard_parameters"),
+    "ledger": ("comm_ledger",),
+    "emission": ("emission",),
+}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def llama_on_meta(shape: str, layers: int):
+    import torch
+    import transformers
+
+    from examples.hf_models import CausalLMLoss
+
+    hidden, intermediate, heads, kv_heads, _ = SHAPES[shape]
+    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=128256,
+                                      max_position_embeddings=8192, use_cache=False, attn_implementation="sdpa",
+                                      tie_word_embeddings=False)
+    with torch.device("meta"):
+        return CausalLMLoss(transformers.LlamaForCausalLM(config))
+
+
+def plan_once(shape: str, layers: int) -> dict[str, float]:
+    """Plan one shape in this process; the phase seconds, total and peak memory (GiB)."""
+    import torch
+
+    import autopar
+
+    model = llama_on_meta(shape, layers)
+    ids = torch.zeros(16, 256, dtype=torch.long)
+    start = time.perf_counter()
+    plan = autopar.plan(model, autopar.Mesh(dp=8, tp=8, ranks_per_node=8),
+                        strategies=[autopar.fsdp(), autopar.tensor_parallel()], example_inputs=(ids, ids),
+                        dynamic_dims={"b": 0, "s": 1})
+    emit_start = time.perf_counter()
+    plan.rank_graph(0)
+    end = time.perf_counter()
+    seconds = dict(plan.phase_seconds, emission=end - emit_start)
+    row = {phase: sum(seconds.get(name, 0.0) for name in names) for phase, names in PHASES.items()}
+    row["total"] = end - start
+    row["peak_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return row
+
+
+def run_row(shape: str, layers: int, repeat: int) -> dict[str, float]:
+    """The minimum of each column over `repeat` fresh processes."""
+    best: dict[str, float] = {}
+    for _ in range(repeat):
+        output = subprocess.run([sys.executable, __file__, "--one", f"{shape}:{layers}"], cwd=ROOT, check=True,
+                                capture_output=True, text=True).stdout
+        row = json.loads(output.strip().splitlines()[-1])
+        best = {key: min(value, best.get(key, value)) for key, value in row.items()}
+    return best
+
+
+def table(rows: list[tuple[str, int, dict[str, float]]]) -> str:
+    columns = [*PHASES, "total"]
+    lines = ["| shape | layers | " + " | ".join(columns) + " | peak GiB |",
+             "|---|---:|" + "---:|" * len(columns) + "---:|"]
+    for shape, layers, row in rows:
+        cells = " | ".join(f"{row[c]:.2f}" for c in columns)
+        lines.append(f"| {shape} | {layers} | {cells} | {row['peak_gib']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    parser.add_argument("--layers", default="2,4,8,16,32")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--targets", action="store_true", help="the released layer counts against the targets")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # shape:layers, in this process, JSON out
+    args = parser.parse_args()
+    if args.one:
+        shape, layers = args.one.split(":")
+        print(json.dumps(plan_once(shape, int(layers))))
+        return
+    if args.targets:
+        rows = [(shape, SHAPES[shape][4], run_row(shape, SHAPES[shape][4], args.repeat)) for shape in TARGETS]
+        print(table(rows))
+        for shape, layers, row in rows:
+            verdict = "met" if row["total"] <= TARGETS[shape] and row["peak_gib"] <= 2 else "NOT met"
+            print(f"{shape} ({layers} layers): {row['total']:.2f} s (target {TARGETS[shape]:.0f} s), "
+                  f"peak {row['peak_gib']:.2f} GiB (target 2): {verdict}")
+        return
+    print(table([(args.shape, n, run_row(args.shape, n, args.repeat)) for n in map(int, args.layers.split(","))]))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()

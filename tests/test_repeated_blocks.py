@@ -1,0 +1,118 @@
+"""Repeated blocks traced once (autopar/repeated_blocks.py) give the plan a full trace gives.
+
+Each case plans a model with 4-6 equal blocks twice — exporting every block (`reuse_blocks=False`)
+and exporting three and copying the third — and compares, node for node in graph order: the op,
+the module path, the placements (`SPEC`), the placements each argument must have (`ARG_SPECS`),
+the inserted collectives; then the placeholders (names, parameters, positions), every
+parameter's placements and gradient-sync axes, the ZeRO units, the gradient buckets and the
+communication ledger. The only difference allowed is the name fx gives a copied node: the
+reused plan's records are compared with its node names read as the full plan's. Concrete-shape cases also run each plan's rank graphs on
+fake tensors at plan time (`check_rank_graphs`), the copied blocks included.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+import autopar
+from autopar.ir import ARG_SPECS, COLLECTIVE, SPEC, module_stack
+from autopar.repeated_blocks import find_repeated_blocks
+
+
+def _target(node: torch.fx.Node) -> str:
+    return getattr(node.target, "__qualname__", str(node.target)) if node.op == "call_function" else str(node.target)
+
+
+def _renamed(record, names: dict[str, str]):
+    """A collective record (or a list of them) with the reused plan's node names read as the full
+    plan's (in `tensor` and in the `why` text)."""
+    if isinstance(record, (list, tuple)):
+        return [_renamed(r, names) for r in record]
+    if not dataclasses.is_dataclass(record):
+        return record
+    why = re.sub(r"[A-Za-z_][A-Za-z0-9_]*", lambda word: names.get(word.group(0), word.group(0)), record.why)
+    return dataclasses.replace(record, tensor=names.get(record.tensor, record.tensor), why=why)
+
+
+def assert_same_plan(full: autopar.Plan, reused: autopar.Plan) -> None:
+    full_nodes, reused_nodes = list(full.graph_module.graph.nodes), list(reused.graph_module.graph.nodes)
+    assert len(full_nodes) == len(reused_nodes)
+    names = {b.name: a.name for a, b in zip(full_nodes, reused_nodes)}
+    for a, b in zip(full_nodes, reused_nodes):
+        where = f"{a.format_node()} vs {b.format_node()}"
+        assert (a.op, _target(a), module_stack(a)) == (b.op, _target(b), module_stack(b)), where
+        assert a.meta.get(SPEC) == b.meta.get(SPEC), where
+        assert a.meta.get(ARG_SPECS) == b.meta.get(ARG_SPECS), where
+        assert a.meta.get(COLLECTIVE) == _renamed(b.meta.get(COLLECTIVE), names), where
+        if a.op == "placeholder":
+            assert a.name == b.name
+    assert full.traced.placeholders == reused.traced.placeholders
+    assert list(full.traced.state) == list(reused.traced.state)
+    assert full.parameter_placements() == reused.parameter_placements()
+    assert full.grad_sync_axes() == reused.grad_sync_axes()
+    assert [(u.index, u.params) for u in full.units] == [(u.index, u.params) for u in reused.units]
+    assert full.buckets == reused.buckets
+    assert full.comm.entries == _renamed(reused.comm.entries, names)
+
+
+def _both(model: torch.nn.Module, mesh: str, strategies: list, inputs: tuple, **options) -> tuple:
+    full = autopar.plan(model, mesh, strategies=strategies, example_inputs=inputs, reuse_blocks=False, **options)
+    reused = autopar.plan(model, mesh, strategies=strategies, example_inputs=inputs, **options)
+    assert reused.traced.copied_blocks and not full.traced.copied_blocks
+    return full, reused
+
+
+def test_llama_fsdp_tp_symbolic_is_the_full_plan(transformers):
+    from examples.hf_models import tiny_llama, token_batch
+
+    torch.manual_seed(0)
+    model = tiny_llama(layers=5, kv_heads=2)
+    full, reused = _both(model, "dp=2,tp=2", [autopar.fsdp(), autopar.tensor_parallel()], token_batch(),
+                         dynamic_dims={"b": 0, "s": 1})
+    assert_same_plan(full, reused)
+
+
+def test_example_gpt_dp_sp_is_the_full_plan_and_its_rank_graphs_run():
+    from examples.gpt import GPT, GPTConfig, example_batch
+
+    config = GPTConfig(n_layer=5)
+    torch.manual_seed(0)
+    full, reused = _both(GPT(config), "dp=2,tp=2", [autopar.data_parallel(), autopar.sequence_parallel()],
+                         example_batch(config))
+    assert_same_plan(full, reused)
+    assert reused.rank_graph(3).code.count("layers_4") > 0
+
+
+def test_example_gpt_pipeline_zero_is_the_full_plan():
+    from examples.gpt import GPT, GPTConfig, example_batch
+
+    config = GPTConfig(n_layer=6)
+    torch.manual_seed(0)
+    full, reused = _both(GPT(config), "pp=2,dp=2", [autopar.pipeline_parallel(schedule="1f1b", microbatches=2),
+                                                    autopar.zero(stage=2)], example_batch(config))
+    assert_same_plan(full, reused)
+    assert [s.graph_module.code for s in full.stages] != []
+    assert [len(s.graph_module.graph.nodes) for s in full.stages] == [len(s.graph_module.graph.nodes)
+                                                                       for s in reused.stages]
+
+
+def test_blocks_that_differ_are_traced_whole(transformers):
+    from examples.hf_models import tiny_llama
+
+    model = tiny_llama(layers=5)
+    assert find_repeated_blocks(model) == ("model.model.layers", 5)
+    model.model.model.layers[3].mlp.act_fn = torch.nn.ReLU()
+    assert find_repeated_blocks(model) is None
+    assert find_repeated_blocks(tiny_llama(layers=3)) is None  # three traced: nothing to save
+
+
+@pytest.mark.parametrize("kind", ["gpt2"])
+def test_hf_gpt2_tp_is_the_full_plan(transformers, kind):
+    from examples.hf_models import tiny_gpt2, token_batch
+
+    torch.manual_seed(0)
+    full, reused = _both(tiny_gpt2(layers=4), "tp=2", [autopar.tensor_parallel()], token_batch())
+    assert_same_plan(full, reused)
