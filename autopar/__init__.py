@@ -9,7 +9,7 @@ import warnings
 # torch.export's own pytree use triggers this deprecation inside torch 2.13; it is not ours to fix
 warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*", category=FutureWarning)
 
-from autopar.api import ParallelModule, Plan, parallelize, plan
+from autopar.api import ParallelModule, Plan, parallelize, plan, save_runnable_plan
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
 from autopar.strategies.data_parallel import data_parallel
@@ -18,4 +18,4 @@ from autopar.strategies.tensor_parallel import sequence_parallel, tensor_paralle
 from autopar.strategies.zero import fsdp, hsdp, zero
 
 __all__ = ["Mesh", "ParallelModule", "Plan", "PlanError", "data_parallel", "fsdp", "hsdp", "parallelize",
-           "pipeline_parallel", "plan", "sequence_parallel", "tensor_parallel", "zero"]
+           "pipeline_parallel", "plan", "save_runnable_plan", "sequence_parallel", "tensor_parallel", "zero"]
