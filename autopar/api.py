@@ -51,6 +51,10 @@ def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | Non
                          example_kwargs=example_kwargs, dynamic_dims=dynamic_dims, bucket_cap_mb=bucket_cap_mb),
             local, dynamic=bool(dynamic_dims))
     the_plan.mesh.check_world_size(dist.get_world_size())
+    if dynamic_dims and the_plan.pipeline is not None:
+        raise PlanError("dynamic_dims with pipeline parallelism is not supported yet: a stage receives activations "
+                        "into buffers of the traced micro-batch's shape (runtime/p2p.py)\n  fix: leave dynamic_dims "
+                        "out (every batch then has the example's shape)")
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device_mesh = the_plan.mesh.device_mesh(device_type=device_type)
     groups = {axis: device_mesh.get_group(axis).group_name for axis in the_plan.mesh.names}
