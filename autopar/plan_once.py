@@ -106,8 +106,8 @@ def mismatch(planned: dict[str, str], local: dict[str, str], *, rank: int, plann
             ours, theirs = planned[field].splitlines(), value.splitlines()
             first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
             at = lambda lines: lines[first] if first < len(lines) else "<nothing>"  # noqa: E731
-            return (f"rank {rank} is not running the model {planner} planned: its {field} differ "
-                    f"({planner}: {at(ours)!r}; rank {rank}: {at(theirs)!r})\n  fix: {_FIX}")
+            return (f"rank {rank} is not running the model {planner} planned; {field}: {planner} has "
+                    f"{at(ours)!r}, rank {rank} has {at(theirs)!r}\n  fix: {_FIX}")
     return None
 
 
