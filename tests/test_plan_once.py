@@ -25,7 +25,7 @@ from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
 from tests.numerics_checks import max_relative_error
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
 CONFIG = GPTConfig(n_layer=2)
 BATCH = example_batch(CONFIG, batch=4)
