@@ -2,6 +2,9 @@
 lengths and trains like one device at the new shape; a size the plan cannot run is refused
 before anything runs, naming the input, the dimension, the sizes and the fix.
 
+In one process: every rank graph of a dynamic dp=2 x tp=2 + SP plan runs forward and backward
+on fake tensors of another size's local shapes (the plan-time check runs them at the example's).
+
 Real gloo processes (world 2, one launch for every case): data parallel (batch split), tensor
 parallel, and sequence parallel (the sequence split inside the model: its sizes are computed
 from the inputs as global sizes and divided by the shard degree, `passes/emit_rank_graph.py`).
@@ -12,6 +15,9 @@ import pytest
 import torch
 
 import autopar
+from autopar.check_rank_graphs import _CheckedRun, _check_backward, _traced_mode
+from autopar.ir import SPEC, local_shape, sym_size
+from autopar.ledger.activations import kernel_device, on_device
 from autopar.runtime.input_shapes import InputShapeError
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
@@ -95,3 +101,33 @@ def test_dynamic_dims_run_other_shapes_and_static_ones_are_refused_by_name():
         assert "has size 4 in dimension 0, but the plan expects 2 (this rank's share: 4 split over 2 ranks of dp)" \
             in errors["static_local"], errors["static_local"]
         assert "input 0 ('idx') has 1 dimensions" in errors["dynamic_ndim"], errors["dynamic_ndim"]
+
+
+def _fake_inputs_at(plan, graph, mode, sizes: dict[str, int]) -> list:
+    """Fake local inputs of `graph` at the global sizes `sizes` ({"b": 6, "s": 8})."""
+    values = {symbol: sizes[str(name)] for symbol, name in plan.traced.symbols.items()}
+    inputs = []
+    with mode:
+        for node in graph.nodes:
+            if node.op != "placeholder":
+                continue
+            value, info = node.meta["val"], plan.context.placeholders[node.name]
+            shape = [int(sym_size(d).subs(values)) for d in value.shape]
+            local = local_shape(shape, node.meta[SPEC].placements, plan.mesh.shape)
+            tensor = torch.empty(local, dtype=value.dtype)
+            inputs.append(tensor.requires_grad_(info.kind == "parameter" and info.requires_grad))
+    return inputs
+
+
+def test_dynamic_rank_graphs_run_on_fake_tensors_of_another_size():
+    plan = autopar.plan(build(), "dp=2,tp=2", strategies=[autopar.data_parallel(), autopar.sequence_parallel()],
+                        example_inputs=EXAMPLE, dynamic_dims=DYNAMIC)
+    mode = _traced_mode(plan)
+    for rank in (0, 3):
+        graph = on_device(plan.rank_graph(rank), kernel_device(plan, None))
+        assert "floordiv" in graph.code and "sym_size" in graph.code, "sizes are not computed from the inputs"
+        run = _CheckedRun(graph, rank)
+        with mode, torch.enable_grad():
+            outputs = run.run(*_fake_inputs_at(plan, plan.stages[0].graph_module.graph, mode, {"b": 6, "s": 8}))
+            _check_backward(run, outputs)
+        assert outputs[0].shape == ()
