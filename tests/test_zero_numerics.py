@@ -18,9 +18,9 @@ from autopar.measure.memory import held_bytes
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
 from examples.hf_models import tiny_gpt2, tiny_llama, token_batch
-from tests.numerics import (STEPS, Instruments, Probed, comparison_mesh, distributed_rank, parallel_trainer,
-                            rank_summary, reference_trainer, settle_garbage, single_device, train_step,
-                            whole_tensors)
+from tests.numerics import (STEPS, Instruments, Probed, comparison_mesh, device_mesh_bytes, device_mesh_keys,
+                            distributed_rank, parallel_trainer, rank_summary, reference_trainer, settle_garbage,
+                            single_device, train_step, whole_tensors)
 from tests.numerics_checks import (assert_activations_equal_ledger, assert_held_equals_ledger,
                                    assert_ledger_equals_measured, assert_matches, assert_memory_equals_ledger,
                                    max_relative_error)
@@ -89,6 +89,7 @@ def _accumulating_rank(rank: int, world: int, build, batch, mesh: str, strategie
     with instruments.phase("setup"):
         module, optimizer = parallel_trainer(build, micro_batch(batch, 0), mesh, strategies)
     result = rank_summary(module, rank, world, instruments.next_counter())
+    meshes = device_mesh_keys()
     settle_garbage()
     check = comparison_mesh(module)
     instruments.storages.track(batch)
@@ -104,6 +105,7 @@ def _accumulating_rank(rank: int, world: int, build, batch, mesh: str, strategie
         optimizer.step()
     result["held"] = [held_bytes(instruments.storages, module=module, optimizer=optimizer,
                                  exclude=[batch, local, loss])]
+    result["device_mesh_bytes"] = [device_mesh_bytes(instruments.storages, meshes)]
     result["comm"] = instruments.next_counter().by_key(result["group_to_axis"])
     expected: dict = {}
     for (phase, kind, axis), (calls, nbytes) in module.plan.comm.accumulation(
