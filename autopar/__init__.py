@@ -5,11 +5,20 @@
 rank's trainable module. Strategies live in `autopar.strategies`, passes in `autopar.passes`.
 """
 import warnings
+from pathlib import Path
+
+# A source checkout keeps `passes/` and `strategies/` beside `autopar/` (pyproject's package-dir maps
+# them to autopar.passes / autopar.strategies). Resolve them in this checkout: an editable install's
+# finder would otherwise import them from whichever checkout it was installed from (another git
+# worktree's passes running under this one's autopar). An installed wheel has them inside autopar/.
+_CHECKOUT = Path(__file__).resolve().parent.parent
+if (_CHECKOUT / "passes" / "__init__.py").is_file() and (_CHECKOUT / "strategies" / "__init__.py").is_file():
+    __path__.append(str(_CHECKOUT))
 
 # torch.export's own pytree use triggers this deprecation inside torch 2.13; it is not ours to fix
 warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*", category=FutureWarning)
 
-from autopar.api import ParallelModule, Plan, parallelize, plan
+from autopar.api import ParallelModule, Plan, parallelize, plan, save_runnable_plan
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
 from autopar.strategies.data_parallel import data_parallel
@@ -18,4 +27,4 @@ from autopar.strategies.tensor_parallel import sequence_parallel, tensor_paralle
 from autopar.strategies.zero import fsdp, hsdp, zero
 
 __all__ = ["Mesh", "ParallelModule", "Plan", "PlanError", "data_parallel", "fsdp", "hsdp", "parallelize",
-           "pipeline_parallel", "plan", "sequence_parallel", "tensor_parallel", "zero"]
+           "pipeline_parallel", "plan", "save_runnable_plan", "sequence_parallel", "tensor_parallel", "zero"]

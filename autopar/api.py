@@ -1,38 +1,69 @@
 """The public entry points: `plan` (single process, no process group) and `parallelize`
-(under torchrun or any initialised process group: returns the rank's `ParallelModule`)."""
+(under torchrun or any initialised process group: returns the rank's `ParallelModule`).
+Where `parallelize`'s plan comes from — made on rank 0 and received by the others, read from a
+runnable plan file, or made on every rank for dynamic sizes — is `autopar/plan_once.py`."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
+from autopar.errors import PlanError
 from autopar.mesh import Mesh
 from autopar.plan import Plan, plan
+from autopar.plan_once import fingerprint, load_runnable_plan, obtain_plan, save_runnable_plan, state_from_model
 from autopar.runtime.module import ParallelModule
 
 
-def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, strategies: Sequence[Any],
-                example_inputs: Sequence[Any], example_kwargs: dict | None = None,
-                ranks_per_node: int | None = None, bucket_cap_mb: float = 25.0) -> ParallelModule:
-    """Compile `model` for `mesh` and return this rank's module. `example_inputs` is a global batch."""
+def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | None" = None, *,
+                strategies: Sequence[Any] | None = None, example_inputs: Sequence[Any] | None = None,
+                example_kwargs: dict | None = None, dynamic_dims: dict[str, int] | None = None,
+                plan_file: "str | Path | None" = None, ranks_per_node: int | None = None,
+                bucket_cap_mb: float = 25.0) -> ParallelModule:
+    """Compile `model` for `mesh` and return this rank's module. `example_inputs` is a global batch.
+
+    Rank 0 plans and the other ranks receive its plan (`autopar/plan_once.py`); `plan_file=` runs
+    a runnable plan file (`autopar.save_runnable_plan`) without planning (mesh, strategies and
+    inputs then come from the file; any given are checked against it). `dynamic_dims={"b": 0,
+    "s": 1}` lets those dimensions of every input differ from the example's at run time."""
     if not dist.is_initialized():
         raise RuntimeError("autopar.parallelize needs an initialised process group (run under torchrun, or call "
                            "torch.distributed.init_process_group first); use autopar.plan to plan without one")
     if ranks_per_node is None and "LOCAL_WORLD_SIZE" in os.environ:  # torchrun knows the node size
         ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
-    mesh = Mesh.parse(mesh, ranks_per_node=ranks_per_node)
-    mesh.check_world_size(dist.get_world_size())
+    parsed = Mesh.parse(mesh, ranks_per_node=ranks_per_node) if mesh is not None else None
+    options = {"dynamic_dims": dynamic_dims, "bucket_cap_mb": bucket_cap_mb}
+    local = fingerprint(model, world_size=dist.get_world_size(), mesh=parsed, strategies=strategies,
+                        example_inputs=example_inputs, example_kwargs=example_kwargs,
+                        options=options if plan_file is None else None)
+    if plan_file is not None:
+        the_plan, timing = load_runnable_plan(plan_file, local)
+    else:
+        if parsed is None or strategies is None or example_inputs is None:
+            raise PlanError("parallelize needs a mesh, strategies and example_inputs to plan, or plan_file= to run "
+                            "a saved plan")
+        parsed.check_world_size(dist.get_world_size())
+        the_plan, timing = obtain_plan(
+            lambda: plan(model, parsed, strategies=strategies, example_inputs=example_inputs,
+                         example_kwargs=example_kwargs, dynamic_dims=dynamic_dims, bucket_cap_mb=bucket_cap_mb),
+            local, dynamic=bool(dynamic_dims))
+    the_plan.mesh.check_world_size(dist.get_world_size())
+    if dynamic_dims and the_plan.pipeline is not None:
+        raise PlanError("dynamic_dims with pipeline parallelism is not supported yet: a stage receives activations "
+                        "into buffers of the traced micro-batch's shape (runtime/p2p.py)\n  fix: leave dynamic_dims "
+                        "out (every batch then has the example's shape)")
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    device_mesh = mesh.device_mesh(device_type=device_type)
-    groups = {axis: device_mesh.get_group(axis).group_name for axis in mesh.names}
-    the_plan = plan(model, mesh, strategies=strategies, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                    bucket_cap_mb=bucket_cap_mb)
-    module = ParallelModule(the_plan, rank=dist.get_rank(), groups=groups, state=the_plan.traced.state)
+    device_mesh = the_plan.mesh.device_mesh(device_type=device_type)
+    groups = {axis: device_mesh.get_group(axis).group_name for axis in the_plan.mesh.names}
+    state = the_plan.traced.state if timing.source in ("planned", "local") else state_from_model(the_plan, model)
+    module = ParallelModule(the_plan, rank=dist.get_rank(), groups=groups, state=state)
+    module.plan_timing = timing
     # the module holds its shards now; the plan must not keep the full weights alive (ZeRO's point)
     the_plan.traced.state = {}
     return module
 
 
-__all__ = ["Plan", "ParallelModule", "parallelize", "plan"]
+__all__ = ["Plan", "ParallelModule", "parallelize", "plan", "save_runnable_plan"]

@@ -13,8 +13,10 @@ graph are PyTorch's functional collectives, whose fake kernels only compute shap
 names need not exist. Forward runs node by node (`_CheckedRun`); a node that raises becomes a
 `PlanError` naming it, its op, module and source line. Backward then runs from the outputs
 (`_check_backward`); each node's output gradient registers a hook, so an error in backward names
-the node whose gradient was being computed last. Plans with symbolic sizes are skipped
-(`check_rank_graphs`).
+the node whose gradient was being computed last. Plans with symbolic sizes (`dynamic_dims`) run
+too, at the example's sizes: their rank graphs compute every size from the local inputs
+(`passes/emit_rank_graph.py`), so the fake inputs of the example's local shapes exercise the same
+code the run does at other sizes.
 """
 from __future__ import annotations
 
@@ -101,11 +103,7 @@ def _traced_mode(plan: "Plan") -> Any:
 
 
 def check_rank_graphs(plan: "Plan") -> None:
-    """`check_rank_graph` on the first and the last rank (module docstring). Plans traced with
-    symbolic sizes (`dynamic_dims`) are not run: their rank graphs read sizes off the rank's local
-    inputs where the plan placed global ones (run-time shapes are not handled yet)."""
-    if plan.traced.symbols:
-        return
+    """`check_rank_graph` on the first and the last rank (module docstring)."""
     with unset_fake_temporarily():  # planning may run under the caller's FakeTensorMode
         for stage in plan.stages:
             holders = [r for r in range(plan.mesh.world_size) if stage in plan.stages_of_rank(r)]

@@ -74,6 +74,7 @@ def train_rank(rank: int, world_size: int, mesh_text: str, sequence_parallel: bo
                                  example_inputs=data[0])
     if rank == 0:
         print(module.plan.report(activations=False), flush=True)
+    print_plan_timing(module)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
     losses = []
     for batch in data:
@@ -83,6 +84,20 @@ def train_rank(rank: int, world_size: int, mesh_text: str, sequence_parallel: bo
     if timeline and module.pipeline is not None:
         write_timeline(module, timeline)
     return losses
+
+
+def print_plan_timing(module: autopar.ParallelModule) -> None:
+    """Rank 0 planned, the others received its plan (autopar/plan_once.py): each rank's own work
+    against rank 0's planning (benchmarks/plan_once.py measures it at length)."""
+    timings: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(timings, module.plan_timing)
+    if torch.distributed.get_rank() != 0:
+        return
+    planning = timings[0]
+    rows = [[rank, t.source, f"{t.seconds * 1000:.0f}", f"{t.cpu_seconds * 1000:.0f}", f"{t.waited * 1000:.0f}",
+             f"{t.seconds / planning.seconds:.1%}"] for rank, t in enumerate(timings)]
+    print("\nplan once\n" + tabulate(rows, headers=["rank", "plan from", "own work ms", "own CPU ms", "waited ms",
+                                                    "wall / rank 0"]) + "\n", flush=True)
 
 
 def write_timeline(module: autopar.ParallelModule, path: str) -> None:

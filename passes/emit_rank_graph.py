@@ -6,11 +6,23 @@ on the axis, the global rank of a pipeline peer; nodes an autopar rule lowered c
 kernel (`autopar.runtime.local_ops`) with arguments bound the same way; shape arguments DTensor
 rewrote to local sizes replace the global ones; `view`s become `reshape`s (a shard's strides
 may differ from the traced tensor's); dead nodes (unused outputs of multi-output ops)
-are removed. The result is an ordinary `torch.fx.GraphModule` over local tensors, whose code
-(`gm.code`, generated when first read or run) reads like the hand-written per-rank program.
+are removed.
+
+Symbolic sizes (a plan traced with `dynamic_dims`) stay symbolic, so one rank graph runs at any
+size of a dynamic dimension. The planned graph is a global program: every size in it is a global
+size. A rank's tensors are its shards, so `_globalize_sizes` multiplies each size read off a
+tensor (`aten.sym_size.int`, `aten.sym_numel`) by the shard degree of that dimension under the
+tensor's placements; every size computed from them is then global, as planned. Where DTensor
+rewrote a symbolic shape argument to a local size (at the example's sizes), `_localize_args`
+divides the global size by the same ratio (`g // (g_example / l_example)`, the shard degree); a
+ratio that is not a whole number cannot be a shard degree and is refused naming the node. The
+result is an ordinary `torch.fx.GraphModule` over local tensors, whose code (`gm.code`,
+generated when first read or run) reads like the hand-written per-rank program.
 """
 from __future__ import annotations
 
+import math
+import operator
 
 import torch
 import torch.fx
@@ -18,9 +30,24 @@ from torch.utils import _pytree as pytree
 
 from autopar.comm_kinds import bind, comm_step
 from autopar.context import CompileContext
-from autopar.ir import LOCAL_ARGS, RULE, lazy_graph_module
+from autopar.errors import PlanError
+from autopar.ir import LOCAL_ARGS, RULE, SPEC, hint, lazy_graph_module, shard_dim
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+_SIZE_READS = (torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default)
+
+
+def _local_size(node: torch.fx.Node, size: torch.fx.Node, local: int) -> "torch.fx.Node | int":
+    """A global symbolic size `size` as the local size DTensor computed at the example's values."""
+    example = hint(size.meta["val"])
+    if local == example:
+        return size
+    if local <= 0 or example % local:
+        raise PlanError.at(node, f"DTensor rewrote the symbolic size {size.name} (= {example} in the example) to "
+                                 f"{local}, which is not the size divided by a shard degree",
+                           fix="declare this dimension static (leave it out of dynamic_dims)")
+    with node.graph.inserting_before(node):
+        return node.graph.call_function(operator.floordiv, (size, example // local))
 
 
 def _localize_args(node: torch.fx.Node) -> None:
@@ -29,9 +56,38 @@ def _localize_args(node: torch.fx.Node) -> None:
     local_leaves = pytree.tree_leaves((local_args, local_kwargs))
     if len(local_leaves) != len(leaves):
         raise AssertionError(f"local arguments of {node.format_node()} do not line up with its arguments")
-    merged = [leaf if isinstance(leaf, torch.fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor) else local
-              for leaf, local in zip(leaves, local_leaves)]
+    merged = []
+    for leaf, local in zip(leaves, local_leaves):
+        value = leaf.meta.get("val") if isinstance(leaf, torch.fx.Node) else None
+        if isinstance(value, torch.Tensor):
+            merged.append(leaf)
+        elif isinstance(value, torch.SymInt) and isinstance(local, int):
+            merged.append(_local_size(node, leaf, local))
+        else:
+            merged.append(local)
     node.args, node.kwargs = pytree.tree_unflatten(merged, tree)
+
+
+def _shard_degree(spec: object, dims: "set[int]", mesh_shape: tuple[int, ...]) -> int:
+    placements = getattr(spec, "placements", ())
+    return math.prod(parts for placement, parts in zip(placements, mesh_shape) if shard_dim(placement) in dims)
+
+
+def _globalize_sizes(graph: torch.fx.Graph, ctx: CompileContext) -> None:
+    """Sizes read off a rank's shards, multiplied back to the global sizes the plan computes with."""
+    for node in list(graph.nodes):
+        if node.target not in _SIZE_READS:
+            continue
+        tensor = node.args[0]
+        rank = len(tensor.meta["val"].shape)
+        dims = {node.args[1] % rank} if node.target is torch.ops.aten.sym_size.int else set(range(rank))
+        degree = _shard_degree(tensor.meta.get(SPEC), dims, ctx.mesh.shape)
+        if degree == 1:
+            continue
+        with graph.inserting_after(node):
+            scaled = graph.call_function(operator.mul, (node, degree))
+        scaled.meta["val"] = node.meta.get("val")
+        node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
 
 
 def emit_rank_graph(gm: torch.fx.GraphModule, ctx: CompileContext, *, rank: int,
@@ -41,7 +97,8 @@ def emit_rank_graph(gm: torch.fx.GraphModule, ctx: CompileContext, *, rank: int,
     graph = torch.fx.Graph()
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
-    for node in graph.nodes:
+    _globalize_sizes(graph, ctx)
+    for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         step = comm_step(node.target)

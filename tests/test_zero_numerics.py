@@ -20,8 +20,8 @@ from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
 from examples.hf_models import tiny_gpt2, tiny_llama, token_batch
 from tests.numerics import (STEPS, Instruments, Probed, comparison_mesh, device_mesh_bytes, device_mesh_keys,
-                            distributed_rank, parallel_trainer, rank_summary, reference_trainer, settle_garbage, single_device, train_step,
-                            whole_tensors)
+                            distributed_rank, parallel_trainer, rank_summary, reference_trainer, settle_garbage,
+                            single_device, train_step, whole_tensors)
 from tests.numerics_checks import (assert_activations_equal_ledger, assert_held_equals_ledger,
                                    assert_ledger_equals_measured, assert_matches, assert_memory_equals_ledger,
                                    max_relative_error)

@@ -8,7 +8,9 @@ pipeline parallelism a rank holds the parameters of its own stages only.
 Each stage the rank runs is a `StageRunner` (runtime/stage.py). Without a pipeline there is one:
 `forward` takes the rank's local inputs (see `local_batch` to cut them from a global batch) and
 returns the outputs the original model returns, replicated; gradients that come out Partial are
-synchronised during backward. `train_step(*local_inputs)` runs forward and backward of a whole
+synchronised during backward. Inputs are checked against the plan's shapes first
+(`runtime/input_shapes.py`: a static dimension must keep the example's size, a dynamic one split
+over its shard degree). `train_step(*local_inputs)` runs forward and backward of a whole
 step and returns the loss — the one way to train a pipeline-parallel module, whose step is the
 schedule's forwards and backwards over every micro-batch (`runtime/pipeline.py`). Under
 ZeRO/FSDP (`strategies.zero`) the parameters of each unit are this rank's dim-0 shards (padded to
@@ -28,6 +30,7 @@ from autopar.ir import shard_dim
 from autopar.plan import Plan, shard
 from autopar.runtime import collectives
 from autopar.runtime.collectives import raw_all_reduce
+from autopar.runtime.input_shapes import check_global_inputs, check_local_inputs
 from autopar.runtime.pipeline import PipelineExecutor
 from autopar.runtime.stage import StageRunner
 from autopar.zero_units import shard_of
@@ -171,7 +174,9 @@ class ParallelModule(torch.nn.Module):
         (detached). Under pipeline parallelism: every micro-batch through the schedule, gradients
         accumulated and synchronised once, the loss (mean over micro-batches) on every rank."""
         if self.pipeline is not None:
-            return self.pipeline.step(pytree.tree_leaves(list(inputs)))
+            local = pytree.tree_leaves(list(inputs))
+            check_local_inputs(self.plan, local)
+            return self.pipeline.step(local)
         loss = self(*inputs)
         loss.backward()
         return loss.detach()
@@ -267,13 +272,18 @@ class ParallelModule(torch.nn.Module):
         return tuple(axes)
 
     def local_batch(self, *global_inputs: Any) -> list[Any]:
-        """This rank's slice of a global batch, in the traced input order."""
-        return self.plan.local_inputs(pytree.tree_leaves(list(global_inputs)), self.rank)
+        """This rank's slice of a global batch, in the traced input order; sizes checked against
+        the plan (runtime/input_shapes.py)."""
+        flat = pytree.tree_leaves(list(global_inputs))
+        check_global_inputs(self.plan, flat)
+        return self.plan.local_inputs(flat, self.rank)
 
     def forward(self, *inputs: Any) -> Any:
         if self.pipeline is not None:
             raise RuntimeError("a pipeline-parallel module runs its stages under a schedule: train with "
                                "module.train_step(*module.local_batch(*batch)), which runs forward and backward of "
                                "every micro-batch and returns the loss")
-        outputs = self.stages[0].run(pytree.tree_leaves(list(inputs)))
+        local = pytree.tree_leaves(list(inputs))
+        check_local_inputs(self.plan, local)
+        outputs = self.stages[0].run(local)
         return pytree.tree_unflatten(list(outputs), self.plan.traced.out_spec)

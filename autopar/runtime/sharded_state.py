@@ -57,6 +57,13 @@ class UnitCalls:
         self.units = {u.index: u for u in units}
         torch.fx.node.has_side_effect(self.release_unit)
 
+    def __reduce__(self) -> tuple:
+        """Unpickled (a plan sent to another rank, autopar/plan_codec.py) by calling __init__ again,
+        which registers release_unit as a side effect there (dead-code elimination keeps it)."""
+        if type(self) is not UnitCalls:
+            raise TypeError(f"{type(self).__name__} is run-time state bound to process groups; it is not pickled")
+        return UnitCalls, (list(self.units.values()),)
+
     def gather_unit(self, shards: tuple[torch.Tensor, ...], *, unit: int) -> tuple[torch.Tensor, ...]:
         return tuple(torch.empty(p.shape, dtype=s.dtype, device=s.device).requires_grad_(s.requires_grad)
                      for p, s in zip(self.units[unit].params, shards))
