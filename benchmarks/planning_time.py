@@ -45,6 +45,7 @@ PHASES = {
     "propagation": ("drop_empty_concats", "propagate_placements"),
     "insertion": ("insert_collectives", "insert_grad_reductions", "split_pipeline", "shard_parameters"),
     "ledger": ("comm_ledger",),
+    "check": ("check_rank_graphs",),  # every rank graph run forward and backward on fake tensors
     "emission": ("emission",),
 }
 ROOT = Path(__file__).resolve().parents[1]
