@@ -1,5 +1,6 @@
 """The HTML view of a plan opens in a real browser: headless Chromium renders the graph (one element
-per node, collectives marked) and the per-layer ledger, and a screenshot of it is not blank."""
+per node, collectives marked) and the per-layer ledger, and a screenshot of it is not blank; the
+pipeline timeline (SVG, and the page's pipeline panel) renders one block per scheduled action."""
 from __future__ import annotations
 
 import re
@@ -70,3 +71,35 @@ def test_chromium_renders_graph_and_ledger(document, tmp_path):
     shot = tmp_path / "plan.png"
     chromium(f"--screenshot={shot}", "--window-size=1400,1000", page.as_uri(), profile=tmp_path / "profile-shot")
     assert shot.exists() and shot.stat().st_size > 10_000
+
+
+@pytest.fixture(scope="module")
+def pipeline_plan() -> autopar.Plan:
+    model, batch = example()
+    return autopar.plan(model, "pp=2", strategies=[autopar.pipeline_parallel(schedule="zb_h1", microbatches=4)],
+                        example_inputs=batch)
+
+
+def test_chromium_renders_the_pipeline_timeline(pipeline_plan, tmp_path):
+    """The timeline SVG (`autopar plan --timeline`) and the HTML view's pipeline panel open in the
+    browser with one block per action of the schedule: F, B and W of 2 stages x 4 micro-batches."""
+    from autopar.ledger.bubble import build_bubble_ledger
+    from autopar.views.timeline import render_timeline
+
+    timeline = build_bubble_ledger(pipeline_plan).timeline
+    assert len(timeline) == 3 * 2 * 4
+    svg = tmp_path / "step.svg"
+    svg.write_text(render_timeline(predicted=timeline, title="zb_h1"))
+    dom = chromium("--dump-dom", svg.as_uri(), profile=tmp_path / "profile-svg").stdout
+    assert len(re.findall(r'class="action"', dom)) == len(timeline)
+    assert "pp rank 0" in dom and "pp rank 1" in dom and "idle per rank" in dom
+
+    page = tmp_path / "pipeline.html"
+    page.write_text(render_html(plan_document(pipeline_plan), title="example GPT pp=2 zb_h1"))
+    dom = chromium("--dump-dom", page.as_uri(), profile=tmp_path / "profile-page").stdout
+    panel = dom[dom.index('id="pipeline-panel"'):]
+    assert len(re.findall(r'class="action"', panel)) == len(timeline)
+    assert len(re.findall(r"<tr><td", panel[:panel.index("</table>")])) == 2  # the two stages
+    shot = tmp_path / "step.png"
+    chromium(f"--screenshot={shot}", "--window-size=1300,200", svg.as_uri(), profile=tmp_path / "profile-shot")
+    assert shot.exists() and shot.stat().st_size > 3_000
