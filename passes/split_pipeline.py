@@ -344,22 +344,24 @@ class _Builder:
         node = graph.call_function(p2p.recv_activation, (token,), {
             "group": self.layout.axis, "peer": self._offset(index, boundary.source), "value": boundary.value,
             "shape": shape, "dtype": value.dtype, "requires_grad": boundary.requires_grad})
-        node.meta.update({"val": value, SPEC: spec, REQUIRES_GRAD: boundary.requires_grad,
-                          "nn_module_stack": source.meta.get("nn_module_stack", {}),
-                          "stack_trace": source.meta.get("stack_trace")})
-        local = self.layout.coordinate(boundary.source) == self.layout.coordinate(index)
-        node.meta[COLLECTIVE] = [] if local else [self._collective("recv", "forward", source, boundary)] + (
-            [self._collective("send", "backward", source, boundary)] if boundary.requires_grad else [])
-        return node
+        node.meta.update({"val": value, SPEC: spec})
+        return self._p2p_meta(node, source, boundary, index, peer=boundary.source, forward="recv", backward="send")
 
     def _send(self, graph: torch.fx.Graph, value: torch.fx.Node, source: torch.fx.Node, boundary: Boundary,
               index: int) -> torch.fx.Node:
         node = graph.call_function(p2p.send_activation, (value,), {
             "group": self.layout.axis, "peer": self._offset(index, boundary.target), "value": boundary.value})
-        node.meta.update({"val": source.meta["val"].new_zeros(()), REQUIRES_GRAD: boundary.requires_grad,
+        node.meta["val"] = source.meta["val"].new_zeros(())
+        return self._p2p_meta(node, source, boundary, index, peer=boundary.target, forward="send", backward="recv")
+
+    def _p2p_meta(self, node: torch.fx.Node, source: torch.fx.Node, boundary: Boundary, index: int, *, peer: int,
+                  forward: str, backward: str) -> torch.fx.Node:
+        """Provenance of the crossing value, and the ledger records of a send or receive and its
+        backward conjugate (none when both stages sit on the same pp rank)."""
+        node.meta.update({REQUIRES_GRAD: boundary.requires_grad,
                           "nn_module_stack": source.meta.get("nn_module_stack", {}),
                           "stack_trace": source.meta.get("stack_trace")})
-        local = self.layout.coordinate(boundary.target) == self.layout.coordinate(index)
-        node.meta[COLLECTIVE] = [] if local else [self._collective("send", "forward", source, boundary)] + (
-            [self._collective("recv", "backward", source, boundary)] if boundary.requires_grad else [])
+        local = self.layout.coordinate(peer) == self.layout.coordinate(index)
+        node.meta[COLLECTIVE] = [] if local else [self._collective(forward, "forward", source, boundary)] + (
+            [self._collective(backward, "backward", source, boundary)] if boundary.requires_grad else [])
         return node
