@@ -3,6 +3,7 @@
     autopar plan    TARGET --mesh dp=2,tp=2 [--strategy dp,sp] [--node 8] [--symbolic b=0,s=1]
                     [--params-only] [--save plan.json] [--compare-stages] [--timeline out.svg]
                     [--schedule 1f1b --microbatches 8 --virtual-stages 1 --stages layers.4]
+                    [--cp-method ring --no-load-balance]
     autopar graph   TARGET --mesh ... --rank R [--diff] [--html out.html]
     autopar check   TARGET --mesh ... --baseline comm.json [--tolerance PCT] [--update]
     autopar diff    a.json b.json
@@ -12,8 +13,9 @@ TARGET is `module:function` or `file.py[:function]` (default `example`): a funct
 arguments returning `(model, example_inputs)` (a global batch). `--strategy` lists strategy
 names: dp (data_parallel on axis dp), zero1 / zero2 / zero3 / fsdp (ZeRO on dp), hsdp (FSDP on
 dp_shard, replicated on dp_rep), tp (tensor_parallel on tp), sp (sequence_parallel on tp), pp
-(pipeline_parallel on pp, with --schedule, --microbatches, --virtual-stages, --stages); by
-default dp for a `dp` axis, tp for a `tp` axis and pp for a `pp` axis. `--compare-stages` prints DDP and ZeRO-1/2/3
+(pipeline_parallel on pp, with --schedule, --microbatches, --virtual-stages, --stages), cp
+(context_parallel on cp, with --cp-method ring|allgather|alltoall and --no-load-balance); by
+default dp for a `dp` axis, tp for a `tp` axis, pp for a `pp` axis and cp for a `cp` axis. `--compare-stages` prints DDP and ZeRO-1/2/3
 side by side on the dp axis (memory per category per rank, bytes per step). Exit codes: 0 fine, 1 communication grew
 (check, diff), 2 bad input (a plan-time error, printed with its fix).
 """
@@ -30,7 +32,7 @@ from typing import Any, Callable
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
 
-STRATEGY_NAMES = ("dp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "tp", "sp", "pp")
+STRATEGY_NAMES = ("dp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "tp", "sp", "pp", "cp")
 
 
 def load_target(target: str) -> Callable[[], Any]:
@@ -51,15 +53,19 @@ def load_target(target: str) -> Callable[[], Any]:
     return getattr(module, function)
 
 
-def strategies_for(names: str | None, mesh: Mesh, pipeline: dict[str, Any] | None = None) -> list[Any]:
-    """Strategies by CLI name; `pipeline` holds pp's options (schedule, microbatches, virtual_stages, stages)."""
+def strategies_for(names: str | None, mesh: Mesh, pipeline: dict[str, Any] | None = None,
+                   context: dict[str, Any] | None = None) -> list[Any]:
+    """Strategies by CLI name; `pipeline` holds pp's options (schedule, microbatches, virtual_stages,
+    stages), `context` cp's (method, load_balance)."""
+    from autopar.strategies.context import context_parallel
     from autopar.strategies.data_parallel import data_parallel
     from autopar.strategies.pipeline import pipeline_parallel
     from autopar.strategies.tensor_parallel import sequence_parallel, tensor_parallel
     from autopar.strategies.zero import fsdp, hsdp, zero
 
-    chosen = names.split(",") if names else [a for a in ("dp", "tp", "pp") if a in mesh.names]
+    chosen = names.split(",") if names else [a for a in ("dp", "tp", "pp", "cp") if a in mesh.names]
     makers = {"dp": data_parallel, "tp": tensor_parallel, "sp": sequence_parallel, "fsdp": fsdp, "hsdp": hsdp,
+              "cp": lambda: context_parallel(**{k: v for k, v in (context or {}).items() if v is not None}),
               "pp": lambda: pipeline_parallel(**{k: v for k, v in (pipeline or {}).items() if v is not None}),
               **{f"zero{k}": (lambda k=k: zero(stage=k)) for k in (1, 2, 3)}}
     unknown = [n for n in chosen if n not in makers]
@@ -79,13 +85,17 @@ def _plan(args: argparse.Namespace, *, explain: bool = False):
 
     model, inputs = load_target(args.target)()
     mesh = Mesh.parse(args.mesh, ranks_per_node=args.node)
-    return plan(model, mesh, strategies=strategies_for(args.strategy, mesh, _pipeline_options(args)),
+    return plan(model, mesh, strategies=strategies_for(args.strategy, mesh, _pipeline_options(args), _context_options(args)),
                 example_inputs=inputs, dynamic_dims=_symbolic(args.symbolic), explain=explain)
 
 
 def _pipeline_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"schedule": args.schedule, "microbatches": args.microbatches, "virtual_stages": args.virtual_stages,
             "stages": args.stages.split(",") if args.stages else None}
+
+
+def _context_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"method": args.cp_method, "load_balance": False if args.no_load_balance else None}
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -188,6 +198,9 @@ def _planning_arguments(command: argparse.ArgumentParser) -> None:
     command.add_argument("--virtual-stages", type=int, help="pp: stages per rank (interleaved; default 1)")
     command.add_argument("--stages", help="pp: module paths where stages start, e.g. layers.2,layers.4 "
                                           "(default: balanced)")
+    command.add_argument("--cp-method", help="cp: ring, allgather or alltoall (default ring)")
+    command.add_argument("--no-load-balance", action="store_true",
+                         help="cp: rank i holds chunk i of N (default: chunks i and 2N-1-i of 2N)")
 
 
 def build_parser() -> argparse.ArgumentParser:

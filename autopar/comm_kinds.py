@@ -11,7 +11,7 @@ Two tables:
   backward, and how its keyword arguments bind to one rank (`BINDINGS`): `group` (axis name ->
   process-group name), `index` (axis name -> the rank's coordinate on it), `size`, `groups`
   (comma-separated axes -> names), `peer` ((axis, offset) -> the global rank of that neighbour),
-  `none`. The emitter binds steps and lowered kernels (`op_rules.RuleResult.kernel_kwargs`) with
+  `none`, `value` (a constant, as declared). The emitter binds steps and lowered kernels (`op_rules.RuleResult.kernel_kwargs`) with
   the same table.
 
 Adding a kind of communication is adding entries here (and its runtime function); nothing else
@@ -68,6 +68,7 @@ BINDINGS: dict[str, Callable[[Any, Mesh, int, dict[str, str]], Any]] = {
     "size": lambda axis, mesh, rank, groups: mesh.size(axis),
     "peer": _bind_peer,
     "none": lambda value, mesh, rank, groups: None,
+    "value": lambda value, mesh, rank, groups: value,  # a constant of the lowering (a method's name)
 }
 
 

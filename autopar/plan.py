@@ -34,6 +34,7 @@ from autopar.passes import PassRecord, default_passes, run_passes
 from autopar.passes.emit_rank_graph import emit_rank_graph
 from autopar.passes.insert_grad_reductions import GRAD_SYNC
 from autopar.program import PipelineLayout, Program, Stage
+from autopar.runtime import sequence_chunks
 from autopar.runtime.grad_sync import Bucket, plan_buckets
 from autopar.strategies import ResolvedStrategy, resolve_strategies
 from autopar.trace import TracedProgram, trace_model
@@ -44,15 +45,18 @@ if TYPE_CHECKING:
     from autopar.plan_file import PlanDocument
 
 
-def shard(tensor: torch.Tensor, placements: Sequence[Placement], mesh: Mesh, rank: int) -> torch.Tensor:
-    """The piece of a global tensor that `rank` holds under `placements` (outermost axis first)."""
+def shard(tensor: torch.Tensor, placements: Sequence[Placement], mesh: Mesh, rank: int, *,
+          layouts: "dict[str, str] | None" = None) -> torch.Tensor:
+    """The piece of a global tensor that `rank` holds under `placements` (outermost axis first);
+    `layouts`: axis -> how a Shard cuts its dimension there (`runtime/sequence_chunks.py`; contiguous
+    where absent)."""
     for axis, placement in zip(mesh.names, placements):
         index, parts = mesh.coordinate(rank, axis), mesh.size(axis)
         if isinstance(placement, _StridedShard):
             blocks = torch.chunk(tensor, placement.split_factor, dim=placement.dim)
             tensor = torch.cat([torch.chunk(b, parts, dim=placement.dim)[index] for b in blocks], dim=placement.dim)
         elif isinstance(placement, Shard):
-            tensor = torch.chunk(tensor, parts, dim=placement.dim)[index]
+            tensor = sequence_chunks.take(tensor, placement.dim, parts, index, (layouts or {}).get(axis, "contiguous"))
     return tensor.contiguous()
 
 
@@ -134,7 +138,9 @@ class Plan:
         if len(inputs) != len(nodes):
             raise PlanError(f"expected {len(nodes)} inputs (as traced), got {len(inputs)}")
         # cloned: a slice would keep the whole global batch alive (and saved for backward)
-        return [shard(value, node.meta[SPEC].placements, self.mesh, rank).clone() if isinstance(value, torch.Tensor)
+        layouts = {axis: self.context.strategy.sequence_layout(axis) for axis in self.mesh.names}
+        return [shard(value, node.meta[SPEC].placements, self.mesh, rank, layouts=layouts).clone()
+                if isinstance(value, torch.Tensor)
                 else value for value, node in zip(inputs, nodes)]
 
     def document(self) -> "PlanDocument":

@@ -19,7 +19,7 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils import _pytree as pytree
 
 from autopar.comm_kinds import STEPS
@@ -30,10 +30,20 @@ from autopar.program import Program
 from autopar.runtime import collectives
 
 
-def _step(src: Placement, dst: Placement, axis: str, size: int) -> tuple[Any, dict[str, Any]] | None:
+def _step(src: Placement, dst: Placement, axis: str, size: int, layout: str = "contiguous"
+          ) -> tuple[Any, dict[str, Any]] | None:
+    """`layout`: how a dimension is cut on `axis` (`autopar.runtime.sequence_chunks`; "balanced" on
+    a load-balanced context-parallel axis), passed to the steps that cut or join one."""
     common = {"group": axis, "size": size}
+    cut = {} if layout == "contiguous" else {"layout": layout}
     if src == dst:
         return None
+    if isinstance(dst, _StridedShard) and isinstance(src, Replicate):  # rows of [batch, seq] cut on seq
+        return collectives.shard_slice, dict(common, index=axis, dim=dst.dim, grad_partial=False, **cut,
+                                             blocks=dst.split_factor)
+    if isinstance(src, _StridedShard) and isinstance(dst, Replicate):
+        return collectives.all_gather, dict(common, index=axis, dim=src.dim, grad_partial=False, **cut,
+                                            blocks=src.split_factor)
     if not all(type(p) in (Shard, Replicate, Partial) for p in (src, dst)):
         return None  # e.g. DTensor's _MaskPartial: needs the op's own lowering (autopar.op_rules)
     if isinstance(src, Partial):
@@ -43,12 +53,14 @@ def _step(src: Placement, dst: Placement, axis: str, size: int) -> tuple[Any, di
             return collectives.reduce_scatter, dict(common, dim=dst.dim)
     if isinstance(src, Shard):
         if isinstance(dst, Replicate):
-            return collectives.all_gather, dict(common, index=axis, dim=src.dim, grad_partial=False)
+            return collectives.all_gather, dict(common, index=axis, dim=src.dim, grad_partial=False, **cut)
         if isinstance(dst, Shard):
+            if cut:
+                return None  # a balanced shard's two chunks do not map onto another dimension's
             return collectives.all_to_all, dict(common, from_dim=src.dim, to_dim=dst.dim)
     if isinstance(src, Replicate):
         if isinstance(dst, Shard):
-            return collectives.shard_slice, dict(common, index=axis, dim=dst.dim, grad_partial=False)
+            return collectives.shard_slice, dict(common, index=axis, dim=dst.dim, grad_partial=False, **cut)
         if isinstance(dst, Partial):
             return collectives.partial_from_replicate, {"group": axis, "index": axis}
     return None
@@ -57,7 +69,7 @@ def _step(src: Placement, dst: Placement, axis: str, size: int) -> tuple[Any, di
 def _order(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> list[int]:
     axes = range(len(src))
     reduce = [i for i in axes if isinstance(src[i], Partial) and src[i] != dst[i]]
-    gather = [i for i in reversed(axes) if isinstance(src[i], Shard) and isinstance(dst[i], Replicate)]
+    gather = [i for i in reversed(axes) if isinstance(src[i], (Shard, _StridedShard)) and isinstance(dst[i], Replicate)]
     rest = [i for i in axes if i not in reduce and i not in gather and src[i] != dst[i]]
     return reduce + gather + rest
 
@@ -80,7 +92,7 @@ def _insert_chain(graph: torch.fx.Graph, producer: torch.fx.Node, target: DTenso
     for axis_index in _order(spec.placements, target.placements):
         axis = ctx.mesh.names[axis_index]
         src, dst = spec.placements[axis_index], target.placements[axis_index]
-        step = _step(src, dst, axis, ctx.mesh.shape[axis_index])
+        step = _step(src, dst, axis, ctx.mesh.shape[axis_index], ctx.strategy.sequence_layout(axis))
         if step is None:
             raise PlanError.at(before, f"cannot redistribute {producer.name} from {describe(spec.placements)} to "
                                        f"{describe(target.placements)} on axis {axis!r}",

@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils import _pytree as pytree
 
 from autopar import op_rules
@@ -106,7 +107,50 @@ def _to_schema_arg(value: Any, consumer: torch.fx.Node, ctx: CompileContext) -> 
     return hint(value)
 
 
+# Matmuls whose operand's rows map one-to-one onto the output's rows (argument index of that
+# operand): which rows a rank holds does not matter to them. Rows of a flattened [batch, seq]
+# sharded on seq (context parallelism) are a _StridedShard(0), which DTensor's matmul strategies
+# do not offer beside another axis' shard; such an operand is decided as Shard(0) and the strided
+# placement put back on the output's rows and on what the operand must arrive as.
+_ROW_OPERAND = {torch.ops.aten.mm.default: 0, torch.ops.aten.addmm.default: 1}
+
+
+def _strided_rows(node: torch.fx.Node, args: tuple) -> tuple[tuple, dict[int, Placement]]:
+    """`args` with the row operand's _StridedShard(0) placements as Shard(0), and which axes changed."""
+    position = _ROW_OPERAND.get(node.target)
+    spec = args[position] if position is not None and position < len(args) else None
+    if not isinstance(spec, DTensorSpec):
+        return args, {}
+    strided = {i: p for i, p in enumerate(spec.placements) if isinstance(p, _StridedShard) and p.dim == 0}
+    if not strided:
+        return args, {}
+    plain = tuple(Shard(0) if i in strided else p for i, p in enumerate(spec.placements))
+    changed = list(args)
+    changed[position] = DTensorSpec(spec.mesh, plain, spec.tensor_meta)
+    return tuple(changed), strided
+
+
+def _restrided(spec: Any, strided: dict[int, Placement]) -> Any:
+    if not isinstance(spec, DTensorSpec):
+        return spec
+    placements = tuple(strided[i] if i in strided and p == Shard(0) else p for i, p in enumerate(spec.placements))
+    return DTensorSpec(spec.mesh, placements, spec.tensor_meta)
+
+
 def _propagate_with_dtensor(node: torch.fx.Node, args: tuple, kwargs: dict, ctx: CompileContext) -> None:
+    original_args = args
+    args, strided = _strided_rows(node, args)
+    _propagate_with_dtensor_decided(node, args, kwargs, ctx)
+    if strided:
+        node.meta[SPEC] = _restrided(node.meta[SPEC], strided)
+        position = _ROW_OPERAND[node.target]
+        index = sum(len(pytree.tree_leaves(a)) for a in original_args[:position])
+        wanted = list(node.meta[ARG_SPECS])
+        wanted[index] = _restrided(wanted[index], strided)
+        node.meta[ARG_SPECS] = wanted
+
+
+def _propagate_with_dtensor_decided(node: torch.fx.Node, args: tuple, kwargs: dict, ctx: CompileContext) -> None:
     propagator = DTensor._op_dispatcher.sharding_propagator
     info = propagator.op_to_schema_info.get(node.target) or \
         propagator.op_to_schema_info_for_single_dim_strategy.get(node.target)
@@ -178,7 +222,7 @@ def _held_whole(node: torch.fx.Node, args: tuple, kwargs: dict, ctx: CompileCont
 def _propagate_with_rule(node: torch.fx.Node, rule: Any, args: tuple, kwargs: dict, ctx: CompileContext) -> bool:
     """An autopar rule sees and constrains positional tensor arguments; list and keyword tensors pass as is."""
     positional = [a if isinstance(a, DTensorSpec) else None for a in args]
-    result = rule(node, positional, op_rules.RuleContext(ctx.mesh.names, ctx.mesh.shape))
+    result = rule(node, positional, op_rules.RuleContext(ctx.mesh.names, ctx.mesh.shape, ctx.strategy.context_axes()))
     if result is None:
         return False
     node.meta[SPEC] = result.output

@@ -9,7 +9,8 @@ layout finds it there), merges them into a `ResolvedStrategy` the planner querie
 an axis the mesh does not have. Constructors live beside: `data_parallel.py`,
 `tensor_parallel.py` (+ sequence parallel), `zero.py` (ZeRO-1/2/3, FSDP, HSDP: a data-parallel
 axis that also shards the training state), `pipeline.py` (pipeline stages, schedule and
-micro-batches on an axis); `find_layout.py` + `check_layout.py` find Megatron's patterns in the
+micro-batches on an axis), `context.py` (sequence shards, attention lowered to ring / all-gather /
+all-to-all); `find_layout.py` + `check_layout.py` find Megatron's patterns in the
 graph, `layouts.py` declares them by module names (an override).
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     import torch.fx
 
     from autopar.context import PlaceholderInfo
+    from autopar.strategies.context import ContextDeclaration
     from autopar.strategies.pipeline import PipelineDeclaration
     from autopar.strategies.zero import ShardedState
 
@@ -70,6 +72,7 @@ class Strategy:
     modules: tuple[ModuleLayout, ...] = ()
     sharded_state: "ShardedState | None" = None  # ZeRO / FSDP on this axis (strategies/zero.py)
     pipeline: "PipelineDeclaration | None" = None  # pipeline stages on this axis (strategies/pipeline.py)
+    context: "ContextDeclaration | None" = None  # sequence shards and their attention (strategies/context.py)
     regather_in_backward: bool = False  # all-gathers on this axis keep their input for backward, not output
     notes: tuple[str, ...] = ()  # what the strategy left out and why (e.g. a pattern it could not shard)
 
@@ -137,6 +140,15 @@ class ResolvedStrategy:
         found = [(s.axis, s.pipeline) for axis in self.mesh.names for s in self._for_axis(axis)
                  if s.pipeline is not None]
         return found[0] if found else None
+
+    def context_axes(self) -> "tuple[tuple[str, ContextDeclaration], ...]":
+        """(axis, declaration) of every context-parallel axis (not of size 1)."""
+        return tuple((axis, s.context) for axis in self.mesh.names for s in self._for_axis(axis)
+                     if s.context is not None)
+
+    def sequence_layout(self, axis: str) -> str:
+        """How a dimension sharded on `axis` is cut (`autopar.runtime.sequence_chunks`)."""
+        return next((d.layout for a, d in self.context_axes() if a == axis), "contiguous")
 
     def regathers(self, axis: str) -> bool:
         """Whether all-gathers on `axis` save their shard and gather again in backward (Megatron SP)."""

@@ -191,7 +191,8 @@ def build_comm_ledger(program: Any, mesh: Mesh, symbols: dict[sympy.Symbol, symp
             rule = node.meta.get(RULE)
             for internal in (rule.internal if rule is not None else []):
                 entries.append(entry(internal.phase, internal.kind, internal.axis, module_path(node), node.name,
-                                     internal.why, internal.dtype, internal.logical_bytes, times=micro))
+                                     internal.why, internal.dtype, internal.logical_bytes,
+                                     times=micro * internal.calls))
         for index, bucket in enumerate(stage.buckets):
             name = f"bucket {index}" if pipeline is None else f"bucket {stage.index}.{index}"
             for axis in bucket.axes:

@@ -14,6 +14,10 @@ Megatron calls f and g, generalised to any dimension:
 | partial_from_replicate       | identity                                  |
 | grad_all_reduce (identity)   | all_reduce                                |
 
+On a load-balanced context-parallel axis (`layout="balanced"`) a shard is two chunks of the
+dimension, and a `_StridedShard` (`blocks` = its split factor) is a piece of each of equal blocks
+(`autopar.runtime.sequence_chunks`): slices take them, gathers put them back in order.
+
 They call PyTorch's functional collectives (`torch.ops._c10d_functional`), which work on gloo
 and NCCL and appear by name in traced graphs.
 """
@@ -24,6 +28,8 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from autopar.runtime.sequence_chunks import CONTIGUOUS, natural_order, rank_order, take, zero_padded
 
 _c10d = torch.ops._c10d_functional
 
@@ -83,34 +89,39 @@ class _ReduceScatter(torch.autograd.Function):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, size, index, dim, grad_partial, regather=False):
-        ctx.args = (group, size, index, dim, grad_partial)
-        gathered = raw_all_gather(x, group, size, dim)
+    def forward(ctx, x, group, size, index, dim, grad_partial, regather=False, layout=CONTIGUOUS, blocks=1):
+        ctx.args = (group, size, index, dim, grad_partial, layout, blocks)
+        gathered = natural_order(raw_all_gather(x, group, size, dim), dim, size, layout, blocks)
         if regather:
+            if layout != CONTIGUOUS or blocks != 1:
+                raise NotImplementedError("re-gathering in backward is for contiguous (sequence-parallel) shards")
             _remember_shard(gathered, x.detach(), (group, size, dim))
         return gathered
 
     @staticmethod
     def backward(ctx, grad):
-        group, size, index, dim, grad_partial = ctx.args
+        group, size, index, dim, grad_partial, layout, blocks = ctx.args
         if grad_partial:
-            return raw_reduce_scatter(grad, group, size, dim), None, None, None, None, None, None
-        return torch.chunk(grad, size, dim=dim)[index].contiguous(), None, None, None, None, None, None
+            local = raw_reduce_scatter(rank_order(grad, dim, size, layout, blocks), group, size, dim)
+        else:
+            local = take(grad, dim, size, index, layout, blocks).contiguous()
+        return local, None, None, None, None, None, None, None, None
 
 
 class _ShardSlice(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, size, index, dim, grad_partial):
-        ctx.args = (group, size, index, dim, grad_partial)
-        return torch.chunk(x, size, dim=dim)[index].contiguous()
+    def forward(ctx, x, group, size, index, dim, grad_partial, layout=CONTIGUOUS, blocks=1):
+        ctx.args = (group, size, index, dim, grad_partial, layout, blocks)
+        return take(x, dim, size, index, layout, blocks).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
-        group, size, index, dim, grad_partial = ctx.args
+        group, size, index, dim, grad_partial, layout, blocks = ctx.args
         if grad_partial:  # zero-padded: the input's gradient stays Partial, reduced later with the parameters
-            pieces = [grad if i == index else torch.zeros_like(grad) for i in range(size)]
-            return torch.cat(pieces, dim=dim), None, None, None, None, None
-        return raw_all_gather(grad, group, size, dim), None, None, None, None, None
+            whole = zero_padded(grad, dim, size, index, layout, blocks)
+        else:
+            whole = natural_order(raw_all_gather(grad, group, size, dim), dim, size, layout, blocks)
+        return whole, None, None, None, None, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -155,8 +166,9 @@ def reduce_scatter(x: torch.Tensor, *, group: str, size: int, dim: int) -> torch
 
 
 def all_gather(x: torch.Tensor, *, group: str, size: int, index: int, dim: int, grad_partial: bool,
-               regather: bool = False) -> torch.Tensor:
-    return _AllGather.apply(x, group, size, index, dim, grad_partial, regather)
+               regather: bool = False, layout: str = CONTIGUOUS, blocks: int = 1) -> torch.Tensor:
+    """`layout`, `blocks`: which positions of `dim` each rank holds (`autopar.runtime.sequence_chunks`)."""
+    return _AllGather.apply(x, group, size, index, dim, grad_partial, regather, layout, blocks)
 
 
 # Megatron's sequence-parallel memory saving (`regather=True`): autograd keeps the shard an
@@ -220,8 +232,9 @@ def unpack_regathered(saved: tuple) -> torch.Tensor:
     return entry.unpack(shape, stride, offset)
 
 
-def shard_slice(x: torch.Tensor, *, group: str, size: int, index: int, dim: int, grad_partial: bool) -> torch.Tensor:
-    return _ShardSlice.apply(x, group, size, index, dim, grad_partial)
+def shard_slice(x: torch.Tensor, *, group: str, size: int, index: int, dim: int, grad_partial: bool,
+                layout: str = CONTIGUOUS, blocks: int = 1) -> torch.Tensor:
+    return _ShardSlice.apply(x, group, size, index, dim, grad_partial, layout, blocks)
 
 
 def all_to_all(x: torch.Tensor, *, group: str, size: int, from_dim: int, to_dim: int) -> torch.Tensor:
