@@ -21,6 +21,7 @@ class GPTConfig:
     n_head: int = 4
     d_model: int = 32
     d_ff: int = 128
+    causal: bool = True  # False: every position attends to every other (an encoder's attention)
 
 
 class Attention(nn.Module):
@@ -28,6 +29,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.head_dim = config.d_model // config.n_head
+        self.causal = config.causal
         self.q_proj = nn.Linear(config.d_model, config.d_model)
         self.k_proj = nn.Linear(config.d_model, config.d_model)
         self.v_proj = nn.Linear(config.d_model, config.d_model)
@@ -39,7 +41,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(heads).transpose(1, 2)
         k = self.k_proj(x).view(heads).transpose(1, 2)
         v = self.v_proj(x).view(heads).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 

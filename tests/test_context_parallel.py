@@ -7,12 +7,16 @@ each step hands to the process groups, and the memory ledger the bytes held and 
 forward (measured from outside, `tests/numerics_checks.py`). Plus the plan-time refusals."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 import autopar
 from autopar.errors import PlanError
+from autopar.measure.activations import measure_saved_activations
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
 from examples.hf_models import tiny_llama, token_batch
@@ -21,6 +25,7 @@ from tests.numerics_checks import assert_ledger_equals_measured, assert_matches,
 
 CONFIG = GPTConfig(vocab_size=128, seq_len=64, n_layer=2, n_head=4, d_model=32, d_ff=64)
 build = functools.partial(GPT, CONFIG)
+build_noncausal = functools.partial(GPT, dataclasses.replace(CONFIG, causal=False))
 BATCHES = [example_batch(CONFIG, batch=4, seed=step) for step in range(STEPS)]
 
 CASES = {
@@ -31,32 +36,42 @@ CASES = {
     "cp4_ring_contiguous": ("cp=4", [autopar.context_parallel(load_balance=False)]),
     "cp4_allgather": ("cp=4", [autopar.context_parallel(method="allgather")]),
     "cp4_alltoall": ("cp=4", [autopar.context_parallel(method="alltoall")]),
+    "cp2_ring_noncausal": ("cp=2", [autopar.context_parallel()]),
+    "cp4_allgather_noncausal": ("cp=4", [autopar.context_parallel(method="allgather")]),
+    "cp4_alltoall_noncausal": ("cp=4", [autopar.context_parallel(method="alltoall", load_balance=False)]),
     "cp2_tp2": ("cp=2,tp=2", [autopar.context_parallel(), autopar.tensor_parallel()]),
     "dp2_cp2_fsdp": ("dp=2,cp=2", [autopar.fsdp(), autopar.context_parallel()]),
 }
 
 
 LLAMA_BATCHES = [token_batch(batch=2, seq=64, vocab=128, seed=step) for step in range(STEPS)]
-LLAMA_CASES = ["cp2_ring", "cp2_allgather", "cp2_alltoall", "cp4_ring", "cp2_tp2", "dp2_cp2_fsdp"]
+LLAMA_CASES = ["cp2_ring", "cp2_allgather", "cp2_alltoall", "cp4_ring", "cp4_allgather", "cp4_alltoall", "cp2_tp2",
+               "dp2_cp2_fsdp"]
 
 
 def gqa_llama():
     return tiny_llama(kv_heads=2)
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return single_device(build, BATCHES)
+_references: dict[bool, dict] = {}
+
+
+def reference(causal: bool) -> dict:
+    if causal not in _references:
+        _references[causal] = single_device(build if causal else build_noncausal, BATCHES)
+    return _references[causal]
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_context_parallel_gpt_matches_single_device(case, reference):
+def test_context_parallel_gpt_matches_single_device(case):
     mesh, strategies = CASES[case]
+    causal = not case.endswith("noncausal")
     world = autopar.Mesh.parse(mesh).world_size
-    results = launch(distributed_rank, world, build, BATCHES, mesh, strategies, timeout_s=180)
-    assert_matches(reference, results)
+    results = launch(distributed_rank, world, build if causal else build_noncausal, BATCHES, mesh, strategies,
+                     timeout_s=180)
+    assert_matches(reference(causal), results)
     assert_ledger_equals_measured(results)
-    assert_memory_equals_ledger(results, reference)
+    assert_memory_equals_ledger(results, reference(causal))
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +87,122 @@ def test_context_parallel_llama_matches_single_device(case, llama_reference):
     assert_matches(llama_reference, results)
     assert_ledger_equals_measured(results)
     assert_memory_equals_ledger(results, llama_reference)
+
+
+# ---- plan-time refusals: each names the attention node, its module and source line, and the fix
+
+class WindowedAttention(torch.nn.Module):
+    """Causal attention within a window of 8 positions (a sliding-window mask built from positions)
+    or under a padding mask read from an input; `dropout` > 0 adds attention dropout."""
+
+    def __init__(self, kind: str = "window", dropout: float = 0.0) -> None:
+        super().__init__()
+        self.kind, self.dropout = kind, dropout
+        self.embed = torch.nn.Embedding(128, 32)
+        self.qkv = torch.nn.Linear(32, 96)
+
+    def forward(self, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        batch, seq = ids.shape
+        q, k, v = self.qkv(self.embed(ids)).view(batch, seq, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        positions = torch.arange(seq, device=ids.device)
+        if self.kind == "window":
+            distance = positions[:, None] - positions[None, :]
+            mask = (distance >= 0) & (distance < 8)
+        else:
+            mask = keep[:, None, None, :].bool()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout).sum()
+
+
+def _plan_attention(model: torch.nn.Module, seq: int, **declared) -> None:
+    ids = torch.zeros(2, seq, dtype=torch.long)
+    autopar.plan(model, autopar.Mesh(cp=2), strategies=[autopar.context_parallel(**declared)],
+                 example_inputs=(ids, torch.ones(2, seq, dtype=torch.long)))
+
+
+@pytest.mark.parametrize("kind", ["window", "padding"])
+def test_a_mask_that_is_not_causal_is_refused(kind):
+    with pytest.raises(PlanError) as error:
+        _plan_attention(WindowedAttention(kind), 64)
+    text = str(error.value)
+    assert "cannot be localised" in text and "scaled_dot_product_attention" in text
+    assert "test_context_parallel.py" in text and "fix:" in text
+
+
+def test_attention_dropout_is_refused():
+    with pytest.raises(PlanError, match="dropout"):
+        _plan_attention(WindowedAttention("window", dropout=0.1), 64)
+
+
+@pytest.mark.parametrize("balanced, seq, message", [
+    (True, 68, "sequence length 68 does not divide into 8 equal 2·cp chunks"),  # 68 = 4 * 17: only the pairs fail
+    (False, 66, "size 66 cannot be split evenly over mesh axis 'cp'")])
+def test_a_sequence_that_does_not_divide_is_refused(balanced, seq, message):
+    model = GPT(GPTConfig(vocab_size=128, seq_len=seq, n_layer=1, n_head=4, d_model=32, d_ff=64))
+    with pytest.raises(PlanError) as error:
+        autopar.plan(model, autopar.Mesh(cp=4), strategies=[autopar.context_parallel(load_balance=balanced)],
+                     example_inputs=example_batch(model.config, batch=2))
+    assert message in str(error.value) and "fix:" in str(error.value)
+
+
+def test_alltoall_with_heads_that_do_not_divide_is_refused():
+    model = GPT(GPTConfig(vocab_size=128, seq_len=64, n_layer=1, n_head=2, d_model=32, d_ff=64))
+    with pytest.raises(PlanError, match="heads do not divide"):
+        autopar.plan(model, autopar.Mesh(cp=4), strategies=[autopar.context_parallel(method="alltoall")],
+                     example_inputs=example_batch(model.config, batch=2))
+
+
+def test_unknown_method_is_refused():
+    with pytest.raises(PlanError, match="ring"):
+        autopar.context_parallel(method="tree")
+
+
+# ---- context x pipeline: each stage's attention on sequence shards, stage boundaries carry shards
+
+PIPELINE_CONFIG = GPTConfig(vocab_size=128, seq_len=64, n_layer=4, n_head=4, d_model=32, d_ff=64)
+build_deep = functools.partial(GPT, PIPELINE_CONFIG)
+PIPELINE_BATCHES = [example_batch(PIPELINE_CONFIG, batch=4, seed=step) for step in range(STEPS)]
+
+
+def pipeline_step(module, local):
+    """The step body of a pipelined module: every micro-batch's forward and backward."""
+    return module.train_step(*local)
+
+
+def test_context_parallel_composes_with_pipeline_stages():
+    reference = single_device(build_deep, PIPELINE_BATCHES, microbatches=2)
+    strategies = [autopar.pipeline_parallel(schedule="1f1b", microbatches=2), autopar.context_parallel()]
+    results = launch(distributed_rank, 4, build_deep, PIPELINE_BATCHES, "pp=2,cp=2", strategies, pipeline_step,
+                     timeout_s=180)
+    assert_matches(reference, results)
+    assert_ledger_equals_measured(results)
+
+
+# ---- long sequence: saved activations per rank scale as 1/cp, equal to the memory ledger
+
+LONG_CONFIG = GPTConfig(vocab_size=128, seq_len=4096, n_layer=2, n_head=4, d_model=32, d_ff=64)
+build_long = functools.partial(GPT, LONG_CONFIG)
+LONG_BATCHES = [example_batch(LONG_CONFIG, batch=1, seed=0)]
+
+
+def _single_device_activations() -> int:
+    torch.manual_seed(0)
+    with measure_saved_activations() as saved:
+        loss = saved.call(build_long(), *LONG_BATCHES[0])  # kept: its graph holds what was saved
+    assert loss.requires_grad
+    return saved.bytes
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_saved_activations_scale_as_one_over_cp_at_sequence_4096(cp):
+    """What the forward leaves for backward, measured from outside on every rank, equals the ledger
+    and is within 10% of 1/cp of one device's: only O(s) tensors (the positions' indices, the
+    targets) stay whole on every rank."""
+    reference = single_device(build_long, LONG_BATCHES)
+    results = launch(distributed_rank, cp, build_long, LONG_BATCHES, f"cp={cp}", [autopar.context_parallel()],
+                     timeout_s=300)
+    assert_matches(reference, results)
+    assert_memory_equals_ledger(results, reference)
+    whole = _single_device_activations()
+    for result in results:
+        per_rank = result["activations"][0]
+        assert per_rank <= whole / cp * 1.10, f"{per_rank} bytes saved per rank vs {whole} on one device (cp={cp})"
