@@ -1,7 +1,7 @@
 """The `autopar` command line.
 
     autopar plan    TARGET --mesh dp=2,tp=2 [--strategy dp,sp] [--node 8] [--symbolic b=0,s=1]
-                    [--params-only] [--save plan.json] [--compare-stages] [--timeline out.svg]
+                    [--params-only] [--save plan.json] [--compare-stages] [--compare-cp] [--timeline out.svg]
                     [--schedule 1f1b --microbatches 8 --virtual-stages 1 --stages layers.4]
                     [--cp-method ring --no-load-balance]
     autopar graph   TARGET --mesh ... --rank R [--diff] [--html out.html]
@@ -15,8 +15,10 @@ names: dp (data_parallel on axis dp), zero1 / zero2 / zero3 / fsdp (ZeRO on dp),
 dp_shard, replicated on dp_rep), tp (tensor_parallel on tp), sp (sequence_parallel on tp), pp
 (pipeline_parallel on pp, with --schedule, --microbatches, --virtual-stages, --stages), cp
 (context_parallel on cp, with --cp-method ring|allgather|alltoall and --no-load-balance); by
-default dp for a `dp` axis, tp for a `tp` axis, pp for a `pp` axis and cp for a `cp` axis. `--compare-stages` prints DDP and ZeRO-1/2/3
-side by side on the dp axis (memory per category per rank, bytes per step). Exit codes: 0 fine, 1 communication grew
+default dp for a `dp` axis, tp for a `tp` axis, pp for a `pp` axis and cp for a `cp` axis.
+`--compare-stages` prints DDP and ZeRO-1/2/3 side by side on the dp axis (memory per category per
+rank, bytes per step); `--compare-cp` the ring, all-gather and all-to-all lowerings of attention
+on the cp axis. Exit codes: 0 fine, 1 communication grew
 (check, diff), 2 bad input (a plan-time error, printed with its fix).
 """
 from __future__ import annotations
@@ -109,6 +111,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                               dynamic_dims=_symbolic(args.symbolic))
         print(f"ZeRO stages on dp, mesh {mesh}: bytes per rank (memory after a step; communication per step)\n")
         print(stage_table(rows))
+        return 0
+    if args.compare_cp:
+        from autopar.context_compare import compare_context_methods, context_table
+
+        model, inputs = load_target(args.target)()
+        mesh = Mesh.parse(args.mesh, ranks_per_node=args.node)
+        strategies = strategies_for(args.strategy, mesh, _pipeline_options(args), _context_options(args))
+        rows = compare_context_methods(model, mesh, strategies=strategies, example_inputs=inputs,
+                                       dynamic_dims=_symbolic(args.symbolic))
+        print(f"Attention on sequence shards, mesh {mesh}: bytes per rank (communication on the context "
+              f"axis per step; memory of rank 0)\n")
+        print(context_table(rows))
         return 0
     the_plan = _plan(args, explain=bool(args.save))
     print(the_plan.report(activations=not args.params_only))
@@ -213,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cmd.add_argument("--timeline", help="pipeline: write the predicted timeline of one step as SVG here")
     plan_cmd.add_argument("--compare-stages", action="store_true",
                           help="DDP and ZeRO-1/2/3 on the dp axis side by side: memory and communication")
+    plan_cmd.add_argument("--compare-cp", action="store_true",
+                          help="ring, allgather and alltoall attention on the cp axis side by side")
     graph_cmd = commands.add_parser("graph", help="print one rank's emitted graph")
     _planning_arguments(graph_cmd)
     graph_cmd.add_argument("--rank", type=int, default=0)

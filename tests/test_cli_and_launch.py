@@ -27,11 +27,24 @@ def test_graph_prints_rank_code():
     assert result.stdout.startswith("def forward(") and "vocab_parallel_embedding" in result.stdout
 
 
+def test_compare_cp_prints_the_three_lowerings():
+    """examples/gpt.py: 4 heads, sequence 16; on cp=4 every method plans, the ring moves the most."""
+    result = run_cli("plan", "examples/gpt.py", "--mesh", "cp=4", "--compare-cp")
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.split()[:1] in
+            (["ring"], ["allgather"], ["alltoall"])}
+    assert set(rows) == {"ring", "allgather", "alltoall"}
+    wire = {method: int(row[3].replace(",", "")) for method, row in rows.items()}
+    assert wire["ring"] > wire["allgather"] > wire["alltoall"] > 0
+
+
 @pytest.mark.parametrize("args, words", [
     (("plan", "examples/gpt.py", "--mesh", "dp=0"), "positive integer"),
     (("plan", "examples/gpt.py", "--mesh", "dp=2", "--strategy", "tp"), "unknown mesh axis 'tp'"),
     (("plan", "examples/gpt.py", "--mesh", "dp=2", "--strategy", "zz"), "unknown strategy 'zz'"),
     (("graph", "examples/gpt.py", "--mesh", "dp=2", "--rank", "5"), "outside the mesh"),
+    (("plan", "examples/gpt.py", "--mesh", "cp=2", "--cp-method", "tree"), "unknown context-parallel method"),
+    (("plan", "examples/gpt.py", "--mesh", "dp=2", "--compare-cp"), "declare context parallelism"),
 ])
 def test_bad_input_exits_2_with_a_message(args, words):
     result = run_cli(*args)
