@@ -15,5 +15,6 @@ example_gpt_tp2 tp=2 tp
 example_gpt_tp2_sp tp=2 sp
 example_gpt_dp2_tp2_sp dp=2,tp=2 dp,sp
 example_gpt_pp2_dp2 pp=2,dp=2 pp,dp
+example_gpt_dp2_cp2 dp=2,cp=2 dp,cp
 CASES
 exit $status
