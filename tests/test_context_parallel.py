@@ -53,40 +53,57 @@ def gqa_llama():
     return tiny_llama(kv_heads=2)
 
 
-_references: dict[bool, dict] = {}
+BUILDS = {"gpt": (build, BATCHES), "gpt_noncausal": (build_noncausal, BATCHES), "llama": (gqa_llama, LLAMA_BATCHES)}
+GPT_RUNS = [("gpt_noncausal" if name.endswith("noncausal") else "gpt", name) for name in CASES]
+LLAMA_RUNS = [("llama", name) for name in LLAMA_CASES]
 
 
-def reference(causal: bool) -> dict:
-    if causal not in _references:
-        _references[causal] = single_device(build if causal else build_noncausal, BATCHES)
-    return _references[causal]
+def _world(name: str) -> int:
+    return autopar.Mesh.parse(CASES[name][0]).world_size
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_context_parallel_gpt_matches_single_device(case):
-    mesh, strategies = CASES[case]
-    causal = not case.endswith("noncausal")
-    world = autopar.Mesh.parse(mesh).world_size
-    results = launch(distributed_rank, world, build if causal else build_noncausal, BATCHES, mesh, strategies,
-                     timeout_s=180)
-    assert_matches(reference(causal), results)
-    assert_ledger_equals_measured(results)
-    assert_memory_equals_ledger(results, reference(causal))
+def run_cases(rank: int, world: int, runs: list[tuple[str, str]]) -> list[dict]:
+    """Every (model, case) of one world size in one set of processes, one after another (process
+    start-up is most of a small case's time on this machine)."""
+    results = []
+    for model, name in runs:
+        mesh, strategies = CASES[name]
+        results.append(distributed_rank(rank, world, BUILDS[model][0], BUILDS[model][1], mesh, strategies))
+    return results
 
 
-@pytest.fixture(scope="module")
-def llama_reference(transformers):
-    return single_device(gqa_llama, LLAMA_BATCHES)
+_references: dict[str, dict] = {}
 
 
-@pytest.mark.parametrize("case", LLAMA_CASES)
-def test_context_parallel_llama_matches_single_device(case, llama_reference):
-    mesh, strategies = CASES[case]
-    world = autopar.Mesh.parse(mesh).world_size
-    results = launch(distributed_rank, world, gqa_llama, LLAMA_BATCHES, mesh, strategies, timeout_s=180)
-    assert_matches(llama_reference, results)
-    assert_ledger_equals_measured(results)
-    assert_memory_equals_ledger(results, llama_reference)
+def reference(model: str) -> dict:
+    if model not in _references:
+        _references[model] = single_device(*BUILDS[model])
+    return _references[model]
+
+
+def _check_runs(runs: list[tuple[str, str]], world: int) -> None:
+    chosen = [run for run in runs if _world(run[1]) == world]
+    per_rank = launch(run_cases, world, chosen, timeout_s=120 * len(chosen))
+    for index, (model, name) in enumerate(chosen):
+        results = [rank_results[index] for rank_results in per_rank]
+        try:
+            assert_matches(reference(model), results)
+            assert_ledger_equals_measured(results)
+            assert_memory_equals_ledger(results, reference(model))
+        except AssertionError as error:
+            raise AssertionError(f"{model} {name} ({CASES[name][0]}): {error}") from None
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_gpt_matches_single_device(world):
+    """Example GPT: every case of CASES on `world` ranks, causal and not."""
+    _check_runs(GPT_RUNS, world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_llama_matches_single_device(world, transformers):
+    """HF Llama with grouped-query attention: the cases of LLAMA_CASES on `world` ranks."""
+    _check_runs(LLAMA_RUNS, world)
 
 
 # ---- plan-time refusals: each names the attention node, its module and source line, and the fix
