@@ -12,6 +12,8 @@ the seconds of each phase, from `Plan.phase_seconds`:
 - propagation: `drop_empty_concats` + `propagate_placements`
 - insertion: `insert_collectives`, `insert_grad_reductions`, `split_pipeline`, `shard_parameters`
 - ledger: gradient buckets and the communication ledger
+- check: the plan-time run of rank 0's and rank 63's graphs on fake tensors
+  (`autopar/check_rank_graphs.py`: the distinct blocks run, copied blocks compared with block 2)
 - emission: rank 0's graph (`Plan.rank_graph(0)`: the graph this process would run)
 - total: `autopar.plan` from call to return, plus emission
 - peak: the process's peak resident memory (torch and transformers imported: about 0.4 GiB)

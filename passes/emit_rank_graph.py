@@ -47,7 +47,17 @@ def _local_size(node: torch.fx.Node, size: torch.fx.Node, local: int) -> "torch.
                                  f"{local}, which is not the size divided by a shard degree",
                            fix="declare this dimension static (leave it out of dynamic_dims)")
     with node.graph.inserting_before(node):
-        return node.graph.call_function(operator.floordiv, (size, example // local))
+        local_size = node.graph.call_function(operator.floordiv, (size, example // local))
+    _same_origin(local_size, node)
+    return local_size
+
+
+def _same_origin(inserted: torch.fx.Node, node: torch.fx.Node) -> None:
+    """A node inserted for `node` is placed in its module and source line (error messages; the
+    plan-time check maps a copied block's nodes by module, autopar/check_rank_graphs.py)."""
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in node.meta:
+            inserted.meta[key] = node.meta[key]
 
 
 def _localize_args(node: torch.fx.Node) -> None:
@@ -87,6 +97,7 @@ def _globalize_sizes(graph: torch.fx.Graph, ctx: CompileContext) -> None:
         with graph.inserting_after(node):
             scaled = graph.call_function(operator.mul, (node, degree))
         scaled.meta["val"] = node.meta.get("val")
+        _same_origin(scaled, node)
         node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
 
 

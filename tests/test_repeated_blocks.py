@@ -7,7 +7,8 @@ the inserted collectives; then the placeholders (names, parameters, positions), 
 parameter's placements and gradient-sync axes, the ZeRO units, the gradient buckets and the
 communication ledger. The only difference allowed is the name fx gives a copied node: the
 reused plan's records are compared with its node names read as the full plan's. Concrete-shape cases also run each plan's rank graphs on
-fake tensors at plan time (`check_rank_graphs`), the copied blocks included.
+fake tensors at plan time (`check_rank_graphs`): every block of the full plan's, the distinct
+blocks of the reused plan's, whose copies are compared with block 2 node by node.
 """
 from __future__ import annotations
 
