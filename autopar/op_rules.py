@@ -30,7 +30,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from autopar.errors import PlanError
 from autopar.ir import hint, local_numel, shard_dim, simplified, sym_size, tensor_meta
-from autopar.runtime import context_attention, local_ops
+from autopar.runtime import context_attention, dropout, local_ops
 
 aten = torch.ops.aten
 
@@ -271,6 +271,29 @@ def _context_collectives(node: torch.fx.Node, placements: tuple[Placement, ...],
     return [InternalCollective("all_to_all", axis, phase, nbytes, dtype, f"Ulysses: {name} ({phase})")
             for phase in ("forward", "backward")
             for name, nbytes in (("query", local(q_val)), ("key", k), ("value", v), ("output", out))]
+
+
+@register(aten.native_dropout.default)
+def dropout_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext) -> RuleResult | None:
+    """Dropout on a sharded tensor keeps its placement and draws the single-device mask
+    (`runtime/dropout.py`): the whole mask on every rank, the rank's piece applied. Replicated
+    (every rank draws the same mask itself) and Partial inputs go to DTensor (which replicates)."""
+    x = specs[0]
+    if x is None or any(isinstance(p, Partial) for p in x.placements):
+        return None
+    cuts, kwargs = [], {}
+    for axis, parts, placement in zip(ctx.mesh_names, ctx.mesh_shape, x.placements):
+        if shard_dim(placement) is None:
+            continue
+        layout = next((d.layout for a, d in ctx.context_axes if a == axis), "contiguous")
+        cuts.append(f"{axis}:{placement.dim}:{parts}:{layout}:{getattr(placement, 'split_factor', 1)}")
+        kwargs[f"index_{axis}"] = ("index", axis)
+    if not cuts:
+        return None
+    out_val, mask_val = node.meta["val"]
+    return RuleResult(output=(_spec_like(x, x.placements, out_val), _spec_like(x, x.placements, mask_val)),
+                      required=[x] + [None] * (len(specs) - 1), local_kernel=dropout.sharded_dropout,
+                      kernel_kwargs={"cuts": ("value", ";".join(cuts)), **kwargs})
 
 
 @register(aten.embedding.default)

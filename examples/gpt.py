@@ -22,6 +22,11 @@ class GPTConfig:
     d_model: int = 32
     d_ff: int = 128
     causal: bool = True  # False: every position attends to every other (an encoder's attention)
+    dropout: float = 0.0  # GPT-2's places: after the embeddings, the attention and the MLP (none at 0)
+
+
+def _dropout(config: GPTConfig) -> nn.Module:
+    return nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
 
 
 class Attention(nn.Module):
@@ -62,10 +67,11 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp_norm = nn.LayerNorm(config.d_model)
         self.mlp = MLP(config)
+        self.attn_dropout, self.mlp_dropout = _dropout(config), _dropout(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.attn_dropout(self.attn(self.attn_norm(x)))
+        return x + self.mlp_dropout(self.mlp(self.mlp_norm(x)))
 
 
 class GPT(nn.Module):
@@ -74,13 +80,14 @@ class GPT(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.embed_positions = nn.Embedding(config.seq_len, config.d_model)
+        self.embed_dropout = _dropout(config)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm = nn.LayerNorm(config.d_model)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.embed_tokens(idx) + self.embed_positions(positions)
+        x = self.embed_dropout(self.embed_tokens(idx) + self.embed_positions(positions))
         for layer in self.layers:
             x = layer(x)
         logits = self.lm_head(self.norm(x))

@@ -186,6 +186,19 @@ def _free_nodes(gm: torch.fx.GraphModule, ctx: CompileContext) -> set[torch.fx.N
     return free
 
 
+def _refuse_dropout(graph: torch.fx.Graph) -> None:
+    """Dropout under a pipeline: each stage's process would draw its masks from its own generator,
+    micro-batch by micro-batch, where one device draws each layer's mask for the whole batch — not
+    one device's masks (`runtime/dropout.py` keeps them equal for the other strategies)."""
+    for node in graph.nodes:
+        if node.target is torch.ops.aten.native_dropout.default and node.args[1] and node.args[2] is not False:
+            raise PlanError.at(node, f"dropout (p={node.args[1]}) under pipeline parallelism would not draw the "
+                                     f"single-device model's masks (each stage draws from its own generator, one "
+                                     f"micro-batch at a time)",
+                               fix="set dropout to 0 for pipeline-parallel training, or train this model without "
+                                   "pipeline_parallel (dropout matches one device under DP, ZeRO, TP, SP and CP)")
+
+
 def split_pipeline(program: Program, ctx: CompileContext) -> Program:
     gm = program.graph_module
     declared = ctx.strategy.pipeline()
@@ -199,6 +212,7 @@ def split_pipeline(program: Program, ctx: CompileContext) -> Program:
                         f"which ZeRO/FSDP units (gathered weights reduced as their gradient arrives) do not support "
                         f"yet; fix: use schedule='1f1b' or 'interleaved_1f1b' with ZeRO, or data_parallel() with "
                         f"{pipeline.schedule!r}")
+    _refuse_dropout(gm.graph)
     degree = ctx.mesh.size(axis)
     count = degree * pipeline.virtual_stages
     blocks, node_block = repeated_blocks(gm)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.runtime import progress
+
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,7 @@ class GradSynchronizer:
             if not self._callback_queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
                 self._callback_queued = True
+                progress.mark(2)
             index = self._slot[fqn][0]
             self._ready[index].add(fqn)
             if len(self._ready[index]) == len(self.buckets[index].params):
@@ -136,3 +139,4 @@ class GradSynchronizer:
         self._launched.clear()
         self._ready = [set() for _ in self.buckets]
         self._callback_queued = False
+        progress.mark(3)

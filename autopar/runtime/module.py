@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.ir import shard_dim
 from autopar.plan import Plan, shard
-from autopar.runtime import collectives
+from autopar.runtime import collectives, progress
 from autopar.runtime.collectives import raw_all_reduce
 from autopar.runtime.input_shapes import check_global_inputs, check_local_inputs
 from autopar.runtime.pipeline import PipelineExecutor
@@ -92,6 +92,9 @@ class ParallelModule(torch.nn.Module):
         super().__init__()
         self.plan = plan
         self.rank = rank
+        self._forwards = 0  # forwards run: the step number in progress marks (runtime/progress.py)
+        if dist.is_initialized():
+            progress.install()
         self.groups = dict(groups, **tie_groups(plan)) if plan.pipeline is not None else dict(groups)
         self._placements = plan.parameter_placements()
         stages = plan.stages_of_rank(rank)
@@ -176,7 +179,11 @@ class ParallelModule(torch.nn.Module):
         if self.pipeline is not None:
             local = pytree.tree_leaves(list(inputs))
             check_local_inputs(self.plan, local)
-            return self.pipeline.step(local)
+            self._forwards += 1
+            progress.mark(0, self._forwards)
+            loss = self.pipeline.step(local)
+            progress.mark(3)
+            return loss
         loss = self(*inputs)
         loss.backward()
         return loss.detach()
@@ -285,5 +292,8 @@ class ParallelModule(torch.nn.Module):
                                "every micro-batch and returns the loss")
         local = pytree.tree_leaves(list(inputs))
         check_local_inputs(self.plan, local)
+        self._forwards += 1
+        progress.mark(0, self._forwards)
         outputs = self.stages[0].run(local)
+        progress.mark(1)
         return pytree.tree_unflatten(list(outputs), self.plan.traced.out_spec)
