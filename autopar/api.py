@@ -14,7 +14,8 @@ import torch.distributed as dist
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
 from autopar.plan import Plan, plan
-from autopar.plan_once import fingerprint, load_runnable_plan, obtain_plan, save_runnable_plan, state_from_model
+from autopar.plan_once import (agree_on_plan_file, fingerprint, load_runnable_plan, obtain_plan, save_runnable_plan,
+                               state_from_model)
 from autopar.runtime.module import ParallelModule
 
 
@@ -40,6 +41,7 @@ def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | Non
                         example_inputs=example_inputs, example_kwargs=example_kwargs,
                         options=options if plan_file is None else None)
     if plan_file is not None:
+        agree_on_plan_file(local)
         the_plan, timing = load_runnable_plan(plan_file, local)
     else:
         if parsed is None or strategies is None or example_inputs is None:

@@ -15,6 +15,8 @@
 - **planned locally** on every rank: a plan traced with `dynamic_dims`. Its sizes are SymInts of
   the planner's ShapeEnv, which `plan_codec` does not carry yet (see there), so each rank traces
   and plans the same model itself, as autopar did before plan-once.
+In the last two ways the ranks first compare their fingerprints through the store (`agree`):
+every rank raises the same PlanError naming the first rank and field that differ from rank 0's.
 
 Why the store and not a broadcast on the process group: the plan is control data exchanged
 once, before training; the store moves bytes without a collective, so it needs no device
@@ -23,7 +25,7 @@ ledger, which the numerics tests compare with counted collectives, has no setup 
 
 The fingerprint (`fingerprint`) is computed without tracing: world size, mesh, strategies, the
 model's parameters and buffers (name, shape, dtype, requires_grad; tied names included), the
-example inputs' structure, shapes and dtypes, the planning options, torch's version. Weights
+example inputs' structure, shapes and dtypes, the planning options, torch's and autopar's versions. Weights
 never cross: each rank cuts its shards from its own model (`state_from_model`), as before.
 
 A runnable plan file is one line of JSON — `{"schema": "autopar.runnable/1", "torch": ...,
@@ -79,6 +81,15 @@ def _describe_inputs(args: Sequence[Any], kwargs: dict | None) -> str:
     return f"{spec}\n" + "\n".join(described)
 
 
+def _autopar_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("autopar")
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def fingerprint(model: torch.nn.Module, *, world_size: int, mesh: Any = None, strategies: Sequence[Any] | None = None,
                 example_inputs: Sequence[Any] | None = None, example_kwargs: dict | None = None,
                 options: dict | None = None) -> dict[str, str]:
@@ -87,7 +98,7 @@ def fingerprint(model: torch.nn.Module, *, world_size: int, mesh: Any = None, st
     fields = {"world size": str(world_size),
               "parameters": _lines(list(model.named_parameters(remove_duplicate=False)), grad=True),
               "buffers": _lines(list(model.named_buffers(remove_duplicate=False)), grad=False),
-              "torch version": torch.__version__}
+              "torch version": torch.__version__, "autopar version": _autopar_version()}
     if mesh is not None:
         fields["mesh"] = str(mesh)
     if strategies is not None:
@@ -151,15 +162,42 @@ def obtain_plan(make_plan: Callable[[], Any], local: dict[str, str], *, dynamic:
     """This rank's plan (module docstring): made here on rank 0 (or on every rank when `dynamic`),
     received from rank 0 elsewhere. Collective over the default process group's store."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world == 1 or dynamic:
+    if world == 1:
         start = _clock()
-        made = make_plan()
-        return made, PlanTiming("planned" if world == 1 else "local", *_since(start))
+        return make_plan(), PlanTiming("planned", *_since(start))
     store = dist.distributed_c10d._get_default_store()  # private in torch 2.13; every backend has one
     key = f"autopar/plan/{next(_CALLS)}"
+    if dynamic:
+        agree(local, store, key, world, rank)
+        start = _clock()
+        return make_plan(), PlanTiming("local", *_since(start))
     if rank == 0:
         return _plan_and_publish(make_plan, local, store, key, world)
     return _receive(local, store, key, world, rank)
+
+
+def agree(local: dict[str, str], store: Any, key: str, world: int, rank: int) -> None:
+    """Every rank's fingerprint against rank 0's, on every rank (no rank waits for a rank that
+    fails): the same PlanError everywhere naming the first rank and field that differ. For the
+    ways of obtaining a plan that do not go through rank 0 (a plan file, planning on every rank)."""
+    store.set(f"{key}/agree/{rank}", pickle.dumps(local))
+    names = [f"{key}/agree/{r}" for r in range(world)]
+    store.wait(names)
+    first = pickle.loads(store.get(names[0]))
+    problems = [mismatch(first, pickle.loads(store.get(names[r])), rank=r) for r in range(1, world)]
+    if store.add(f"{key}/agree/read", 1) == world:  # the last reader clears the exchange
+        for name in names + [f"{key}/agree/read"]:
+            store.delete_key(name)
+    problem = next((p for p in problems if p is not None), None)
+    if problem is not None:
+        raise PlanError(problem)
+
+
+def agree_on_plan_file(local: dict[str, str]) -> None:
+    """`agree` for ranks that each read a plan file (each also checks the file against itself)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        agree(local, dist.distributed_c10d._get_default_store(), f"autopar/plan/{next(_CALLS)}",
+              dist.get_world_size(), dist.get_rank())
 
 
 def _plan_and_publish(make_plan: Callable[[], Any], local: dict[str, str], store: Any, key: str,
