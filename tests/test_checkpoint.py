@@ -8,6 +8,8 @@
 - Exact resume: 3 steps, save, new processes load, 2 more steps: every loss equals the
   uninterrupted 5-step run's bit for bit, with dropout 0.1 (the generator's state and a StepLR
   scheduler's saved as `extra`).
+- Export: a Hugging Face Llama trained under tp=2, its `full_state_dict()` loaded strictly into the
+  user's model and written by `save_pretrained`, reloads with `from_pretrained` bit-identically.
 """
 from __future__ import annotations
 
@@ -123,3 +125,31 @@ def test_resume_after_a_checkpoint_equals_an_uninterrupted_run(tmp_path):
         got = resumed[rank]["losses"]
         assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(expected, got)), f"rank {rank}: {got} != {expected}"
         assert resumed[rank]["lr"] == 1e-2 / 4
+
+
+def _export_hf(rank: int, world: int, path: str) -> dict:
+    from examples.hf_models import tiny_llama, token_batch
+
+    torch.manual_seed(0)
+    batch = token_batch(batch=4, seq=16)
+    module = autopar.parallelize(tiny_llama(kv_heads=2), "tp=2", strategies=[autopar.tensor_parallel()],
+                                 example_inputs=batch)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    module(*module.local_batch(*batch)).backward()
+    optimizer.step()
+    full = module.full_state_dict()
+    if rank == 0:  # export: the user's own model class, loaded strictly, saved by transformers
+        model = tiny_llama(kv_heads=2)
+        model.load_state_dict(full)
+        model.model.save_pretrained(path)
+    torch.distributed.barrier()
+    return {"full": full}
+
+
+def test_a_hugging_face_model_exported_from_full_state_dict_reloads_with_from_pretrained(tmp_path, transformers):
+    from transformers import LlamaForCausalLM
+
+    full = launch(_export_hf, 2, str(tmp_path / "hf"), timeout_s=150)[0]["full"]
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, full[f"model.{name}"]), name
