@@ -51,7 +51,8 @@ class InternalCollective:
 @dataclass
 class RuleResult:
     """`required[i]`: spec positional argument i must arrive with (None: not a tensor / as is).
-    `kernel_kwargs`: keyword arguments the emitter binds per rank, name -> (kind, axis) with kind
+    `unread_args`: positions the emitter passes as None, so what computed them can be dropped
+    (a mask the planner read as causal). `kernel_kwargs`: keyword arguments the emitter binds per rank, name -> (kind, axis) with kind
     "index" (the rank's coordinate on axis), "size" (the axis size), "group" (its process-group
     name), "groups" (names for the comma-separated axes) or "none" (None)."""
 
@@ -60,6 +61,7 @@ class RuleResult:
     local_kernel: Callable[..., Any] | None = None
     kernel_kwargs: dict[str, tuple[str, str]] = field(default_factory=dict)
     internal: list[InternalCollective] = field(default_factory=list)
+    unread_args: tuple[int, ...] = ()  # positional arguments the local kernel ignores: passed as None
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,8 @@ def context_attention_rule(node: torch.fx.Node, specs: list[DTensorSpec | None],
         kernel_kwargs={"group": ("group", axis), "size": ("size", axis), "index": ("index", axis),
                        "method": ("value", declaration.method), "layout": ("value", declaration.layout),
                        "mask": ("value", static_mask_kind(mask) if mask is not None else "absent")},
-        internal=_context_collectives(node, chosen_t, axis, declaration.method, ctx))
+        internal=_context_collectives(node, chosen_t, axis, declaration.method, ctx),
+        unread_args=(3,) if len(node.args) > 3 and node.args[3] is not None else ())
 
 
 def _refuse_unlocalisable(node: torch.fx.Node, axis: str, declaration: Any, size: int) -> None:

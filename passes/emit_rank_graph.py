@@ -122,6 +122,8 @@ def emit_rank_graph(gm: torch.fx.GraphModule, ctx: CompileContext, *, rank: int,
             unbound = {name: axis for name, (_, axis) in rule.kernel_kwargs.items()}
             binds = {name: how for name, (how, _) in rule.kernel_kwargs.items()}
             node.kwargs = dict(node.kwargs, **bind(unbound, binds, ctx.mesh, rank, groups))
+            if getattr(rule, "unread_args", ()):  # their producers become dead code below (plans saved before: none)
+                node.args = tuple(None if i in rule.unread_args else a for i, a in enumerate(node.args))
         if LOCAL_ARGS in node.meta:
             _localize_args(node)
         if node.target in _VIEWS:
