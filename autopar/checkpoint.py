@@ -37,9 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
-
+from autopar.ir import shard_dim
 from autopar.runtime.sequence_chunks import chunk_ids, chunks_total
 
 Interval = tuple[int, int, int]  # (global offset, length, offset in the local tensor)
@@ -65,16 +63,12 @@ def _chunk(length: int, parts: int, index: int) -> tuple[int, int]:
 
 
 def _cut(intervals: list[Interval], placement: Any, parts: int, index: int, layout: str) -> list[Interval]:
-    length = sum(i[1] for i in intervals)
-    if isinstance(placement, _StridedShard):
-        block = length // placement.split_factor
-        ranges = [(b * block + lo, b * block + hi) for b in range(placement.split_factor)
-                  for lo, hi in [_chunk(block, parts, index)]]
-    elif layout != "contiguous":
-        total = chunks_total(parts, layout)
-        ranges = [(c * length // total, (c + 1) * length // total) for c in chunk_ids(index, parts, layout)]
-    else:
-        ranges = [_chunk(length, parts, index)]
+    """`sequence_chunks.take`'s cut (the layout's chunks of each strided block) as ranges."""
+    blocks = getattr(placement, "split_factor", 1)
+    block = sum(i[1] for i in intervals) // blocks
+    total = chunks_total(parts, layout)
+    ranges = [(b * block + lo, b * block + hi) for b in range(blocks)
+              for lo, hi in (_chunk(block, total, c) for c in chunk_ids(index, parts, layout))]
     return _select(intervals, ranges)
 
 
@@ -83,11 +77,9 @@ def _boxes(shape: tuple[int, ...], placements: tuple, mesh: Any, rank: int, layo
     """(global offsets, sizes, local offsets) of every box of the whole tensor `rank` holds."""
     dims: list[list[Interval]] = [[(0, n, 0)] for n in shape]
     for axis, placement in zip(mesh.names, placements):
-        if isinstance(placement, Replicate) or not isinstance(placement, (Shard, _StridedShard)):
-            continue
-        dims[placement.dim] = _cut(dims[placement.dim], placement, mesh.size(axis), mesh.coordinate(rank, axis),
-                                   layouts.get(axis, "contiguous") if not isinstance(placement, _StridedShard)
-                                   else "contiguous")
+        if shard_dim(placement) is not None:
+            dims[placement.dim] = _cut(dims[placement.dim], placement, mesh.size(axis), mesh.coordinate(rank, axis),
+                                       layouts.get(axis, "contiguous"))
     if zero is not None and shape:
         axis, rows = zero
         start = mesh.coordinate(rank, axis) * rows
@@ -218,6 +210,44 @@ def _saved(path: "str | Path") -> dict[str, Any]:
     return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
 
 
+def _saved_optimizer_state(saved: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The saved optimizer entries by parameter: fqn -> state name -> DCP metadata."""
+    grouped: dict[str, dict[str, Any]] = {}
+    for key, meta in saved.items():
+        if key.startswith("optim.") and key != "optim.param_groups":
+            fqn, name = key[len("optim."):].rsplit(".", 1)
+            grouped.setdefault(fqn, {})[name] = meta
+    return grouped
+
+
+def _optimizer_targets(saved: dict[str, Any], optimizer: torch.optim.Optimizer, fqn_of: dict[int, str],
+                       place: Any) -> dict[str, Any]:
+    """DCP load targets for every saved optimizer entry of the optimizer's parameters: a tensor entry
+    is created where missing and `place(fqn, param, name, meta)` gives what DCP fills; objects
+    (read whole) get None."""
+    grouped = _saved_optimizer_state(saved)
+    targets: dict[str, Any] = {"optim.param_groups": ""}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            fqn = fqn_of[id(param)]
+            for name, meta in grouped.get(fqn, {}).items():
+                targets[f"optim.{fqn}.{name}"] = place(fqn, param, name, meta) if hasattr(meta, "size") else None
+    return targets
+
+
+def _restore_optimizer(optimizer: torch.optim.Optimizer, fqn_of: dict[int, str], loaded: dict[str, Any]) -> None:
+    """Hyper-parameters, and the state entries DCP read as objects, into the optimizer."""
+    for group, saved in zip(optimizer.param_groups, json.loads(loaded["optim.param_groups"])):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    param_of = {fqn: param for group in optimizer.param_groups for param in group["params"]
+                for fqn in [fqn_of[id(param)]]}
+    for key, value in loaded.items():
+        if key.startswith("optim.") and key != "optim.param_groups" and value is not None \
+                and not isinstance(value, (Boxes, torch.Tensor)):
+            fqn, name = key[len("optim."):].rsplit(".", 1)
+            optimizer.state[param_of[fqn]][name] = value
+
+
 def load(path: "str | Path", module: Any, optimizer: torch.optim.Optimizer | None = None,
          extra: dict | None = None) -> dict:
     """Fill the module's shards (and the optimizer's state, created where missing) from a
@@ -225,50 +255,30 @@ def load(path: "str | Path", module: Any, optimizer: torch.optim.Optimizer | Non
     a tensor of the saved shape, or any object). Returns the extra entries read. Collective."""
     saved = _saved(path)
     target = state_dict(module, None)
-    for key in [k for k in target if k not in saved]:
-        raise KeyError(f"{path} holds no {key!r}: it was written from another model")
+    missing = next((key for key in target if key not in saved), None)
+    if missing is not None:
+        raise KeyError(f"{path} holds no {missing!r}: it was written from another model")
     if optimizer is not None:
-        names = _optimizer_names(module, optimizer)
-        params = dict(module.named_parameters())
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                fqn = names[id(param)]
-                state = optimizer.state[param]
-                for key in [k for k in saved if k.startswith(f"optim.{fqn}.")]:
-                    name = key[len(f"optim.{fqn}."):]
-                    meta = saved[key]
-                    if tuple(getattr(meta, "size", ())) == _global_shapes(module)[fqn] and len(meta.size):
-                        state.setdefault(name, torch.zeros_like(params[fqn], memory_format=torch.preserve_format))
-                        target[key] = _param_boxes(module, fqn, state[name])
-                    elif hasattr(meta, "size"):
-                        state.setdefault(name, torch.zeros(tuple(meta.size), dtype=meta.properties.dtype))
-                        target[key] = state[name]
-                    else:
-                        target[key] = None
-        target["optim.param_groups"] = ""
-    for key, value in (extra or {}).items():
-        target[f"extra.{key}"] = value
+        fqn_of, shapes = _optimizer_names(module, optimizer), _global_shapes(module)
+
+        def place(fqn: str, param: torch.Tensor, name: str, meta: Any) -> Any:
+            state = optimizer.state[param]
+            if len(meta.size) and tuple(meta.size) == shapes[fqn]:  # shaped like the parameter: its boxes
+                state.setdefault(name, torch.zeros_like(param))
+                return _param_boxes(module, fqn, state[name])
+            state.setdefault(name, torch.zeros(tuple(meta.size), dtype=meta.properties.dtype))
+            return state[name]
+
+        target.update(_optimizer_targets(saved, optimizer, fqn_of, place))
+    target.update({f"extra.{key}": value for key, value in (extra or {}).items()})
     dcp.load(target, checkpoint_id=str(path), planner=_LoadPlanner())
     if optimizer is not None:
-        _restore_optimizer(module, optimizer, target)
+        _restore_optimizer(optimizer, fqn_of, target)
     with torch.no_grad():
         for runner in module.stages:
             if runner.sharded is not None:
                 runner.sharded.refresh()
     return {key: target[f"extra.{key}"] for key in (extra or {})}
-
-
-def _restore_optimizer(module: Any, optimizer: torch.optim.Optimizer, loaded: dict) -> None:
-    names = _optimizer_names(module, optimizer)
-    groups = json.loads(loaded["optim.param_groups"])
-    for group, saved in zip(optimizer.param_groups, groups):
-        group.update({k: v for k, v in saved.items() if k != "params"})
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            prefix = f"optim.{names[id(param)]}."
-            for key, value in loaded.items():
-                if key.startswith(prefix) and not isinstance(value, (Boxes, torch.Tensor)) and value is not None:
-                    optimizer.state[param][key[len(prefix):]] = value
 
 
 def load_into_model(path: "str | Path", model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -281,30 +291,16 @@ def load_into_model(path: "str | Path", model: torch.nn.Module, optimizer: torch
     target: dict[str, Any] = {f"model.{fqn}": p.detach() for fqn, p in params.items() if f"model.{fqn}" in saved}
     target.update({f"model.{fqn}": b for fqn, b in model.named_buffers() if f"model.{fqn}" in saved})
     if optimizer is not None:
-        by_id = {id(p): fqn for fqn, p in params.items()}
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                fqn = by_id[id(param)]
-                for key in [k for k in saved if k.startswith(f"optim.{fqn}.")]:
-                    meta = saved[key]
-                    name = key[len(f"optim.{fqn}."):]
-                    if hasattr(meta, "size"):
-                        optimizer.state[param].setdefault(name, torch.zeros(tuple(meta.size),
-                                                                            dtype=meta.properties.dtype))
-                        target[key] = optimizer.state[param][name]
-                    else:
-                        target[key] = None
-        target["optim.param_groups"] = ""
-    for key, value in (extra or {}).items():
-        target[f"extra.{key}"] = value
+        fqn_of = {id(p): fqn for fqn, p in params.items()}
+
+        def place(fqn: str, param: torch.Tensor, name: str, meta: Any) -> torch.Tensor:
+            state = optimizer.state[param]
+            state.setdefault(name, torch.zeros(tuple(meta.size), dtype=meta.properties.dtype))
+            return state[name]
+
+        target.update(_optimizer_targets(saved, optimizer, fqn_of, place))
+    target.update({f"extra.{key}": value for key, value in (extra or {}).items()})
     dcp.load(target, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     if optimizer is not None:
-        for group, saved_group in zip(optimizer.param_groups, json.loads(target["optim.param_groups"])):
-            group.update({k: v for k, v in saved_group.items() if k != "params"})
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                prefix = f"optim.{by_id[id(param)]}."
-                for key, value in target.items():
-                    if key.startswith(prefix) and not isinstance(value, torch.Tensor) and value is not None:
-                        optimizer.state[param][key[len(prefix):]] = value
+        _restore_optimizer(optimizer, fqn_of, target)
     return {key: target[f"extra.{key}"] for key in (extra or {})}

@@ -70,6 +70,10 @@ class RuleContext:
     mesh_shape: tuple[int, ...]
     context_axes: tuple = ()  # (axis, strategies.context.ContextDeclaration) per context-parallel axis
 
+    def layout(self, axis: str) -> str:
+        """How a dimension sharded on `axis` is cut (`runtime/sequence_chunks.py`)."""
+        return next((d.layout for a, d in self.context_axes if a == axis), "contiguous")
+
 
 _RULES: dict[Any, Callable[..., RuleResult | None]] = {}
 
@@ -288,8 +292,7 @@ def dropout_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: Rule
     for axis, parts, placement in zip(ctx.mesh_names, ctx.mesh_shape, x.placements):
         if shard_dim(placement) is None:
             continue
-        layout = next((d.layout for a, d in ctx.context_axes if a == axis), "contiguous")
-        cuts.append(f"{axis}:{placement.dim}:{parts}:{layout}:{getattr(placement, 'split_factor', 1)}")
+        cuts.append(f"{axis}:{placement.dim}:{parts}:{ctx.layout(axis)}:{getattr(placement, 'split_factor', 1)}")
         kwargs[f"index_{axis}"] = ("index", axis)
     if not cuts:
         return None

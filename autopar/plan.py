@@ -21,13 +21,13 @@ import torch
 import torch.fx
 from tabulate import tabulate
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 from torch.utils import _pytree as pytree
 
 from autopar.check_rank_graphs import check_rank_graphs
 from autopar.context import CompileContext
 from autopar.errors import PlanError
-from autopar.ir import SPEC, local_shape
+from autopar.ir import SPEC, local_shape, shard_dim
 from autopar.ledger.comm import CommLedger, build_comm_ledger
 from autopar.mesh import Mesh, release_planning_caches
 from autopar.passes import PassRecord, default_passes, run_passes
@@ -51,12 +51,9 @@ def shard(tensor: torch.Tensor, placements: Sequence[Placement], mesh: Mesh, ran
     `layouts`: axis -> how a Shard cuts its dimension there (`runtime/sequence_chunks.py`; contiguous
     where absent)."""
     for axis, placement in zip(mesh.names, placements):
-        index, parts = mesh.coordinate(rank, axis), mesh.size(axis)
-        if isinstance(placement, _StridedShard):
-            blocks = torch.chunk(tensor, placement.split_factor, dim=placement.dim)
-            tensor = torch.cat([torch.chunk(b, parts, dim=placement.dim)[index] for b in blocks], dim=placement.dim)
-        elif isinstance(placement, Shard):
-            tensor = sequence_chunks.take(tensor, placement.dim, parts, index, (layouts or {}).get(axis, "contiguous"))
+        if shard_dim(placement) is not None:  # Shard, or _StridedShard's blocks each cut alike
+            tensor = sequence_chunks.take(tensor, placement.dim, mesh.size(axis), mesh.coordinate(rank, axis),
+                                          (layouts or {}).get(axis, "contiguous"), getattr(placement, "split_factor", 1))
     return tensor.contiguous()
 
 

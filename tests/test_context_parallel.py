@@ -19,7 +19,7 @@ from autopar.errors import PlanError
 from autopar.measure.activations import measure_saved_activations
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
-from examples.hf_models import tiny_llama, token_batch
+from examples.hf_models import ZOO_SIZES, CausalLMLoss, token_batch
 from tests.numerics import STEPS, distributed_rank, single_device
 from tests.numerics_checks import assert_ledger_equals_measured, assert_matches, assert_memory_equals_ledger
 
@@ -50,7 +50,11 @@ LLAMA_CASES = ["cp2_ring", "cp2_allgather", "cp2_alltoall", "cp4_ring", "cp4_all
 
 
 def gqa_llama():
-    return tiny_llama(kv_heads=2)
+    """HF Llama as shipped (KV cache on, default attention implementation) with only its sizes
+    changed: the zoo's sizes and 2 key/value heads for 4 query heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return CausalLMLoss(LlamaForCausalLM(LlamaConfig(**ZOO_SIZES, num_key_value_heads=2)))
 
 
 BUILDS = {"gpt": (build, BATCHES), "gpt_noncausal": (build_noncausal, BATCHES), "llama": (gqa_llama, LLAMA_BATCHES)}

@@ -71,11 +71,20 @@ def _kernel(device: torch.device) -> BlockKernel:
     return BLOCK_KERNELS[device.type]
 
 
-def _mode(a: int, b: int, causal: bool) -> str | None:
-    """How query chunk a attends to key chunk b: "full", "diagonal" (causal, same chunk) or not at all."""
-    if not causal or b < a:
-        return "full"
-    return "diagonal" if b == a else None
+def _pairs(q_ids: list[int], kv_ids: list[int], causal: bool):
+    """(i, j, diagonal) for every query chunk q_ids[i] that attends to key chunk kv_ids[j]: all of
+    them without a causal mask; under it the earlier key chunks whole and the same chunk with the
+    causal (top-left) mask; later key chunks not at all."""
+    for i, a in enumerate(q_ids):
+        for j, b in enumerate(kv_ids):
+            if not causal or b <= a:
+                yield i, j, causal and b == a
+
+
+def _kv_chunks(source: int, k: torch.Tensor, v: torch.Tensor, size: int, layout: str, groups: int):
+    """The chunk numbers of rank `source`'s K/V block and its K and V chunks, repeated to the query heads."""
+    kv_ids = chunk_ids(source, size, layout)
+    return kv_ids, _repeat_heads(k, groups).chunk(len(kv_ids), dim=2), _repeat_heads(v, groups).chunk(len(kv_ids), dim=2)
 
 
 def _process_group(name: str) -> Any:
@@ -172,22 +181,16 @@ class _ContextAttention(torch.autograd.Function):
         outs: list[torch.Tensor | None] = [None] * len(q_ids)
         lses: list[torch.Tensor | None] = [None] * len(q_ids)
         for source, k_blk, v_blk in exchange.forward_blocks(k, v):
-            kv_ids = chunk_ids(source, size, layout)
-            k_chunks = _repeat_heads(k_blk, groups).chunk(len(kv_ids), dim=2)
-            v_chunks = _repeat_heads(v_blk, groups).chunk(len(kv_ids), dim=2)
-            for i, a in enumerate(q_ids):
-                for j, b in enumerate(kv_ids):
-                    mode = _mode(a, b, causal)
-                    if mode is None:
-                        continue
-                    out, lse = kernel.forward(q_chunks[i], k_chunks[j], v_chunks[j], mode == "diagonal", scale)
-                    out = out.float()
-                    if outs[i] is None:
-                        outs[i], lses[i] = out, lse
-                        continue
-                    merged = torch.logaddexp(lses[i], lse)
-                    outs[i] = outs[i] * torch.exp(lses[i] - merged).unsqueeze(-1) + out * torch.exp(lse - merged).unsqueeze(-1)
-                    lses[i] = merged
+            kv_ids, k_chunks, v_chunks = _kv_chunks(source, k_blk, v_blk, size, layout, groups)
+            for i, j, diagonal in _pairs(q_ids, kv_ids, causal):
+                out, lse = kernel.forward(q_chunks[i], k_chunks[j], v_chunks[j], diagonal, scale)
+                out = out.float()
+                if outs[i] is None:
+                    outs[i], lses[i] = out, lse
+                    continue
+                merged = torch.logaddexp(lses[i], lse)
+                outs[i] = outs[i] * torch.exp(lses[i] - merged).unsqueeze(-1) + out * torch.exp(lse - merged).unsqueeze(-1)
+                lses[i] = merged
         out = torch.cat(outs, dim=2).to(q.dtype)
         lse = torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -206,20 +209,14 @@ class _ContextAttention(torch.autograd.Function):
         dq_chunks = dq.chunk(count, dim=2)
 
         def accumulate(source, k_blk, v_blk, dk_acc, dv_acc):
-            kv_ids = chunk_ids(source, exchange.size, layout)
-            k_chunks = _repeat_heads(k_blk, groups).chunk(len(kv_ids), dim=2)
-            v_chunks = _repeat_heads(v_blk, groups).chunk(len(kv_ids), dim=2)
+            kv_ids, k_chunks, v_chunks = _kv_chunks(source, k_blk, v_blk, exchange.size, layout, groups)
             dk_chunks, dv_chunks = dk_acc.chunk(len(kv_ids), dim=2), dv_acc.chunk(len(kv_ids), dim=2)
-            for i, a in enumerate(q_ids):
-                for j, b in enumerate(kv_ids):
-                    mode = _mode(a, b, causal)
-                    if mode is None:
-                        continue
-                    dq_b, dk_b, dv_b = kernel.backward(dout_chunks[i], q_chunks[i], k_chunks[j], v_chunks[j],
-                                                       out_chunks[i], lse_chunks[i], mode == "diagonal", scale)
-                    dq_chunks[i].add_(dq_b)
-                    dk_chunks[j].add_(_sum_heads(dk_b, groups))
-                    dv_chunks[j].add_(_sum_heads(dv_b, groups))
+            for i, j, diagonal in _pairs(q_ids, kv_ids, causal):
+                dq_b, dk_b, dv_b = kernel.backward(dout_chunks[i], q_chunks[i], k_chunks[j], v_chunks[j],
+                                                   out_chunks[i], lse_chunks[i], diagonal, scale)
+                dq_chunks[i].add_(dq_b)
+                dk_chunks[j].add_(_sum_heads(dk_b, groups))
+                dv_chunks[j].add_(_sum_heads(dv_b, groups))
 
         dk, dv = exchange.backward_blocks(k, v, accumulate)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
