@@ -227,3 +227,31 @@ def test_saved_activations_scale_as_one_over_cp_at_sequence_4096(cp):
     for result in results:
         per_rank = result["activations"][0]
         assert per_rank <= whole / cp * 1.10, f"{per_rank} bytes saved per rank vs {whole} on one device (cp={cp})"
+
+
+# ---- a dynamic sequence: planned at 64, run at 32; a length the load-balanced chunks do not divide is refused
+
+def _dynamic_rank(rank: int, world: int) -> dict:
+    from autopar.runtime.input_shapes import InputShapeError
+
+    torch.manual_seed(0)
+    module = autopar.parallelize(GPT(CONFIG), "cp=2", strategies=[autopar.context_parallel()],
+                                 example_inputs=BATCHES[0], dynamic_dims={"s": 1})
+    short = tuple(t[:, :32].contiguous() for t in BATCHES[1])
+    loss = module(*module.local_batch(*short))
+    loss.backward()
+    odd = tuple(t[:, :62].contiguous() for t in BATCHES[1])  # 62 = 2 ranks x 31, not 4 chunks
+    try:
+        module.local_batch(*odd)
+        refused = ""
+    except InputShapeError as error:
+        refused = str(error)
+    return {"loss": loss.detach(), "refused": refused}
+
+
+def test_a_dynamic_sequence_runs_at_another_length_and_an_indivisible_one_is_refused():
+    torch.manual_seed(0)
+    expected = GPT(CONFIG)(*(t[:, :32] for t in BATCHES[1])).detach()
+    for result in launch(_dynamic_rank, 2, timeout_s=120):
+        assert torch.allclose(result["loss"], expected, rtol=1e-5, atol=0), (result["loss"], expected)
+        assert "does not split over the 2 ranks of cp (4 load-balanced chunks)" in result["refused"], result["refused"]

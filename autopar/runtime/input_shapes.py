@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import torch
 
 from autopar.ir import SPEC, shard_dim
+from autopar.runtime.sequence_chunks import chunks_total
 
 
 class InputShapeError(ValueError):
@@ -27,9 +28,13 @@ class InputShapeError(ValueError):
     does not split over its shard degree)."""
 
 
-def _degree(node: torch.fx.Node, dim: int, mesh: Any) -> tuple[int, list[str]]:
+def _degree(node: torch.fx.Node, dim: int, plan: Any) -> tuple[int, int, list[str]]:
+    """(ranks the dimension is split over, equal chunks it is cut into, their axes): a load-balanced
+    context-parallel axis cuts 2 chunks per rank (`sequence_chunks`)."""
+    mesh = plan.mesh
     axes = [axis for axis, placement in zip(mesh.names, node.meta[SPEC].placements) if shard_dim(placement) == dim]
-    return math.prod(mesh.size(axis) for axis in axes), axes
+    chunks = math.prod(chunks_total(mesh.size(axis), plan.context.strategy.sequence_layout(axis)) for axis in axes)
+    return math.prod(mesh.size(axis) for axis in axes), chunks, axes
 
 
 def _check(plan: Any, inputs: Sequence[Any], *, local: bool) -> None:
@@ -48,15 +53,17 @@ def _check(plan: Any, inputs: Sequence[Any], *, local: bool) -> None:
             raise InputShapeError(f"{name} has {value.dim()} dimensions {tuple(value.shape)}; the plan was traced "
                                   f"with {traced.dim()} {tuple(traced.shape)}")
         for dim, (size, planned) in enumerate(zip(value.shape, traced.shape)):
-            degree, axes = _degree(node, dim, plan.mesh)
+            degree, chunks, axes = _degree(node, dim, plan)
             times = microbatches if dim == batch_dim else 1
             if isinstance(planned, torch.SymInt):
-                if not local and size % (degree * times):
+                if not local and size % (chunks * times):
                     split = f"{degree} ranks of {'x'.join(axes)}" if degree > 1 else "1 rank"
+                    if chunks != degree:
+                        split += f" ({chunks} load-balanced chunks)"
                     extra = f" times {microbatches} micro-batches" if times > 1 else ""
                     raise InputShapeError(
                         f"{name} has size {size} in dimension {dim}, which is dynamic but does not split over the "
-                        f"{split}{extra}\n  fix: make it a multiple of {degree * times}")
+                        f"{split}{extra}\n  fix: make it a multiple of {chunks * times}")
                 continue
             expected = int(planned) * times // (degree if local else 1)
             if size != expected:
