@@ -89,7 +89,9 @@ def register(op: Any) -> Callable[[Callable[..., RuleResult | None]], Callable[.
 
 
 def lookup(op: Any) -> Callable[..., RuleResult | None] | None:
-    return _RULES.get(op)
+    """The rule for `op`; ops of libraries registered when imported (transformers' custom ops) are
+    registered by their name."""
+    return _RULES.get(op) or _RULES.get(str(op))
 
 
 def _spec_like(spec: DTensorSpec, placements: tuple[Placement, ...], value: torch.Tensor | None = None) -> DTensorSpec:
@@ -501,3 +503,6 @@ def sum_all_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: Rule
     if any(isinstance(p, Partial) and p.reduce_op != "sum" for p in x.placements):
         return None
     return RuleResult(output=_spec_like(x, placements, node.meta["val"]), required=[x] + [None] * (len(specs) - 1))
+
+
+from autopar import expert_rules  # noqa: E402,F401  (registers the mixture-of-experts rules)

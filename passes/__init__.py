@@ -1,7 +1,8 @@
 """The compiler passes, one per file, and the runner that applies them in order.
 
 Every pass maps a `Program` (autopar.program) to a `Program`. Order: `drop_empty_concats` (an
-empty KV cache concatenated with keys and values) -> `propagate_placements` ->
+empty KV cache concatenated with keys and values) -> `lower_moe` (mixture-of-experts routing to
+autopar's kernels, with the all-to-all exchange under expert parallelism) -> `propagate_placements` ->
 `insert_collectives` -> `insert_grad_reductions` (these decide the whole graph) ->
 `split_pipeline` (the stage graphs: one, the whole graph, without a pipeline) ->
 `shard_parameters` (ZeRO/FSDP units per stage; a no-op without a sharded-state strategy), then
@@ -49,9 +50,10 @@ def default_passes() -> list[Pass]:
     from autopar.passes.drop_empty_concats import drop_empty_concats
     from autopar.passes.insert_collectives import insert_collectives
     from autopar.passes.insert_grad_reductions import insert_grad_reductions
+    from autopar.passes.lower_moe import lower_moe
     from autopar.passes.propagate_placements import propagate_placements
     from autopar.passes.shard_parameters import shard_parameters
     from autopar.passes.split_pipeline import split_pipeline
 
-    return [drop_empty_concats, propagate_placements, insert_collectives, insert_grad_reductions, split_pipeline,
+    return [drop_empty_concats, lower_moe, propagate_placements, insert_collectives, insert_grad_reductions, split_pipeline,
             shard_parameters]

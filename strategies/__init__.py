@@ -10,7 +10,7 @@ an axis the mesh does not have. Constructors live beside: `data_parallel.py`,
 `tensor_parallel.py` (+ sequence parallel), `zero.py` (ZeRO-1/2/3, FSDP, HSDP: a data-parallel
 axis that also shards the training state), `pipeline.py` (pipeline stages, schedule and
 micro-batches on an axis), `context.py` (sequence shards, attention lowered to ring / all-gather /
-all-to-all); `find_layout.py` + `check_layout.py` find Megatron's patterns in the
+all-to-all), `expert.py` (experts split over an axis, tokens exchanged by all-to-all); `find_layout.py` + `check_layout.py` find Megatron's patterns in the
 graph, `layouts.py` declares them by module names (an override).
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
     from autopar.context import PlaceholderInfo
     from autopar.strategies.context import ContextDeclaration
+    from autopar.strategies.expert import ExpertDeclaration
     from autopar.strategies.pipeline import PipelineDeclaration
     from autopar.strategies.zero import ShardedState
 
@@ -73,6 +74,7 @@ class Strategy:
     sharded_state: "ShardedState | None" = None  # ZeRO / FSDP on this axis (strategies/zero.py)
     pipeline: "PipelineDeclaration | None" = None  # pipeline stages on this axis (strategies/pipeline.py)
     context: "ContextDeclaration | None" = None  # sequence shards and their attention (strategies/context.py)
+    experts: "ExpertDeclaration | None" = None  # experts split over this axis, tokens exchanged (strategies/expert.py)
     regather_in_backward: bool = False  # all-gathers on this axis keep their input for backward, not output
     notes: tuple[str, ...] = ()  # what the strategy left out and why (e.g. a pattern it could not shard)
 
@@ -145,6 +147,10 @@ class ResolvedStrategy:
         """(axis, declaration) of every context-parallel axis (not of size 1)."""
         return tuple((axis, s.context) for axis in self.mesh.names for s in self._for_axis(axis)
                      if s.context is not None)
+
+    def expert_axes(self) -> tuple[str, ...]:
+        """Every expert-parallel axis (not of size 1)."""
+        return tuple(axis for axis in self.mesh.names for s in self._for_axis(axis) if s.experts is not None)
 
     def sequence_layout(self, axis: str) -> str:
         """How a dimension sharded on `axis` is cut (`autopar.runtime.sequence_chunks`)."""
@@ -229,6 +235,9 @@ def resolve_strategies(mesh: Mesh, strategies: "list[Strategy] | tuple[Strategy,
     if len(sharded) > 1:
         raise PlanError(f"strategies {[s.name for s in sharded]} each shard the training state; declare one ZeRO/FSDP "
                         f"axis (hsdp() shards over one axis and replicates over another)")
+    experts = [s.axis for s in strategies if s.experts is not None and mesh.size(s.axis) > 1]
+    if len(experts) > 1:
+        raise PlanError(f"expert_parallel is declared on axes {experts}; declare one expert-parallel axis")
     pipelines = [s for s in strategies if s.pipeline is not None]
     if len(pipelines) > 1:
         raise PlanError(f"strategies {[s.name for s in pipelines]} each declare a pipeline; declare one pipeline axis")

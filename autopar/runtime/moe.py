@@ -1,0 +1,141 @@
+"""Mixture-of-experts token movement: permutation by expert, and expert parallelism's all-to-all.
+
+`passes/lower_moe.py` replaces the routing bookkeeping of an experts block with these kernels and
+keeps the experts' own computation (grouped matmuls, activation) as traced:
+
+    x_perm, offsets, order, ids = moe_permute(x, top_k_index, num_experts=E)
+    ... experts: rows of x_perm, grouped by expert (offsets: cumulative rows per expert) ...
+    out = moe_unpermute(y_perm, order, top_k_weights, top_k=k, dtype=...)
+
+Both run on whatever tokens the rank holds (every token is routed on its own), so data, ZeRO
+and sequence shards of the tokens need nothing more. They reproduce what Hugging Face's grouped
+experts do (`transformers.integrations.moe.grouped_mm_experts_forward`): sort the flattened
+expert ids, gather the rows, count rows per expert with `histc`, weight each output row by its
+router probability, restore the order and sum the k rows of a token.
+
+Expert parallelism (`ep` axis, experts sharded by their first dimension) puts an exchange around
+the experts' computation:
+
+    x_local, offsets_local, received = moe_dispatch(x_perm, offsets, group=, size=, index=)
+    ... local experts on x_local ...
+    y_perm = moe_combine(y_local, received, offsets, group=, size=)
+
+`moe_dispatch` sends every rank the rows of its experts (rank r owns experts r·E/N .. (r+1)·E/N-1;
+rows are sorted by expert, so each destination's rows are contiguous) after one all-to-all of the
+row counts per expert; what arrives (ordered by source rank, then expert) is regrouped by local
+expert. `moe_combine` undoes both. The row all-to-alls have split sizes known only at run time;
+their backward is the same exchange with the splits swapped (`_RowsAllToAll`). Every exchange
+records its row counts in `ROUTING` (a run's exact all-to-all bytes: `routing_bytes`).
+On fake tensors (the planner's shape check) the exchange keeps every row where it is.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+_c10d = torch.ops._c10d_functional
+
+# (name of the experts block, rows sent per destination, rows received per source) per dispatch,
+# appended in call order; a harness clears it between steps (`ROUTING.clear()`).
+ROUTING: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+
+
+def moe_permute(x: torch.Tensor, top_k_index: torch.Tensor, *, num_experts: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of `x` [T, d] once per chosen expert, sorted by expert: (rows [T·k, d], cumulative rows
+    per expert [E] int32, the sorting permutation [T·k], the sorted expert ids [T·k])."""
+    top_k = top_k_index.shape[-1]
+    ids_sorted, order = torch.sort(top_k_index.reshape(-1), stable=True)
+    rows = x[order // top_k]
+    counts = torch.histc(ids_sorted.float(), bins=num_experts, min=0, max=num_experts - 1)
+    return rows, torch.cumsum(counts, dim=0, dtype=torch.int32), order, ids_sorted
+
+
+def moe_unpermute(y_perm: torch.Tensor, order: torch.Tensor, top_k_weights: torch.Tensor, *, top_k: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Each token's k expert outputs weighted by its router weights ([T, k] or flat) and summed: [T, d]."""
+    tokens = top_k_weights.numel() // top_k
+    weighted = y_perm * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return weighted[inverse].view(tokens, top_k, y_perm.shape[-1]).sum(dim=1).to(dtype)
+
+
+def _rows_all_to_all(x: torch.Tensor, send: list[int], receive: list[int], group: str) -> torch.Tensor:
+    out = _c10d.all_to_all_single(x.contiguous(), receive, send, group)
+    return _c10d.wait_tensor(out)
+
+
+class _RowsAllToAll(torch.autograd.Function):
+    """Rows of `x` split `send` (per destination) exchanged for rows split `receive` (per source)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send: list[int], receive: list[int], group: str) -> torch.Tensor:
+        ctx.splits = (send, receive, group)
+        return _rows_all_to_all(x, send, receive, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        send, receive, group = ctx.splits
+        return _rows_all_to_all(grad, receive, send, group), None, None, None
+
+
+def _counts_by_rank(offsets: torch.Tensor, size: int) -> torch.Tensor:
+    """Rows per (destination rank, its local expert) [N, E/N] from cumulative rows per expert."""
+    counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())
+    return counts.view(size, -1)
+
+
+def _source_major_to_expert_major(received: torch.Tensor) -> torch.Tensor:
+    """The permutation taking rows ordered (source rank, local expert) to (local expert, source rank)."""
+    sources, experts = received.shape
+    starts = (torch.cumsum(received.reshape(-1), 0) - received.reshape(-1)).view(sources, experts)
+    pieces = [torch.arange(int(starts[s, e]), int(starts[s, e] + received[s, e]))
+              for e in range(experts) for s in range(sources)]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+
+
+def moe_dispatch(x_perm: torch.Tensor, offsets: torch.Tensor, *, group: str, size: int, index: int, block: str = ""
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's experts' rows from every rank: (rows grouped by local expert, their cumulative
+    counts [E/N] in `offsets`' dtype, rows received per (source, local expert) [N, E/N])."""
+    local_experts = offsets.shape[0] // size
+    if isinstance(x_perm, FakeTensor):
+        return x_perm * 1, offsets[:local_experts], offsets.new_zeros((size, local_experts), dtype=torch.long)
+    sending = _counts_by_rank(offsets, size)
+    received = _c10d.wait_tensor(_c10d.all_to_all_single(sending.reshape(-1).contiguous(), [local_experts] * size,
+                                                         [local_experts] * size, group)).view(size, local_experts)
+    send, receive = sending.sum(1).tolist(), received.sum(1).tolist()
+    ROUTING.append((block, tuple(send), tuple(receive)))
+    arrived = _RowsAllToAll.apply(x_perm, send, receive, group)
+    grouped = arrived[_source_major_to_expert_major(received)]
+    local_offsets = torch.cumsum(received.sum(0), 0).to(offsets.dtype)
+    return grouped, local_offsets, received
+
+
+def moe_combine(y_local: torch.Tensor, received: torch.Tensor, offsets: torch.Tensor, *, group: str, size: int
+                ) -> torch.Tensor:
+    """The experts' output rows back to the ranks and positions `moe_dispatch` took them from."""
+    if isinstance(y_local, FakeTensor):
+        return y_local * 1
+    order = _source_major_to_expert_major(received)
+    source_major = torch.empty_like(order)
+    source_major[order] = torch.arange(order.numel())
+    send = received.sum(1).tolist()
+    back = _counts_by_rank(offsets, size).sum(1).tolist()
+    return _RowsAllToAll.apply(y_local[source_major], send, back, group)
+
+
+def routing_bytes(routing: list[tuple[str, tuple[int, ...], tuple[int, ...]]], *, row_bytes: dict[str, int],
+                  count_bytes: dict[str, int]) -> dict[str, int]:
+    """All-to-all logical bytes (each call's input, the ledger's convention) a run's routing implies,
+    forward and backward: per dispatch the counts exchange, the rows sent (forward) and, in
+    backward, their gradients coming back (the rows received); per combine the rows received
+    (forward) and the gradients of the rows sent (backward)."""
+    forward = backward = 0
+    for block, send, receive in routing:
+        forward += count_bytes[block] + (sum(send) + sum(receive)) * row_bytes[block]
+        backward += (sum(receive) + sum(send)) * row_bytes[block]
+    return {"forward": forward, "backward": backward}
