@@ -14,8 +14,9 @@ arguments returning `(model, example_inputs)` (a global batch). `--strategy` lis
 names: dp (data_parallel on axis dp), zero1 / zero2 / zero3 / fsdp (ZeRO on dp), hsdp (FSDP on
 dp_shard, replicated on dp_rep), tp (tensor_parallel on tp), sp (sequence_parallel on tp), pp
 (pipeline_parallel on pp, with --schedule, --microbatches, --virtual-stages, --stages), cp
-(context_parallel on cp, with --cp-method ring|allgather|alltoall and --no-load-balance); by
-default dp for a `dp` axis, tp for a `tp` axis, pp for a `pp` axis and cp for a `cp` axis.
+(context_parallel on cp, with --cp-method ring|allgather|alltoall and --no-load-balance), ep
+(expert_parallel on ep: experts split by expert, tokens exchanged by all-to-all); by default dp
+for a `dp` axis, tp for a `tp` axis, pp for a `pp` axis, cp for a `cp` axis and ep for an `ep` axis.
 `--compare-stages` prints DDP and ZeRO-1/2/3 side by side on the dp axis (memory per category per
 rank, bytes per step); `--compare-cp` the ring, all-gather and all-to-all lowerings of attention
 on the cp axis. Exit codes: 0 fine, 1 communication grew
@@ -34,7 +35,7 @@ from typing import Any, Callable
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
 
-STRATEGY_NAMES = ("dp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "tp", "sp", "pp", "cp")
+STRATEGY_NAMES = ("dp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "tp", "sp", "pp", "cp", "ep")
 
 
 def load_target(target: str) -> Callable[[], Any]:
@@ -61,12 +62,13 @@ def strategies_for(names: str | None, mesh: Mesh, pipeline: dict[str, Any] | Non
     stages), `context` cp's (method, load_balance)."""
     from autopar.strategies.context import context_parallel
     from autopar.strategies.data_parallel import data_parallel
+    from autopar.strategies.expert import expert_parallel
     from autopar.strategies.pipeline import pipeline_parallel
     from autopar.strategies.tensor_parallel import sequence_parallel, tensor_parallel
     from autopar.strategies.zero import fsdp, hsdp, zero
 
-    chosen = names.split(",") if names else [a for a in ("dp", "tp", "pp", "cp") if a in mesh.names]
-    makers = {"dp": data_parallel, "tp": tensor_parallel, "sp": sequence_parallel, "fsdp": fsdp, "hsdp": hsdp,
+    chosen = names.split(",") if names else [a for a in ("dp", "tp", "pp", "cp", "ep") if a in mesh.names]
+    makers = {"dp": data_parallel, "ep": expert_parallel, "tp": tensor_parallel, "sp": sequence_parallel, "fsdp": fsdp, "hsdp": hsdp,
               "cp": lambda: context_parallel(**{k: v for k, v in (context or {}).items() if v is not None}),
               "pp": lambda: pipeline_parallel(**{k: v for k, v in (pipeline or {}).items() if v is not None}),
               **{f"zero{k}": (lambda k=k: zero(stage=k)) for k in (1, 2, 3)}}

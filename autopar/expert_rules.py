@@ -14,6 +14,7 @@ redistributed. Per mesh axis:
 |                    | rows R, weights S(2) (columns)           | S(1)                            |
 |                    | rows S(1), weights S(1) (reduction dim)  | Partial                         |
 |                    | rows Partial, weights R                  | Partial                         |
+|                    | rows S(0), weights sharded otherwise     | rows S(0), weights gathered     |
 |                    | anything else                            | both replicated first           |
 | moe_permute        | tokens and top-k ids sharded alike by rows | rows S(0), offsets R, order S(0), ids S(0) |
 | moe_unpermute      | rows S(0) / R / Partial, router weights  | the router weights' row placement; Partial stays Partial |
@@ -33,7 +34,7 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from autopar.ir import ARG_SPECS, local_numel, shard_dim, simplified
 from autopar.op_rules import InternalCollective, RuleContext, RuleResult, _spec_like, register
@@ -50,12 +51,14 @@ def _grouped_mm_choice(x: Placement, w: Placement, offs: Placement | None) -> tu
         return x, w, Shard(0)
     if _rows(x) and w == Shard(0) and offs == Shard(0):
         return x, w, Shard(0)
-    if isinstance(x, Replicate) and w == Shard(2):
-        return x, w, Shard(1)
+    if isinstance(x, Replicate) and shard_dim(w) == 2:  # a fused gate|up: _StridedShard(2) -> blocks of columns
+        return x, w, Shard(1) if type(w) is Shard else _StridedShard(1, split_factor=w.split_factor)
     if x == Shard(1) and w == Shard(1):
         return x, w, Partial()
     if isinstance(x, Partial) and isinstance(w, Replicate):
         return x, w, Partial()
+    if _rows(x):  # never gather permuted rows: their offsets count the rank's own rows only
+        return x, Replicate(), Shard(0)
     return Replicate(), Replicate(), Replicate()
 
 

@@ -23,7 +23,7 @@ from tabulate import tabulate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from autopar.errors import PlanError
-from autopar.ir import ORIGIN, RULE, SPEC, describe, local_shape, module_path, source_line
+from autopar.ir import ARG_SPECS as ARG_SPECS_KEY, ORIGIN, RULE, SPEC, describe, local_shape, module_path, source_line
 from autopar.ledger.comm import CommEntry, CommLedger
 from autopar.mesh import Mesh
 from autopar.passes.split_pipeline import PIPELINE_STAGE
@@ -151,7 +151,46 @@ def plan_document(plan: Any) -> dict[str, Any]:
                    "params": [[p.fqn, list(p.shape), p.rows] for p in u.params]} for u in plan.units],
         "memory": _memory_data(plan),
         "pipeline": _pipeline_data(plan),
+        "experts": _experts_data(plan),
     }
+
+
+def _experts_data(plan: Any) -> list[dict[str, Any]]:
+    """Each mixture-of-experts block (`passes/lower_moe.py`): its experts, the axes its tokens are
+    sharded over, the expert-parallel axis splitting them, what its weights and the rest of the
+    model synchronise gradients over, and its all-to-all bytes per step under uniform routing."""
+    from autopar.passes.lower_moe import expert_parameters
+    from autopar.runtime import moe
+
+    graph = plan.graph_module.graph
+    weights = expert_parameters(graph)
+    sync = plan.grad_sync_axes()
+    expert_fqns = {plan.context.placeholders[p.name].target for params in weights.values() for p in params}
+    others = sorted({axis for fqn, axes in sync.items() if fqn not in expert_fqns for axis in axes})
+    blocks = []
+    for node in graph.nodes:
+        if node.target is not moe.moe_permute:
+            continue
+        path = module_path(node)
+        tokens = node.meta[ARG_SPECS_KEY][0].placements
+        dispatch = next((u for u in graph.nodes if u.target is moe.moe_dispatch and module_path(u) == path), None)
+        axis = dispatch.kwargs["group"] if dispatch is not None else None
+        fqns = [plan.context.placeholders[p.name].target for p in weights.get(path, [])]
+        experts = node.kwargs["num_experts"]
+        blocks.append({
+            "module": path, "experts": experts, "top_k": _top_k(node),
+            "tokens_over": [a for a, p in zip(plan.mesh.names, tokens) if p.is_shard()],
+            "expert_axis": axis, "experts_per_rank": experts // plan.mesh.size(axis) if axis else experts,
+            "weights": fqns, "weights_sync": sorted({a for f in fqns for a in sync.get(f, ())}), "others_sync": others,
+            "all_to_all_bytes": sum(plan.comm.number(e.logical_bytes) * e.times for e in plan.comm.entries
+                                    if e.kind == "all_to_all" and e.module == path)})
+    return blocks
+
+
+def _top_k(permute: torch.fx.Node) -> int:
+    unpermute = next((u for u in permute.graph.nodes if u.op == "call_function"
+                      and getattr(u.target, "__name__", "") == "moe_unpermute" and u.args[1].args[0] is permute), None)
+    return unpermute.kwargs["top_k"] if unpermute is not None else 0
 
 
 def _memory_ranks(plan: Any) -> list[int]:
@@ -259,7 +298,20 @@ class PlanDocument:
                 + "\n\nCommunication per step, per rank\n" + self.comm.table()
                 + "".join(f"\n\nMemory per rank (rank {rank}, AdamW)\n" + self.memory_of(rank).table()
                           for rank in self.memory_ranks())
-                + self.pipeline_report())
+                + self.pipeline_report() + self.experts_report())
+
+    def experts_report(self) -> str:
+        blocks = self.data.get("experts")
+        if not blocks:
+            return ""
+        rows = [[b["module"], b["experts"], b["top_k"], ",".join(b["tokens_over"]) or "-", b["expert_axis"] or "-",
+                 b["experts_per_rank"], ",".join(b["weights_sync"]) or "-", ",".join(b["others_sync"]) or "-",
+                 f"{b['all_to_all_bytes']:,}"] for b in blocks]
+        return ("\n\nMixture-of-experts blocks (all-to-all bytes per step per rank under uniform routing; a run's "
+                "exact bytes follow its routing)\n"
+                + tabulate(rows, headers=["experts module", "E", "top-k", "tokens over", "experts split over",
+                                          "experts/rank", "expert grads sync over", "other grads sync over",
+                                          "all-to-all bytes"]))
 
     def pipeline_report(self) -> str:
         pipeline = self.data.get("pipeline")

@@ -130,13 +130,17 @@ def _ancestors(node: torch.fx.Node, within: set[torch.fx.Node]) -> set[torch.fx.
     return found
 
 
-def _find_block(path: str, grouped: list[torch.fx.Node], graph: torch.fx.Graph) -> ExpertBlock:
-    first, last = grouped[0], grouped[-1]
-
-    def refuse(message: str, node: torch.fx.Node = first) -> PlanError:
+def _refusal(path: str, default: torch.fx.Node) -> Any:
+    def refuse(message: str, node: torch.fx.Node = default) -> PlanError:
         return PlanError.at(node, f"mixture-of-experts block {path!r}: {message}; autopar cannot recognise it",
                             fix=_NOT_FOUND)
 
+    return refuse
+
+
+def _find_routing(grouped: list[torch.fx.Node], refuse: Any) -> tuple:
+    """(offsets, x_perm, x, top_k, perm, sort, top_k_index) of an experts block (module docstring)."""
+    first = grouped[0]
     offsets = first.args[2] if len(first.args) > 2 else first.kwargs.get("offs")
     if not isinstance(offsets, torch.fx.Node) or any(
             (g.args[2] if len(g.args) > 2 else g.kwargs.get("offs")) is not offsets for g in grouped):
@@ -157,6 +161,14 @@ def _find_block(path: str, grouped: list[torch.fx.Node], graph: torch.fx.Graph) 
     tokens = x.meta["val"].shape[0]
     if tuple(top_k_index.meta["val"].shape) != (tokens, top_k) or top_k_index.meta["val"].dtype.is_floating_point:
         raise refuse(f"the sorted expert ids are not a [{tokens}, {top_k}] integer tensor", sort)
+    return offsets, x_perm, x, top_k, perm, sort, top_k_index
+
+
+def _find_block(path: str, grouped: list[torch.fx.Node], graph: torch.fx.Graph) -> ExpertBlock:
+    last = grouped[-1]
+    refuse = _refusal(path, grouped[0])
+    offsets, x_perm, x, top_k, perm, sort, top_k_index = _find_routing(grouped, refuse)
+    tokens = x.meta["val"].shape[0]
     ids_sorted = next((u for u in sort.users if u.args[1] == 0), None)
     region = {n for n in graph.nodes if module_path(n) == path or module_path(n).startswith(path + ".")}
     downstream = _descendants([top_k_index], region)

@@ -238,6 +238,13 @@ def resolve_strategies(mesh: Mesh, strategies: "list[Strategy] | tuple[Strategy,
     experts = [s.axis for s in strategies if s.experts is not None and mesh.size(s.axis) > 1]
     if len(experts) > 1:
         raise PlanError(f"expert_parallel is declared on axes {experts}; declare one expert-parallel axis")
+    for axis in experts:
+        sharing = [s.name for s in strategies if s.axis == axis and s.experts is None]
+        if sharing:
+            raise PlanError(f"expert_parallel on {axis!r} shares its axis with {sharing}: the expert-parallel axis is "
+                            f"carved from the data axes (it shards the batch like data parallelism and splits the "
+                            f"experts), so it cannot also carry {', '.join(sharing)}\n  fix: give experts their own "
+                            f"axis, e.g. mesh 'dp=2,ep=2' with data_parallel() on dp and expert_parallel() on ep")
     pipelines = [s for s in strategies if s.pipeline is not None]
     if len(pipelines) > 1:
         raise PlanError(f"strategies {[s.name for s in pipelines]} each declare a pipeline; declare one pipeline axis")

@@ -12,7 +12,9 @@ from a declared `TransformerLayout` (module-name globs, `strategies/layouts.py`)
   forward, all-reduce backward) and return a replicated output (g: all-reduce forward). With
   `sequence_parallel=True` the block outputs and the embedding output are sharded on the
   sequence dimension instead, so g becomes a reduce-scatter and f an all-gather (whose
-  backward is a reduce-scatter), and LayerNorm/dropout/residuals run on sequence shards.
+  backward is a reduce-scatter), and LayerNorm/dropout/residuals run on sequence shards;
+- mixture-of-experts blocks (found in the graph only): every expert's FFN split column | row
+  (`strategies/expert.py`, `expert_tensor_layout`), its tokens entering replicated.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from autopar.context import PlaceholderInfo
 from autopar.mesh import Mesh
 from autopar.strategies import ModuleLayout, ParamRule, Strategy
+from autopar.strategies.expert import expert_tensor_layout
 from autopar.strategies.find_layout import find_layout
 from autopar.strategies.layouts import TransformerLayout
 
@@ -54,8 +57,11 @@ class FindLayout:
         inputs = {"block": Replicate(), "head": Replicate(), "embedding": None}
         outputs = {"block": block_output, "embedding": block_output, "head": None}
         modules = tuple(ModuleLayout(module, inputs=inputs[role], outputs=outputs[role]) for module, role in found.modules)
-        return Strategy(name=name, axis=self.axis, params=params, modules=modules,
-                        regather_in_backward=self.regather_in_backward, notes=found.notes)
+        expert_params, expert_modules, expert_notes = expert_tensor_layout(graph_module, placeholders,
+                                                                           mesh.size(self.axis))
+        return Strategy(name=name, axis=self.axis, params=params + tuple(expert_params),
+                        modules=modules + tuple(ModuleLayout(m, inputs=Replicate()) for m in expert_modules),
+                        regather_in_backward=self.regather_in_backward, notes=tuple(found.notes) + tuple(expert_notes))
 
 
 def tensor_parallel(*, layout: TransformerLayout | None = None, axis: str = "tp", sequence_parallel: bool = False,

@@ -111,16 +111,21 @@ def reference(model: str) -> dict:
     return _references[model]
 
 
-def assert_comm_equals_ledger_and_routing(results: list[dict], model: str) -> None:
+def assert_comm_equals_ledger_and_routing(results: list[dict], model: str, name: str) -> None:
     """Each step: every (kind, axis) the ledger names, counted over the step, equals it; the
-    all-to-alls' bytes equal what the step's routing implies (module docstring)."""
+    all-to-alls' bytes equal what the step's routing implies (module docstring). Under ep×tp the
+    experts' rows are also replicated on tp, so the gradient of the dispatched rows is all-reduced
+    over tp (Megatron's f, once per block): its bytes follow the rows received, not the ledger's
+    uniform routing — the ledger's plus (rows received - rows routed) · d · 4 per block."""
     hidden, experts, _ = SIZES[model]
+    tensor_parallel = "tp" in autopar.Mesh.parse(CASES[name][0]).names
     for result in results:
         expected = expected_by_phase(result["ledger"])
         for step, measured in enumerate(result["comm"]):
             routing = result["routing"][step]
-            implied = moe.routing_bytes(routing, row_bytes={b: hidden * 4 for b, _, _ in routing},
-                                        count_bytes={b: experts * 8 for b, _, _ in routing})
+            implied = moe.routing_bytes(routing, row_bytes={b: hidden * 4 for b, *_ in routing},
+                                        count_bytes={b: experts * 8 for b, *_ in routing})
+            extra_rows = sum(sum(receive) - sum(send) for _, send, receive, _ in routing)
             where = f"rank {result['rank']} step {step}"
             for phase in ("forward", "backward"):
                 got, want = dict(measured.get(phase, {})), dict(expected.get(phase, {}))
@@ -128,6 +133,9 @@ def assert_comm_equals_ledger_and_routing(results: list[dict], model: str) -> No
                     calls, nbytes = got.pop(key, (0, 0))
                     assert calls == want.pop(key)[0], f"{where} {phase} {key}: {calls} calls != ledger"
                     assert nbytes == implied[phase], f"{where} {phase} {key}: {nbytes} bytes != routing's {implied[phase]}"
+                if phase == "backward" and tensor_parallel and routing:
+                    calls, nbytes = want[("all_reduce", "tp")]
+                    want[("all_reduce", "tp")] = (calls, nbytes + extra_rows * hidden * 4)
                 assert got == want, f"{where} {phase}: measured {got} != ledger {want}"
 
 
@@ -136,7 +144,7 @@ def assert_memory(results: list[dict], model: str, name: str) -> None:
     too when every rank's experts received as many rows as it routed (the ledger's uniform
     routing); the peak within the ledger's bounds."""
     for result in results:
-        balanced = all(sum(send) == sum(receive) for routing in result["routing"] for _, send, receive in routing)
+        balanced = all(sum(send) == sum(receive) for routing in result["routing"] for _, send, receive, _ in routing)
         kept = _hf_offsets(model, name)
         result = dict(result, device_mesh_bytes=[b + kept for b in result["device_mesh_bytes"]])
         assert_held_equals_ledger(result)
@@ -169,7 +177,70 @@ def test_moe_matches_single_device(world, transformers):
         results = [rank_results[index] for rank_results in per_rank]
         try:
             assert_matches(reference(model), results)
-            assert_comm_equals_ledger_and_routing(results, model)
+            assert_comm_equals_ledger_and_routing(results, model, name)
             assert_memory(results, model, name)
         except AssertionError as error:
             raise AssertionError(f"{model} {name} ({CASES[name][0]}): {error}") from None
+
+
+# ---- plan-time refusals: each names the block (or axis) and the fix
+
+def _plan_example(mesh: str, strategies: list, model: torch.nn.Module | None = None) -> None:
+    model = model or MoEGPT(EXAMPLE)
+    autopar.plan(model, mesh, strategies=strategies, example_inputs=example_batch(EXAMPLE, batch=8))
+
+
+def test_experts_that_do_not_divide_over_ep_are_refused():
+    with pytest.raises(PlanError) as error:
+        _plan_example("ep=8", [autopar.expert_parallel()])
+    text = str(error.value)
+    assert "4 experts do not divide over expert-parallel axis 'ep' of size 8" in text
+    assert "layers.0.moe.experts" in text and "examples/moe.py" in text and "fix:" in text
+
+
+def test_an_ep_axis_that_also_carries_another_strategy_is_refused():
+    with pytest.raises(PlanError, match="carved from the data axes"):
+        _plan_example("tp=2", [autopar.expert_parallel(axis="tp"), autopar.tensor_parallel()])
+
+
+def test_expert_parallel_without_experts_is_refused():
+    from examples.gpt import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=128, seq_len=16)
+    with pytest.raises(PlanError, match="no mixture-of-experts block"):
+        autopar.plan(GPT(config), "ep=2", strategies=[autopar.expert_parallel()],
+                     example_inputs=example_batch(config, batch=4))
+
+
+class MaxCombineExperts(torch.nn.Module):
+    """Experts whose k outputs per token are combined by a maximum, not the weighted sum."""
+
+    def __init__(self, experts: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = experts
+
+    def forward(self, x, top_k_index, top_k_weights):
+        tokens, top_k = top_k_index.shape
+        inner = self.inner
+        expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+        rows = x[perm // top_k]
+        counts = torch.histc(expert_ids.float(), bins=inner.n_experts, min=0, max=inner.n_experts - 1)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        from examples.moe import grouped_mm
+
+        out = grouped_mm(rows, inner.gate_up[..., : inner.down.shape[1]], offsets)
+        out = grouped_mm(out, inner.down, offsets) * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel())
+        return out[inverse].view(tokens, top_k, -1).amax(dim=1)
+
+
+def test_an_moe_block_autopar_cannot_recognise_is_refused():
+    model = MoEGPT(EXAMPLE)
+    for layer in model.layers:
+        layer.moe.experts = MaxCombineExperts(layer.moe.experts)
+    with pytest.raises(PlanError) as error:
+        _plan_example("dp=2", [autopar.data_parallel()], model)
+    text = str(error.value)
+    assert "mixture-of-experts block 'layers.0.moe.experts" in text and "cannot recognise" in text
+    assert "test_moe.py" in text and "fix:" in text

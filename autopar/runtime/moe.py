@@ -37,9 +37,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 _c10d = torch.ops._c10d_functional
 
-# (name of the experts block, rows sent per destination, rows received per source) per dispatch,
-# appended in call order; a harness clears it between steps (`ROUTING.clear()`).
-ROUTING: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+# (name of the experts block, rows sent per destination, rows received per source, this rank's rows
+# per expert) per dispatch, appended in call order; a harness clears it between steps (`ROUTING.clear()`).
+ROUTING: list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = []
 
 
 def moe_permute(x: torch.Tensor, top_k_index: torch.Tensor, *, num_experts: int
@@ -108,7 +108,7 @@ def moe_dispatch(x_perm: torch.Tensor, offsets: torch.Tensor, *, group: str, siz
     received = _c10d.wait_tensor(_c10d.all_to_all_single(sending.reshape(-1).contiguous(), [local_experts] * size,
                                                          [local_experts] * size, group)).view(size, local_experts)
     send, receive = sending.sum(1).tolist(), received.sum(1).tolist()
-    ROUTING.append((block, tuple(send), tuple(receive)))
+    ROUTING.append((block, tuple(send), tuple(receive), tuple(sending.reshape(-1).tolist())))
     arrived = _RowsAllToAll.apply(x_perm, send, receive, group)
     grouped = arrived[_source_major_to_expert_major(received)]
     local_offsets = torch.cumsum(received.sum(0), 0).to(offsets.dtype)
@@ -128,14 +128,26 @@ def moe_combine(y_local: torch.Tensor, received: torch.Tensor, offsets: torch.Te
     return _RowsAllToAll.apply(y_local[source_major], send, back, group)
 
 
-def routing_bytes(routing: list[tuple[str, tuple[int, ...], tuple[int, ...]]], *, row_bytes: dict[str, int],
-                  count_bytes: dict[str, int]) -> dict[str, int]:
+def routing_bytes(routing: list[tuple], *, row_bytes: dict[str, int], count_bytes: dict[str, int]) -> dict[str, int]:
     """All-to-all logical bytes (each call's input, the ledger's convention) a run's routing implies,
     forward and backward: per dispatch the counts exchange, the rows sent (forward) and, in
     backward, their gradients coming back (the rows received); per combine the rows received
     (forward) and the gradients of the rows sent (backward)."""
     forward = backward = 0
-    for block, send, receive in routing:
+    for block, send, receive, _ in routing:
         forward += count_bytes[block] + (sum(send) + sum(receive)) * row_bytes[block]
         backward += (sum(receive) + sum(send)) * row_bytes[block]
     return {"forward": forward, "backward": backward}
+
+
+def expert_load(routing: list[tuple]) -> str:
+    """Rows this rank routed to each expert, per experts block, summed over the recorded dispatches,
+    with the busiest expert's load over the mean (1.00: balanced)."""
+    from tabulate import tabulate
+
+    totals: dict[str, list[int]] = {}
+    for block, _, _, per_expert in routing:
+        totals[block] = [a + b for a, b in zip(totals.get(block, [0] * len(per_expert)), per_expert)]
+    rows = [[block, " ".join(map(str, load)), f"{max(load) / (sum(load) / len(load)):.2f}" if sum(load) else "-"]
+            for block, load in totals.items()]
+    return tabulate(rows, headers=["experts module", "rows per expert (this rank's tokens)", "max/mean"])
