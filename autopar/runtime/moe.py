@@ -91,10 +91,8 @@ def _counts_by_rank(offsets: torch.Tensor, size: int) -> torch.Tensor:
 def _source_major_to_expert_major(received: torch.Tensor) -> torch.Tensor:
     """The permutation taking rows ordered (source rank, local expert) to (local expert, source rank)."""
     sources, experts = received.shape
-    starts = (torch.cumsum(received.reshape(-1), 0) - received.reshape(-1)).view(sources, experts)
-    pieces = [torch.arange(int(starts[s, e]), int(starts[s, e] + received[s, e]))
-              for e in range(experts) for s in range(sources)]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    segment = torch.repeat_interleave(torch.arange(sources * experts, device=received.device), received.reshape(-1))
+    return torch.argsort((segment % experts) * sources + segment // experts, stable=True)
 
 
 def moe_dispatch(x_perm: torch.Tensor, offsets: torch.Tensor, *, group: str, size: int, index: int, block: str = ""
