@@ -244,3 +244,56 @@ def test_an_moe_block_autopar_cannot_recognise_is_refused():
     text = str(error.value)
     assert "mixture-of-experts block 'layers.0.moe.experts" in text and "cannot recognise" in text
     assert "test_moe.py" in text and "fix:" in text
+
+
+# ---- checkpoints: expert shards written and read back whole, and under another expert layout
+
+def _train_and_save(rank: int, world: int, mesh: str, strategies: list, path: str, source: str | None) -> dict:
+    from autopar.checkpoint import load, save
+
+    batches = BUILDS["example"][1]
+    torch.manual_seed(0)
+    module = autopar.parallelize(MoEGPT(EXAMPLE), mesh, strategies=strategies, example_inputs=batches[0])
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    if source is None:
+        for batch in batches[:2]:
+            optimizer.zero_grad()
+            module(*module.local_batch(*batch)).backward()
+            optimizer.step()
+    else:
+        load(source, module, optimizer)
+    save(path, module, optimizer)
+    return {"full": module.full_state_dict()}
+
+
+def _whole(path) -> tuple[dict, dict]:
+    from autopar.checkpoint import load_into_model
+
+    model = MoEGPT(EXAMPLE)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    load_into_model(path, model, optimizer)
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {f"{names[id(p)]}.{k}": v.clone() for p, entries in optimizer.state.items() for k, v in entries.items()}
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, state
+
+
+def _assert_identical(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), f"{what}: {sorted(a.keys() ^ b.keys())[:4]}"
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{what}: {name} differs"
+
+
+def test_an_expert_parallel_checkpoint_reads_whole_and_reshards(tmp_path):
+    """Written under dp=2×ep=2 after 2 steps; read whole into one process it equals the job's
+    gathered `full_state_dict()`; loaded under ep=4 and written again, bit-identical."""
+    first = launch(_train_and_save, 4, "dp=2,ep=2", [autopar.data_parallel(), autopar.expert_parallel()],
+                   str(tmp_path / "a"), None, timeout_s=150)
+    params, state = _whole(tmp_path / "a")
+    assert len(state) == 3 * len(params)
+    _assert_identical(params, {k: v for k, v in first[0]["full"].items() if k in params}, "written vs gathered")
+    again = launch(_train_and_save, 4, "ep=4", [autopar.expert_parallel()], str(tmp_path / "b"),
+                   str(tmp_path / "a"), timeout_s=150)
+    params_b, state_b = _whole(tmp_path / "b")
+    _assert_identical(params, params_b, "parameters via ep=4")
+    _assert_identical(state, state_b, "optimizer state via ep=4")
+    _assert_identical(params, {k: v for k, v in again[0]["full"].items() if k in params}, "ep=4's gathered parameters")
