@@ -240,6 +240,15 @@ def lower_moe(program: Program, ctx: CompileContext) -> Program:
 
 def _check_experts_divide(block: ExpertBlock, expert_axes: tuple[str, ...], ctx: CompileContext) -> None:
     for axis in expert_axes:
+        declared = ctx.strategy.expert_declaration(axis)
+        factor = declared.capacity_factor
+        if factor is not None and factor < block.num_experts and not declared.drop_tokens:
+            raise PlanError.at(block.grouped[0], f"mixture-of-experts block {block.path!r}: capacity factor {factor} "
+                                                 f"lets each of its {block.num_experts} experts take at most "
+                                                 f"ceil({factor} · rows / {block.num_experts}) of a rank's rows, so "
+                                                 f"tokens routed beyond it would be dropped (one device drops none)",
+                               fix="pass expert_parallel(..., drop_tokens=True) to accept dropped tokens, or leave "
+                                   "capacity_factor out (dropless)")
         size = ctx.mesh.size(axis)
         if block.num_experts % size:
             raise PlanError.at(block.grouped[0], f"mixture-of-experts block {block.path!r}: {block.num_experts} "
@@ -339,24 +348,27 @@ def _rewrite(block: ExpertBlock, graph: torch.fx.Graph, expert_axes: tuple[str, 
     if expert_axes:
         (axis,) = expert_axes
         size = ctx.mesh.size(axis)
+        factor = ctx.strategy.expert_declaration(axis).capacity_factor or 0.0
         received_val = block.offsets.meta["val"].new_zeros((size, block.num_experts // size), dtype=torch.long)
         dispatch_vals = [block.x_perm.meta["val"], block.offsets.meta["val"], received_val]
         with graph.inserting_after(ids):
             dispatch = _call(graph, moe.moe_dispatch, (rows, offsets),
-                             {"group": axis, "size": axis, "index": axis, "block": block.path}, block.x_perm,
+                             {"group": axis, "size": axis, "index": axis, "block": block.path,
+                              "capacity_factor": factor}, block.x_perm,
                              tuple(dispatch_vals))
         local_rows, local_offsets, received = _outputs(graph, dispatch, dispatch_vals, block.x_perm)
         feeds.update({block.x_perm: local_rows, block.offsets: local_offsets})
-        exchange = (axis, received, offsets)
+        exchange = (axis, received, offsets, factor)
     for node in block.experts:
         for old, new in feeds.items():
             node.replace_input_with(old, new)
     result = block.y_perm
     if exchange is not None:
-        axis, received, global_offsets = exchange
+        axis, received, global_offsets, factor = exchange
         with graph.inserting_after(block.y_perm):
             result = _call(graph, moe.moe_combine, (block.y_perm, received, global_offsets),
-                           {"group": axis, "size": axis}, block.output, block.y_perm.meta["val"])
+                           {"group": axis, "size": axis, "capacity_factor": factor}, block.output,
+                           block.y_perm.meta["val"])
     with graph.inserting_before(block.output):
         out = _call(graph, moe.moe_unpermute, (result, order, block.weights),
                     {"top_k": block.top_k, "dtype": block.output.meta["val"].dtype}, block.output,

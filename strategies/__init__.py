@@ -148,6 +148,9 @@ class ResolvedStrategy:
         return tuple((axis, s.context) for axis in self.mesh.names for s in self._for_axis(axis)
                      if s.context is not None)
 
+    def expert_declaration(self, axis: str) -> "ExpertDeclaration":
+        return next(s.experts for s in self._for_axis(axis) if s.experts is not None)
+
     def expert_axes(self) -> tuple[str, ...]:
         """Every expert-parallel axis (not of size 1)."""
         return tuple(axis for axis in self.mesh.names for s in self._for_axis(axis) if s.experts is not None)

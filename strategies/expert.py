@@ -27,9 +27,12 @@ from autopar.strategies import InputRule, ParamRule, Strategy
 
 @dataclass(frozen=True)
 class ExpertDeclaration:
-    """What `expert_parallel` declared (shown in reports)."""
+    """What `expert_parallel` declared: a capacity factor (None: dropless) and whether the user
+    accepts the tokens it drops."""
 
     batch_dim: int = 0
+    capacity_factor: float | None = None
+    drop_tokens: bool = False
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,8 @@ class ExpertParallel:
 
     axis: str
     batch_dim: int = 0
+    capacity_factor: float | None = None
+    drop_tokens: bool = False
     name: str = "expert_parallel"
 
     def bind(self, *, mesh: Mesh, graph_module: torch.fx.GraphModule, placeholders: dict) -> Strategy:
@@ -55,11 +60,19 @@ class ExpertParallel:
                 rules.append(ParamRule(info.target, Shard(0), why=f"experts of {path} split by expert"))
         return Strategy(name=self.name, axis=self.axis, params=tuple(rules),
                         inputs=(InputRule(index=None, placement=Shard(self.batch_dim)),),
-                        experts=ExpertDeclaration(batch_dim=self.batch_dim))
+                        experts=ExpertDeclaration(batch_dim=self.batch_dim, capacity_factor=self.capacity_factor,
+                                                  drop_tokens=self.drop_tokens))
 
 
-def expert_parallel(*, axis: str = "ep", batch_dim: int = 0) -> ExpertParallel:
-    return ExpertParallel(axis=axis, batch_dim=batch_dim)
+def expert_parallel(*, axis: str = "ep", batch_dim: int = 0, capacity_factor: float | None = None,
+                    drop_tokens: bool = False) -> ExpertParallel:
+    """Experts split over `axis` (module docstring). Dropless by default; `capacity_factor=c` lets
+    each expert take at most ceil(c · rows / E) of a rank's routed rows, which drops tokens unless
+    c >= E: then `drop_tokens=True` must say that is wanted (else a plan-time error)."""
+    if capacity_factor is not None and capacity_factor <= 0:
+        raise PlanError(f"expert_parallel(capacity_factor={capacity_factor}): a capacity factor is positive\n"
+                        f"  fix: leave it out (dropless) or give a factor > 0, e.g. 1.25")
+    return ExpertParallel(axis=axis, batch_dim=batch_dim, capacity_factor=capacity_factor, drop_tokens=drop_tokens)
 
 
 # ---- experts under tensor parallelism (tensor_parallel() found in the graph binds these too)

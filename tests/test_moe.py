@@ -49,6 +49,8 @@ CASES = {
     "ep4": ("ep=4", [autopar.expert_parallel()]),
     "ep2_dp2": ("dp=2,ep=2", [autopar.data_parallel(), autopar.expert_parallel()]),
     "ep2_tp2": ("ep=2,tp=2", [autopar.expert_parallel(), autopar.tensor_parallel()]),
+    # a capacity no expert can exceed (factor E): the capacity path runs and drops nothing
+    "ep2_capacity": ("ep=2", [autopar.expert_parallel(capacity_factor=4.0)]),
 }
 
 
@@ -162,7 +164,7 @@ def _hf_offsets(model: str, name: str) -> int:
     return layers * experts // (mesh.size("ep") if "ep" in mesh.names else 1) * 4
 
 
-RUNS = [(model, name) for model in BUILDS for name in CASES]
+RUNS = [(model, name) for model in BUILDS for name in CASES if name != "ep2_capacity" or model == "example"]
 
 
 def _world(name: str) -> int:
@@ -297,3 +299,51 @@ def test_an_expert_parallel_checkpoint_reads_whole_and_reshards(tmp_path):
     _assert_identical(params, params_b, "parameters via ep=4")
     _assert_identical(state, state_b, "optimizer state via ep=4")
     _assert_identical(params, {k: v for k, v in again[0]["full"].items() if k in params}, "ep=4's gathered parameters")
+
+
+def _dropping_step(rank: int, world: int, factor: float) -> dict:
+    from autopar.measure.comm_counter import CommCounter
+
+    batches = BUILDS["example"][1]
+    torch.manual_seed(0)
+    module = autopar.parallelize(MoEGPT(EXAMPLE), "ep=2", strategies=[
+        autopar.expert_parallel(capacity_factor=factor, drop_tokens=True)], example_inputs=batches[0])
+    moe.ROUTING.clear()
+    counter = CommCounter()
+    with counter:
+        loss = module(*module.local_batch(*batches[0]))
+        loss.backward()
+    group_to_axis = {name: axis for axis, name in module.groups.items()}
+    moved = sum(nbytes for (kind, _), (_, nbytes) in counter.by_key(group_to_axis).items() if kind == "all_to_all")
+    grads = [p.grad for p in module.parameters()]
+    return {"routing": list(moe.ROUTING), "moved": moved, "loss": float(loss),
+            "finite": all(g is None or bool(torch.isfinite(g).all()) for g in grads)}
+
+
+def test_a_capacity_factor_drops_the_rows_beyond_it_when_asked():
+    """factor 0.5 with drop_tokens=True: each expert takes at most ceil(0.5 · rows / E) of a rank's
+    rows (the rest contribute zero); what is sent equals that, and the bytes moved equal what the
+    recorded routing implies."""
+    results = launch(_dropping_step, 2, 0.5, timeout_s=120)
+    hidden, experts, _ = SIZES["example"]
+    for result in results:
+        assert result["finite"] and result["loss"] == result["loss"]
+        dropped = 0
+        for block, send, receive, demand in result["routing"]:
+            rows = sum(demand)
+            capacity = -(-rows // (2 * experts))  # ceil(0.5 * rows / E)
+            kept = [min(d, capacity) for d in demand]
+            assert list(send) == [sum(kept[:experts // 2]), sum(kept[experts // 2:])]
+            dropped += rows - sum(kept)
+        assert dropped > 0
+        implied = moe.routing_bytes(result["routing"], row_bytes={b: hidden * 4 for b, *_ in result["routing"]},
+                                    count_bytes={b: experts * 8 for b, *_ in result["routing"]})
+        assert result["moved"] == implied["forward"] + implied["backward"]
+
+
+def test_a_capacity_factor_that_drops_tokens_without_being_asked_is_refused():
+    with pytest.raises(PlanError) as error:
+        _plan_example("ep=2", [autopar.expert_parallel(capacity_factor=1.25)])
+    text = str(error.value)
+    assert "capacity factor 1.25" in text and "dropped" in text and "drop_tokens=True" in text
+    assert "layers.0.moe.experts" in text

@@ -24,12 +24,15 @@ the experts' computation:
 rows are sorted by expert, so each destination's rows are contiguous) after one all-to-all of the
 row counts per expert; what arrives (ordered by source rank, then expert) is regrouped by local
 expert. `moe_combine` undoes both. The row all-to-alls have split sizes known only at run time;
-their backward is the same exchange with the splits swapped (`_RowsAllToAll`). Every exchange
+their backward is the same exchange with the splits swapped (`_RowsAllToAll`). Dropless unless a
+capacity factor is declared (`expert_parallel(capacity_factor=, drop_tokens=True)`): then each
+expert takes at most ceil(factor · rows / E) of a rank's rows and the rest contribute zero. Every exchange
 records its row counts in `ROUTING` (a run's exact all-to-all bytes: `routing_bytes`).
 On fake tensors (the planner's shape check) the exchange keeps every row where it is.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -95,35 +98,58 @@ def _source_major_to_expert_major(received: torch.Tensor) -> torch.Tensor:
     return torch.argsort((segment % experts) * sources + segment // experts, stable=True)
 
 
-def moe_dispatch(x_perm: torch.Tensor, offsets: torch.Tensor, *, group: str, size: int, index: int, block: str = ""
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _kept_rows(offsets: torch.Tensor, rows: int, capacity_factor: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows per expert kept under a capacity of ceil(factor · rows / E) per expert (all of them when
+    the factor is 0: dropless), and the positions of the kept rows in the permuted rows (None: all)."""
+    counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())
+    if not capacity_factor:
+        return counts, None
+    capacity = math.ceil(capacity_factor * rows / counts.numel())
+    kept = counts.clamp(max=capacity)
+    segment = torch.repeat_interleave(torch.arange(counts.numel(), device=offsets.device), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    position = torch.arange(segment.numel(), device=offsets.device) - starts[segment]
+    return kept, torch.nonzero(position < capacity).reshape(-1)
+
+
+def moe_dispatch(x_perm: torch.Tensor, offsets: torch.Tensor, *, group: str, size: int, index: int, block: str = "",
+                 capacity_factor: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's experts' rows from every rank: (rows grouped by local expert, their cumulative
-    counts [E/N] in `offsets`' dtype, rows received per (source, local expert) [N, E/N])."""
+    counts [E/N] in `offsets`' dtype, rows received per (source, local expert) [N, E/N]). With a
+    capacity factor, each expert takes at most ceil(factor · rows / E) of a rank's rows (the first
+    in sorted order); the others are dropped (their output is zero)."""
     local_experts = offsets.shape[0] // size
     if isinstance(x_perm, FakeTensor):
         return x_perm * 1, offsets[:local_experts], offsets.new_zeros((size, local_experts), dtype=torch.long)
-    sending = _counts_by_rank(offsets, size)
+    counts, kept_rows = _kept_rows(offsets, x_perm.shape[0], capacity_factor)
+    sending = counts.view(size, -1)
     received = _c10d.wait_tensor(_c10d.all_to_all_single(sending.reshape(-1).contiguous(), [local_experts] * size,
                                                          [local_experts] * size, group)).view(size, local_experts)
     send, receive = sending.sum(1).tolist(), received.sum(1).tolist()
-    ROUTING.append((block, tuple(send), tuple(receive), tuple(sending.reshape(-1).tolist())))
-    arrived = _RowsAllToAll.apply(x_perm, send, receive, group)
+    demand = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())
+    ROUTING.append((block, tuple(send), tuple(receive), tuple(demand.tolist())))
+    arrived = _RowsAllToAll.apply(x_perm if kept_rows is None else x_perm[kept_rows], send, receive, group)
     grouped = arrived[_source_major_to_expert_major(received)]
     local_offsets = torch.cumsum(received.sum(0), 0).to(offsets.dtype)
     return grouped, local_offsets, received
 
 
-def moe_combine(y_local: torch.Tensor, received: torch.Tensor, offsets: torch.Tensor, *, group: str, size: int
-                ) -> torch.Tensor:
-    """The experts' output rows back to the ranks and positions `moe_dispatch` took them from."""
+def moe_combine(y_local: torch.Tensor, received: torch.Tensor, offsets: torch.Tensor, *, group: str, size: int,
+                capacity_factor: float = 0.0) -> torch.Tensor:
+    """The experts' output rows back to the ranks and positions `moe_dispatch` took them from
+    (dropped rows: zero)."""
     if isinstance(y_local, FakeTensor):
         return y_local * 1
     order = _source_major_to_expert_major(received)
     source_major = torch.empty_like(order)
     source_major[order] = torch.arange(order.numel())
-    send = received.sum(1).tolist()
-    back = _counts_by_rank(offsets, size).sum(1).tolist()
-    return _RowsAllToAll.apply(y_local[source_major], send, back, group)
+    rows = int(offsets[-1])
+    counts, kept_rows = _kept_rows(offsets, rows, capacity_factor)
+    back = _RowsAllToAll.apply(y_local[source_major], received.sum(1).tolist(), counts.view(size, -1).sum(1).tolist(),
+                               group)
+    if kept_rows is None:
+        return back
+    return back.new_zeros((rows, back.shape[1])).index_copy(0, kept_rows, back)
 
 
 def routing_bytes(routing: list[tuple], *, row_bytes: dict[str, int], count_bytes: dict[str, int]) -> dict[str, int]:
