@@ -7,9 +7,18 @@ rank raises, the others are terminated and the error is re-raised here with the 
 Whatever ends the wait here — a rank's error, `deadline_s` passing, a test runner's timeout or
 Ctrl-C raised in this process — the ranks are killed before it propagates: nothing is left
 running. Under torchrun use `init_from_env()` instead.
+
+Ranks start from a fork server (`multiprocessing`'s "forkserver") that has imported torch,
+autopar and, where installed, transformers once: a 4-rank launch then starts in ~0.1 s instead
+of ~8.5 s of imports per launch under "spawn" on this 2-core machine. The fork server is a fresh
+interpreter (no threads of the caller's), started at the first launch; each rank takes the
+caller's current environment variables and working directory at launch time, as a spawned one
+would. `start_method="spawn"` is still accepted.
 """
 from __future__ import annotations
 
+import importlib.util
+import multiprocessing
 import os
 import socket
 import sys
@@ -37,7 +46,27 @@ def init_from_env(*, timeout_s: float = 120.0, backend: str | None = None) -> No
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float, fn: Callable, args: tuple) -> None:
+# imported once by the fork server; every rank forks from it with these already loaded
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "sympy", "autopar",
+                      "transformers")
+_preload_set = False
+
+
+def _prepare_forkserver() -> None:
+    """Name the fork server's preloads before it first starts (they cannot change after)."""
+    global _preload_set
+    if not _preload_set:
+        multiprocessing.set_forkserver_preload(
+            [name for name in FORKSERVER_PRELOAD if importlib.util.find_spec(name.split(".")[0]) is not None])
+        _preload_set = True
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float, fn: Callable, args: tuple,
+            environment: dict[str, str], directory: str) -> None:
+    # a forked rank has the fork server's environment and directory: take the caller's
+    os.environ.clear()
+    os.environ.update(environment)
+    os.chdir(directory)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
@@ -70,14 +99,17 @@ def _kill(context: Any) -> None:
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
-           deadline_s: float | None = None) -> list[Any]:
+           deadline_s: float | None = None, start_method: str = "forkserver") -> list[Any]:
     """Run fn(rank, world_size, *args) on `world_size` local gloo processes; return the results by rank.
 
     `timeout_s` bounds each collective (the process group's timeout); `deadline_s` (default: none
     beyond the caller's own) bounds the whole job, after which the ranks are killed."""
+    if start_method == "forkserver":
+        _prepare_forkserver()
     with tempfile.TemporaryDirectory() as out_dir:
-        context = mp.start_processes(_worker, args=(world_size, free_port(), out_dir, timeout_s, fn, args),
-                                     nprocs=world_size, join=False, start_method="spawn")
+        context = mp.start_processes(_worker, args=(world_size, free_port(), out_dir, timeout_s, fn, args,
+                                                    dict(os.environ), os.getcwd()),
+                                     nprocs=world_size, join=False, start_method=start_method)
         started = time.monotonic()
         try:
             while not context.join(timeout=1.0):
