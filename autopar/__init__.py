@@ -26,8 +26,9 @@ from autopar.strategies.context import context_parallel
 from autopar.strategies.data_parallel import data_parallel
 from autopar.strategies.expert import expert_parallel
 from autopar.strategies.pipeline import pipeline_parallel
+from autopar.strategies.recompute import recompute
 from autopar.strategies.tensor_parallel import sequence_parallel, tensor_parallel
 from autopar.strategies.zero import fsdp, hsdp, zero
 
 __all__ = ["Mesh", "ParallelModule", "Plan", "PlanError", "context_parallel", "data_parallel", "expert_parallel", "fsdp", "hsdp", "parallelize",
-           "pipeline_parallel", "plan", "register_grouped_matmul", "save_runnable_plan", "sequence_parallel", "tensor_parallel", "zero"]
+           "pipeline_parallel", "plan", "recompute", "register_grouped_matmul", "save_runnable_plan", "sequence_parallel", "tensor_parallel", "zero"]

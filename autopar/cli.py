@@ -3,7 +3,7 @@
     autopar plan    TARGET --mesh dp=2,tp=2 [--strategy dp,sp] [--node 8] [--symbolic b=0,s=1]
                     [--params-only] [--save plan.json] [--compare-stages] [--compare-cp] [--timeline out.svg]
                     [--schedule 1f1b --microbatches 8 --virtual-stages 1 --stages layers.4]
-                    [--cp-method ring --no-load-balance]
+                    [--cp-method ring --no-load-balance] [--recompute selective|full|GLOBS]
     autopar graph   TARGET --mesh ... --rank R [--diff] [--html out.html]
     autopar check   TARGET --mesh ... --baseline comm.json [--tolerance PCT] [--update]
     autopar diff    a.json b.json
@@ -17,6 +17,7 @@ dp_shard, replicated on dp_rep), tp (tensor_parallel on tp), sp (sequence_parall
 (context_parallel on cp, with --cp-method ring|allgather|alltoall and --no-load-balance), ep
 (expert_parallel on ep: experts split by expert, tokens exchanged by all-to-all); by default dp
 for a `dp` axis, tp for a `tp` axis, pp for a `pp` axis, cp for a `cp` axis and ep for an `ep` axis.
+`--recompute` adds `autopar.recompute` (selective, full, or comma-separated module globs).
 `--compare-stages` prints DDP and ZeRO-1/2/3 side by side on the dp axis (memory per category per
 rank, bytes per step); `--compare-cp` the ring, all-gather and all-to-all lowerings of attention
 on the cp axis. Exit codes: 0 fine, 1 communication grew
@@ -89,8 +90,18 @@ def _plan(args: argparse.Namespace, *, explain: bool = False):
 
     model, inputs = load_target(args.target)()
     mesh = Mesh.parse(args.mesh, ranks_per_node=args.node)
-    return plan(model, mesh, strategies=strategies_for(args.strategy, mesh, _pipeline_options(args), _context_options(args)),
-                example_inputs=inputs, dynamic_dims=_symbolic(args.symbolic), explain=explain)
+    strategies = strategies_for(args.strategy, mesh, _pipeline_options(args), _context_options(args))
+    return plan(model, mesh, strategies=strategies + _recompute_option(args), example_inputs=inputs,
+                dynamic_dims=_symbolic(args.symbolic), explain=explain)
+
+
+def _recompute_option(args: argparse.Namespace) -> list[Any]:
+    """`--recompute selective|full|GLOB,GLOB`: autopar.recompute(policy) beside the strategies."""
+    from autopar.strategies.recompute import recompute
+
+    if not args.recompute:
+        return []
+    return [recompute(args.recompute if args.recompute in ("selective", "full") else args.recompute.split(","))]
 
 
 def _pipeline_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -215,6 +226,8 @@ def _planning_arguments(command: argparse.ArgumentParser) -> None:
     command.add_argument("--stages", help="pp: module paths where stages start, e.g. layers.2,layers.4 "
                                           "(default: balanced)")
     command.add_argument("--cp-method", help="cp: ring, allgather or alltoall (default ring)")
+    command.add_argument("--recompute", help="activation recomputation: selective (attention cores), full (every "
+                                             "block) or module globs, e.g. layers.*.mlp")
     command.add_argument("--no-load-balance", action="store_true",
                          help="cp: rank i holds chunk i of N (default: chunks i and 2N-1-i of 2N)")
 

@@ -29,6 +29,7 @@ LOCAL_ARGS = "autopar_local_args"
 RULE = "autopar_rule"
 COLLECTIVE = "autopar_collective"
 ORIGIN = "autopar_origin"
+PLANNED_NAME = "autopar_planned_name"  # a rank-graph node standing for a planned node of another name
 
 
 @dataclass(frozen=True)

@@ -152,7 +152,26 @@ def plan_document(plan: Any) -> dict[str, Any]:
         "memory": _memory_data(plan),
         "pipeline": _pipeline_data(plan),
         "experts": _experts_data(plan),
+        "recompute": _recompute_data(plan),
     }
+
+
+def _recompute_data(plan: Any) -> dict[str, Any] | None:
+    """The declared recomputation (`passes/recompute.py`): each region, its forward FLOPs run again
+    in backward (global, at the traced sizes) and the share of the whole forward they are."""
+    from autopar.ledger.compute import node_flops
+    from autopar.passes.recompute import recomputed_flops
+
+    declared = plan.strategy.recompute
+    if declared is None:
+        return None
+    regions = {}
+    for stage in plan.stages:
+        regions.update(recomputed_flops(stage.graph_module.graph))
+    forward = sum(node_flops(n) for stage in plan.stages for n in stage.graph_module.graph.nodes)
+    again = sum(1 for e in plan.comm.entries if e.why.endswith(tuple(f"recomputation of {r}" for r in regions)))
+    return {"policy": declared.describe(), "regions": [[name, flops] for name, flops in regions.items()],
+            "forward_flops": forward, "collectives_again": again}
 
 
 def _experts_data(plan: Any) -> list[dict[str, Any]]:
@@ -298,7 +317,19 @@ class PlanDocument:
                 + "\n\nCommunication per step, per rank\n" + self.comm.table()
                 + "".join(f"\n\nMemory per rank (rank {rank}, AdamW)\n" + self.memory_of(rank).table()
                           for rank in self.memory_ranks())
-                + self.pipeline_report() + self.experts_report())
+                + self.pipeline_report() + self.experts_report() + self.recompute_report())
+
+    def recompute_report(self) -> str:
+        declared = self.data.get("recompute")
+        if not declared:
+            return ""
+        forward = max(declared["forward_flops"], 1)
+        rows = [[name, f"{flops:,}", f"{flops / forward:.1%}"] for name, flops in declared["regions"]]
+        total = sum(flops for _, flops in declared["regions"])
+        rows.append(["all", f"{total:,}", f"{total / forward:.1%}"])
+        return (f"\n\nRecomputation ({declared['policy']}): regions run again in backward; "
+                f"{declared['collectives_again']} forward collectives run again (in the backward rows above)\n"
+                + tabulate(rows, headers=["region", "forward FLOPs again (global)", "of the forward"]))
 
     def experts_report(self) -> str:
         blocks = self.data.get("experts")

@@ -6,6 +6,7 @@ returns the mean next-token cross-entropy, the scalar autopar trains on.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ class GPTConfig:
     d_ff: int = 128
     causal: bool = True  # False: every position attends to every other (an encoder's attention)
     dropout: float = 0.0  # GPT-2's places: after the embeddings, the attention and the MLP (none at 0)
+    explicit_attention: bool = False  # softmax(q·kᵀ/√d)·v written out (as HF's "eager"), not the fused SDPA
 
 
 def _dropout(config: GPTConfig) -> nn.Module:
@@ -35,6 +37,7 @@ class Attention(nn.Module):
         self.n_head = config.n_head
         self.head_dim = config.d_model // config.n_head
         self.causal = config.causal
+        self.explicit = config.explicit_attention
         self.q_proj = nn.Linear(config.d_model, config.d_model)
         self.k_proj = nn.Linear(config.d_model, config.d_model)
         self.v_proj = nn.Linear(config.d_model, config.d_model)
@@ -46,7 +49,14 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(heads).transpose(1, 2)
         k = self.k_proj(x).view(heads).transpose(1, 2)
         v = self.v_proj(x).view(heads).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        if self.explicit:
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+            if self.causal:
+                future = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
+                scores = scores.masked_fill(future, float("-inf"))
+            y = scores.softmax(dim=-1) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 

@@ -5,8 +5,9 @@ empty KV cache concatenated with keys and values) -> `lower_moe` (mixture-of-exp
 autopar's kernels, with the all-to-all exchange under expert parallelism) -> `propagate_placements` ->
 `insert_collectives` -> `insert_grad_reductions` (these decide the whole graph) ->
 `split_pipeline` (the stage graphs: one, the whole graph, without a pipeline) ->
-`shard_parameters` (ZeRO/FSDP units per stage; a no-op without a sharded-state strategy), then
-`emit_rank_graph` once per (rank, stage). `run_passes` names the pass that failed, times each
+`shard_parameters` (ZeRO/FSDP units per stage; a no-op without a sharded-state strategy) ->
+`recompute` (marks the regions activation recomputation runs again; a no-op without it), then
+`emit_rank_graph` once per (rank, stage), which wraps each marked region in a checkpointed call. `run_passes` names the pass that failed, times each
 one and records how many nodes it added over all stage graphs (`PassRecord`), so `autopar plan`
 can show what each pass did.
 """
@@ -52,8 +53,9 @@ def default_passes() -> list[Pass]:
     from autopar.passes.insert_grad_reductions import insert_grad_reductions
     from autopar.passes.lower_moe import lower_moe
     from autopar.passes.propagate_placements import propagate_placements
+    from autopar.passes.recompute import recompute
     from autopar.passes.shard_parameters import shard_parameters
     from autopar.passes.split_pipeline import split_pipeline
 
     return [drop_empty_concats, lower_moe, propagate_placements, insert_collectives, insert_grad_reductions, split_pipeline,
-            shard_parameters]
+            shard_parameters, recompute]

@@ -6,7 +6,7 @@ on the axis, the global rank of a pipeline peer; nodes an autopar rule lowered c
 kernel (`autopar.runtime.local_ops`) with arguments bound the same way; shape arguments DTensor
 rewrote to local sizes replace the global ones; `view`s become `reshape`s (a shard's strides
 may differ from the traced tensor's); dead nodes (unused outputs of multi-output ops)
-are removed.
+are removed; last, each region `passes/recompute.py` marked becomes one checkpointed call.
 
 Symbolic sizes (a plan traced with `dynamic_dims`) stay symbolic, so one rank graph runs at any
 size of a dynamic dimension. The planned graph is a global program: every size in it is a global
@@ -32,6 +32,7 @@ from autopar.comm_kinds import bind, comm_step
 from autopar.context import CompileContext
 from autopar.errors import PlanError
 from autopar.ir import LOCAL_ARGS, RULE, SPEC, hint, lazy_graph_module, shard_dim
+from autopar.passes.recompute import wrap_recomputed_regions
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 _SIZE_READS = (torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default)
@@ -131,5 +132,6 @@ def emit_rank_graph(gm: torch.fx.GraphModule, ctx: CompileContext, *, rank: int,
             # input is contiguous where the traced one was a transposed view): reshape copies only then
             node.target = torch.ops.aten.reshape.default
     graph.eliminate_dead_code()
+    wrap_recomputed_regions(graph)
     graph.lint()
     return lazy_graph_module(gm, graph, class_name=f"Rank{rank}")

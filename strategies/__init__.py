@@ -9,7 +9,7 @@ layout finds it there), merges them into a `ResolvedStrategy` the planner querie
 an axis the mesh does not have. Constructors live beside: `data_parallel.py`,
 `tensor_parallel.py` (+ sequence parallel), `zero.py` (ZeRO-1/2/3, FSDP, HSDP: a data-parallel
 axis that also shards the training state), `pipeline.py` (pipeline stages, schedule and
-micro-batches on an axis), `context.py` (sequence shards, attention lowered to ring / all-gather /
+micro-batches on an axis), `recompute.py` (regions run again in backward; on no axis), `context.py` (sequence shards, attention lowered to ring / all-gather /
 all-to-all), `expert.py` (experts split over an axis, tokens exchanged by all-to-all); `find_layout.py` + `check_layout.py` find Megatron's patterns in the
 graph, `layouts.py` declares them by module names (an override).
 """
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from autopar.strategies.context import ContextDeclaration
     from autopar.strategies.expert import ExpertDeclaration
     from autopar.strategies.pipeline import PipelineDeclaration
+    from autopar.strategies.recompute import RecomputeDeclaration
     from autopar.strategies.zero import ShardedState
 
 
@@ -113,6 +114,7 @@ class ResolvedStrategy:
 
     mesh: Mesh
     strategies: tuple[Strategy, ...]
+    recompute: "RecomputeDeclaration | None" = None  # regions run again in backward (strategies/recompute.py)
     _lookups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _first(self, strategy: Strategy, kind: str, path: str):
@@ -222,9 +224,16 @@ def resolve_strategies(mesh: Mesh, strategies: "list[Strategy] | tuple[Strategy,
                        graph_module: "torch.fx.GraphModule", placeholders: "dict[str, PlaceholderInfo]") -> ResolvedStrategy:
     """Bind deferred strategies (the tensor-parallel layout found in the traced graph) and check
     every strategy names an axis of `mesh`."""
+    from autopar.strategies.recompute import RecomputeDeclaration
+
     flat = []
     for strategy in strategies:  # hsdp() declares two axes at once: a tuple of strategies
         flat.extend(strategy if isinstance(strategy, (tuple, list)) else [strategy])
+    recomputes = [s for s in flat if isinstance(s, RecomputeDeclaration)]
+    if len(recomputes) > 1:
+        raise PlanError(f"recompute is declared {len(recomputes)} times ({[r.describe() for r in recomputes]}); "
+                        f"declare it once (module globs can list several modules)")
+    flat = [s for s in flat if not isinstance(s, RecomputeDeclaration)]
     for deferred in (s for s in flat if hasattr(s, "bind")):
         mesh.require_axis(deferred.axis, wanted_by=f"strategy {deferred.name!r}")
     strategies = [s.bind(mesh=mesh, graph_module=graph_module, placeholders=placeholders) if hasattr(s, "bind") else s
@@ -251,4 +260,4 @@ def resolve_strategies(mesh: Mesh, strategies: "list[Strategy] | tuple[Strategy,
     pipelines = [s for s in strategies if s.pipeline is not None]
     if len(pipelines) > 1:
         raise PlanError(f"strategies {[s.name for s in pipelines]} each declare a pipeline; declare one pipeline axis")
-    return ResolvedStrategy(mesh=mesh, strategies=tuple(strategies))
+    return ResolvedStrategy(mesh=mesh, strategies=tuple(strategies), recompute=recomputes[0] if recomputes else None)

@@ -41,7 +41,8 @@ import torch.fx
 from tabulate import tabulate
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from autopar.ir import SPEC, hint, local_numel, local_shape, module_path
+from autopar.ir import PLANNED_NAME, SPEC, hint, local_numel, local_shape, module_path
+from autopar.passes.recompute import is_region_call
 from autopar.runtime.collectives import regathered_source
 from autopar.runtime.p2p import PLANNING_STAND_INS
 
@@ -127,6 +128,8 @@ class _SavedTensorRecorder(torch.fx.Interpreter):
     def run_node(self, node: torch.fx.Node) -> Any:
         self.running = node
         result = super().run_node(node)
+        if is_region_call(node):  # its items register the storages, under the planned nodes' names
+            return result
         outputs = result if isinstance(result, (tuple, list)) else (result,)
         for index, value in enumerate(outputs):
             if isinstance(value, torch.Tensor):
@@ -245,12 +248,13 @@ def _entry(plan: "Plan", saved: _Saved, planned: dict[str, torch.fx.Node]) -> Ac
     nbytes = saved.storage.nbytes()
     node, output, tensor = saved.producer if saved.producer is not None else (saved.running, 0, saved.tensor)
     expr = None
+    name = node.meta.get(PLANNED_NAME, node.name)  # a recomputed region's item stands for a planned node
     if saved.producer is not None:
-        expr = _symbolic_bytes(plan, planned.get(node.name), output, tensor.dtype.itemsize)
+        expr = _symbolic_bytes(plan, planned.get(name), output, tensor.dtype.itemsize)
     internal = expr is None or sympy.sympify(expr.subs(plan.traced.symbol_values)) != nbytes
     if internal:  # allocated inside a kernel: what was saved, at its concrete size
         tensor, expr = saved.tensor, sympy.Integer(nbytes)
-    return ActivationEntry(node=node.name, output=output, op=_op_name(node), module=module_path(node),
+    return ActivationEntry(node=name, output=output, op=_op_name(node), module=module_path(node),
                            shape=tuple(tensor.shape), dtype=tensor.dtype, bytes=expr, number=nbytes, internal=internal,
                            saved_by=tuple(n.name for n in saved.savers))
 

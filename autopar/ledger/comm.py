@@ -5,7 +5,8 @@ Built from the program the compiler emitted, not from a model of it: each insert
 redistribution node and pipeline send/recv carries its forward step and its backward conjugate
 (`CollectiveInfo`), lowered ops declare the collectives their kernels issue
 (`op_rules.InternalCollective`), each stage's gradient buckets (`runtime.grad_sync`) add one
-all-reduce per bucket and axis, and ZeRO/FSDP units (`zero_units`) their all-gathers (forward,
+all-reduce per bucket and axis, a recomputed region's forward collectives appear again in
+backward (`passes/recompute.py`), and ZeRO/FSDP units (`zero_units`) their all-gathers (forward,
 backward, or after the optimizer step) and reduce-scatters. Each entry has kind, mesh axis (or
 `axis@i,j` sub-group), link (intra/inter node), phase, the pipeline stage it belongs to
 (None: every rank), how many times a step performs it (`times`: once per micro-batch for what
@@ -166,9 +167,19 @@ def _unit_entries(unit, entry, *, pipelined: bool) -> list[CommEntry]:
     return entries
 
 
+def _phases(phase: str, region: str | None) -> tuple[str, ...]:
+    """A forward collective of a recomputed region (passes/recompute.py) runs again in backward."""
+    return (phase, "backward") if region is not None and phase == "forward" else (phase,)
+
+
+def _why(why: str, phase: str, planned_phase: str, region: str | None) -> str:
+    return why if phase == planned_phase else f"{why}; run again by the recomputation of {region}"
+
+
 def build_comm_ledger(program: Any, mesh: Mesh, symbols: dict[sympy.Symbol, sympy.Symbol],
                       symbol_values: dict[sympy.Symbol, int]) -> CommLedger:
     from autopar.ir import COLLECTIVE, RULE, module_path
+    from autopar.passes.recompute import RECOMPUTE
 
     pipeline = program.pipeline
     micro = pipeline.microbatches if pipeline is not None else 1
@@ -185,14 +196,18 @@ def build_comm_ledger(program: Any, mesh: Mesh, symbols: dict[sympy.Symbol, symp
     for stage in program.stages:
         stage_index = stage.index
         for node in stage.graph_module.graph.nodes:
+            region = node.meta.get(RECOMPUTE)
             for info in node.meta.get(COLLECTIVE, []):
-                entries.append(entry(info.phase, info.kind, info.axis, info.module, info.tensor, info.why, info.dtype,
-                                     info.logical_bytes, times=micro))
+                for phase in _phases(info.phase, region):
+                    entries.append(entry(phase, info.kind, info.axis, info.module, info.tensor,
+                                         _why(info.why, phase, info.phase, region), info.dtype, info.logical_bytes,
+                                         times=micro))
             rule = node.meta.get(RULE)
             for internal in (rule.internal if rule is not None else []):
-                entries.append(entry(internal.phase, internal.kind, internal.axis, module_path(node), node.name,
-                                     internal.why, internal.dtype, internal.logical_bytes,
-                                     times=micro * internal.calls))
+                for phase in _phases(internal.phase, region):
+                    entries.append(entry(phase, internal.kind, internal.axis, module_path(node), node.name,
+                                         _why(internal.why, phase, internal.phase, region), internal.dtype,
+                                         internal.logical_bytes, times=micro * internal.calls))
         for index, bucket in enumerate(stage.buckets):
             name = f"bucket {index}" if pipeline is None else f"bucket {stage.index}.{index}"
             for axis in bucket.axes:

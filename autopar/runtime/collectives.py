@@ -42,16 +42,27 @@ def raw_all_reduce(x: torch.Tensor, group: str, reduce_op: str = "sum") -> torch
     return _wait(_c10d.all_reduce(x.contiguous(), reduce_op, group))
 
 
+# A collective's buffer is rank-major (the pieces of dim 0 are the ranks'). On any other dim the
+# rank axis is moved next to `dim` with one copy on the gathered side: the shard itself goes out as
+# it is (contiguous), and the reduce-scatter's output arrives in place. Where every dimension
+# before `dim` has size 1 the move is a view and nothing is copied.
 def raw_all_gather(x: torch.Tensor, group: str, size: int, dim: int) -> torch.Tensor:
-    moved = x.movedim(dim, 0).contiguous()
-    gathered = _wait(_c10d.all_gather_into_tensor(moved, size, group))
-    return gathered.movedim(0, dim).contiguous()
+    x = x.contiguous()
+    gathered = _wait(_c10d.all_gather_into_tensor(x, size, group))
+    if dim == 0:
+        return gathered
+    shape = tuple(x.shape)
+    ranks_next_to_dim = gathered.view(size, *shape).movedim(0, dim)
+    return ranks_next_to_dim.reshape(*shape[:dim], size * shape[dim], *shape[dim + 1:])
 
 
 def raw_reduce_scatter(x: torch.Tensor, group: str, size: int, dim: int) -> torch.Tensor:
-    moved = x.movedim(dim, 0).contiguous()
-    scattered = _wait(_c10d.reduce_scatter_tensor(moved, "sum", size, group))
-    return scattered.movedim(0, dim).contiguous()
+    if dim == 0:
+        return _wait(_c10d.reduce_scatter_tensor(x.contiguous(), "sum", size, group))
+    shape = tuple(x.shape)
+    pieces = x.reshape(*shape[:dim], size, shape[dim] // size, *shape[dim + 1:]).movedim(dim, 0)
+    rank_major = pieces.contiguous().flatten(0, 1)
+    return _wait(_c10d.reduce_scatter_tensor(rank_major, "sum", size, group))
 
 
 def raw_all_to_all(x: torch.Tensor, group: str, size: int, split_dim: int, concat_dim: int) -> torch.Tensor:
