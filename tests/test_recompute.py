@@ -174,3 +174,18 @@ def test_the_cli_plans_with_recomputation(capsys):
     assert "Recomputation (full)" in printed and "layers.1" in printed
     assert main(["plan", "examples/gpt.py", "--mesh", "dp=2", "--recompute", "layers.*.mlp"]) == 0
     assert "layers.0.mlp" in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("transformers")
+def test_hf_llama_with_full_recomputation_under_tensor_parallelism_equals_one_device():
+    """A Hugging Face Llama as shipped (rotary tables and the causal mask computed outside the blocks
+    and entering each recomputed block as inputs), dp=2 x tp=2 with full recomputation."""
+    from examples.hf_models import tiny_llama, token_batch
+
+    batches = [token_batch(batch=8, seq=16, vocab=128, seed=step) for step in range(STEPS)]
+    strategies = [autopar.data_parallel(), autopar.tensor_parallel(), autopar.recompute("full")]
+    results = launch(distributed_rank, 4, tiny_llama, batches, "dp=2,tp=2", strategies, timeout_s=240)
+    reference = single_device(tiny_llama, batches)
+    assert_matches(reference, results)
+    assert_ledger_equals_measured(results)
+    assert_memory_equals_ledger(results, reference)
