@@ -27,7 +27,9 @@ of a rank graph by one call of a `RecomputedRegion` — a GraphModule of the reg
 `torch.utils.checkpoint.checkpoint(use_reentrant=False, early_stop=False)`, which keeps the CPU
 RNG state, so dropout inside draws the same masks again — and one getitem per value used after
 it, which records the replaced node's name (`PLANNED_NAME`). The call stands where the region's first node stood; inputs
-computed later (a ZeRO gather issued inside the block) move before it.
+computed later (a ZeRO gather issued inside the block) move before it. Size arithmetic that
+emission adds on a path leaving the region and coming back (dynamic dims: a size read off a
+region's tensor and used by a later view in it) joins the region (`_convex`).
 """
 from __future__ import annotations
 
@@ -243,6 +245,28 @@ def _wrap(graph: torch.fx.Graph, name: str, nodes: list[torch.fx.Node], order: d
         graph.erase_node(node)
 
 
+def _convex(nodes: list[torch.fx.Node], order: dict[torch.fx.Node, int]) -> list[torch.fx.Node]:
+    """The region with the nodes emission added on paths that leave it and come back (sizes read off
+    its tensors and computed with, under dynamic dims), so that it can run as one call."""
+    members, first, last = set(nodes), order[nodes[0]], order[nodes[-1]]
+
+    def reachable(forward: bool) -> set[torch.fx.Node]:
+        seen, stack = set(), list(nodes)
+        while stack:
+            current = stack.pop()
+            for neighbour in (current.users if forward else current.all_input_nodes):
+                if neighbour not in seen and first <= order[neighbour] <= last:
+                    seen.add(neighbour)
+                    stack.append(neighbour)
+        return seen
+
+    between = (reachable(forward=True) & reachable(forward=False)) - members
+    if any(not _computes(node) for node in between):
+        raise PlanError.at(nodes[0], f"recomputed region {nodes[0].meta[RECOMPUTE]} is not convex in the rank graph",
+                           fix="recompute smaller modules (module globs)")
+    return sorted(members | between, key=order.__getitem__)
+
+
 def wrap_recomputed_regions(graph: torch.fx.Graph) -> None:
     """Replace each region marked by `recompute` with one checkpointed call (module docstring)."""
     regions: dict[str, list[torch.fx.Node]] = defaultdict(list)
@@ -251,4 +275,4 @@ def wrap_recomputed_regions(graph: torch.fx.Graph) -> None:
             regions[node.meta[RECOMPUTE]].append(node)
     for name, nodes in regions.items():
         order = {node: i for i, node in enumerate(graph.nodes)}
-        _wrap(graph, name, nodes, order)
+        _wrap(graph, name, _convex(nodes, order), order)

@@ -15,6 +15,7 @@ recomputed FLOPs in the report, and the plan-time refusals.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -189,3 +190,25 @@ def test_hf_llama_with_full_recomputation_under_tensor_parallelism_equals_one_de
     assert_matches(reference, results)
     assert_ledger_equals_measured(results)
     assert_memory_equals_ledger(results, reference)
+
+
+def test_recomputation_plans_with_symbolic_sizes_on_the_meta_device():
+    """Under dynamic dims emission reads sizes off a region's tensors and computes later views' sizes
+    from them (outside the planned region): the region takes that arithmetic in and stays one call;
+    the plan-time fake run and the ledger pass through it, symbolic in b and s."""
+    import sympy
+
+    config = replace(PLAIN, explicit_attention=True)
+    with torch.device("meta"):
+        model = GPT(config)
+    batch = tuple(t.to("meta") for t in example_batch(config, batch=8))
+    kept = {}
+    for policy in ("selective", "full"):
+        plan = autopar.plan(model, "dp=2,tp=2", strategies=[autopar.fsdp(), autopar.sequence_parallel(),
+                                                            autopar.recompute(policy)],
+                            example_inputs=batch, dynamic_dims={"b": 0, "s": 1})
+        ledger = saved_activations(plan, rank=0)
+        assert {str(s) for s in sympy.sympify(ledger.total).free_symbols} == {"b", "s"}
+        kept[policy] = ledger.number()
+        assert sum(is_region_call(n) for n in plan.rank_graph(0).graph.nodes) == 2
+    assert kept["full"] < kept["selective"]

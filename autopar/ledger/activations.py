@@ -197,6 +197,8 @@ def on_device(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphM
             node.kwargs = dict(node.kwargs, device=device)
         if node.op == "call_function" and node.target in PLANNING_STAND_INS:
             node.target = PLANNING_STAND_INS[node.target]
+        if is_region_call(node):  # a recomputed region's own graph (passes/recompute.py)
+            on_device(node.target.__self__.graph_module, device)
     gm.recompile()
     return gm
 
