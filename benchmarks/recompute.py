@@ -167,6 +167,10 @@ def main() -> None:
     print(f"example GPT (explicit attention) {settings.model}, global batch {settings.batch}, 4 gloo ranks")
     print(tabulate(table, headers=["row", "program", "step ms", "× none", "saved MiB (measured)",
                                    "ledger MiB", "ledger == measured", "saved × none"]))
+    if "zero3" in args.rows:
+        print("zero3: measured - ledger is the root unit's gathered parameters (embeddings, final norm, lm_head),\n"
+              "kept from forward to backward as FSDP2 keeps its root (not an activation; tests/test_zero_numerics\n"
+              "names the same difference)")
 
 
 if __name__ == "__main__":
