@@ -44,7 +44,7 @@ from torch.fx.passes.utils.fuser_utils import validate_partition
 
 from autopar.context import CompileContext
 from autopar.errors import PlanError
-from autopar.ir import PLANNED_NAME, module_path
+from autopar.ir import PLANNED_NAME, module_path, reachable
 from autopar.ledger.compute import node_flops
 from autopar.program import Program
 from autopar.runtime import sharded_state
@@ -63,17 +63,6 @@ def _computes(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and sharded_state.unit_call(node.target) is None
 
 
-def _reachable(node: torch.fx.Node, *, forward: bool) -> set[torch.fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        current = stack.pop()
-        for neighbour in (current.users if forward else current.all_input_nodes):
-            if neighbour not in seen:
-                seen.add(neighbour)
-                stack.append(neighbour)
-    return seen
-
-
 def attention_cores(graph: torch.fx.Graph, kinds: dict[str, str]) -> list[list[torch.fx.Node]]:
     """The attention cores of a graph, each as its nodes in graph order (module docstring)."""
     cores: list[set[torch.fx.Node]] = []
@@ -89,12 +78,12 @@ def attention_cores(graph: torch.fx.Graph, kinds: dict[str, str]) -> list[list[t
                and len(n.all_input_nodes) == 2 and set(n.all_input_nodes) <= data]
     index = 0
     while index < len(matmuls):
-        first, descendants = matmuls[index], _reachable(matmuls[index], forward=True)
+        first, descendants = matmuls[index], reachable(matmuls[index], forward=True)
         partner = next((m for m in matmuls[index + 1:] if m in descendants), None)
         if partner is None:
             index += 1
             continue
-        region = {first, partner} | (descendants & _reachable(partner, forward=False))
+        region = {first, partner} | (descendants & reachable(partner, forward=False))
         if any(state & set(n.all_input_nodes) for n in region) or not all(_computes(n) for n in region):
             index += 1
             continue

@@ -202,3 +202,16 @@ def assert_memory_equals_ledger(results: list[dict[str, Any]], reference: dict[s
         if activations:
             assert_activations_equal_ledger(result)
         assert_peak_within_ledger(result, reference["backward_temporaries"])
+
+
+def assert_cases_match(names: list[str], per_rank: list[list[dict[str, Any]]], reference: dict[str, Any]) -> None:
+    """One launch ran every case of `names` (each rank returned one result per case): each case's
+    numerics, ledger and memory checks, the failing case named."""
+    for index, name in enumerate(names):
+        results = [rank_results[index] for rank_results in per_rank]
+        try:
+            assert_matches(reference, results)
+            assert_ledger_equals_measured(results)
+            assert_memory_equals_ledger(results, reference)
+        except AssertionError as error:
+            raise AssertionError(f"{name}: {error}") from None

@@ -15,7 +15,7 @@ import autopar
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
 from tests.numerics import STEPS, distributed_rank, single_device
-from tests.numerics_checks import assert_ledger_equals_measured, assert_matches, assert_memory_equals_ledger
+from tests.numerics_checks import assert_cases_match
 
 CONFIG = GPTConfig(vocab_size=128, seq_len=16, n_layer=2, n_head=4, d_model=32, d_ff=64, dropout=0.1)
 build = functools.partial(GPT, CONFIG)
@@ -42,14 +42,7 @@ def run_cases(rank: int, world: int, names: list[str]) -> list[dict]:
 def test_dropout_masks_equal_one_device(world, reference):
     names = [name for name, (mesh, _) in CASES.items() if autopar.Mesh.parse(mesh).world_size == world]
     per_rank = launch(run_cases, world, names, timeout_s=120 * len(names))
-    for index, name in enumerate(names):
-        results = [rank_results[index] for rank_results in per_rank]
-        try:
-            assert_matches(reference, results)
-            assert_ledger_equals_measured(results)
-            assert_memory_equals_ledger(results, reference)
-        except AssertionError as error:
-            raise AssertionError(f"{name}: {error}") from None
+    assert_cases_match(names, per_rank, reference)
 
 
 def test_independent_masks_would_be_caught(reference):

@@ -26,7 +26,8 @@ from autopar.passes.recompute import RECOMPUTE, is_region_call, recomputed_flops
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
 from tests.numerics import STEPS, distributed_rank, single_device
-from tests.numerics_checks import assert_ledger_equals_measured, assert_matches, assert_memory_equals_ledger
+from tests.numerics_checks import (assert_cases_match, assert_ledger_equals_measured, assert_matches,
+                                   assert_memory_equals_ledger)
 
 # explicit attention: selective recomputation then drops the [b, h, s, s] scores and probabilities
 CONFIG = GPTConfig(vocab_size=128, seq_len=16, n_layer=2, n_head=4, d_model=32, d_ff=64, dropout=0.1,
@@ -57,14 +58,7 @@ def run_cases(rank: int, world: int, names: list[str]) -> list[dict]:
 def test_recomputation_equals_one_device(reference):
     names = list(CASES)
     per_rank = launch(run_cases, 4, names, timeout_s=150 * len(names))
-    for index, name in enumerate(names):
-        results = [rank_results[index] for rank_results in per_rank]
-        try:
-            assert_matches(reference, results)
-            assert_ledger_equals_measured(results)
-            assert_memory_equals_ledger(results, reference)
-        except AssertionError as error:
-            raise AssertionError(f"{name}: {error}") from None
+    assert_cases_match(names, per_rank, reference)
 
 
 def _plan(policy, mesh="dp=2,tp=2", strategies=None, config=PLAIN):

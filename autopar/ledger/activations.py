@@ -41,7 +41,7 @@ import torch.fx
 from tabulate import tabulate
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from autopar.ir import PLANNED_NAME, SPEC, hint, local_numel, local_shape, module_path
+from autopar.ir import PLANNED_NAME, SPEC, hint, local_numel, local_shape, module_path, reachable
 from autopar.passes.recompute import is_region_call
 from autopar.runtime.collectives import regathered_source
 from autopar.runtime.p2p import PLANNING_STAND_INS
@@ -261,18 +261,6 @@ def _entry(plan: "Plan", saved: _Saved, planned: dict[str, torch.fx.Node]) -> Ac
                            saved_by=tuple(n.name for n in saved.savers))
 
 
-def _reachable(node: torch.fx.Node, *, forward: bool) -> set[torch.fx.Node]:
-    """Nodes reachable from `node` through its users (forward) or its inputs (backward)."""
-    seen, stack = set(), [node]
-    while stack:
-        current = stack.pop()
-        for neighbour in (current.users if forward else current.all_input_nodes):
-            if neighbour not in seen:
-                seen.add(neighbour)
-                stack.append(neighbour)
-    return seen
-
-
 def attention_core(gm: torch.fx.GraphModule, placeholder_kinds: dict[str, str]) -> set[str]:
     """Names of the nodes strictly inside explicit attention cores (see the module docstring).
 
@@ -290,9 +278,9 @@ def attention_core(gm: torch.fx.GraphModule, placeholder_kinds: dict[str, str]) 
     core: set[torch.fx.Node] = set()
     index = 0
     while index < len(matmuls):
-        first, descendants = matmuls[index], _reachable(matmuls[index], forward=True)
+        first, descendants = matmuls[index], reachable(matmuls[index], forward=True)
         partner = next((m for m in matmuls[index + 1:] if m in descendants), None)
-        region = ({first} | (descendants & _reachable(partner, forward=False))) if partner is not None else set()
+        region = ({first} | (descendants & reachable(partner, forward=False))) if partner is not None else set()
         if partner is None or any(state & set(n.all_input_nodes) for n in region):
             index += 1
             continue
