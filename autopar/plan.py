@@ -111,11 +111,12 @@ class Plan:
 
         return build_memory_ledger(self, rank=rank, optimizer=optimizer)
 
-    def rank_graph(self, rank: int, groups: dict[str, str] | None = None, *, stage: int | None = None
-                   ) -> torch.fx.GraphModule:
-        """The graph `rank` runs for `stage` (default: the rank's first stage)."""
+    def rank_graph(self, rank: int, groups: dict[str, str] | None = None, *, stage: int | None = None,
+                   recompute: bool = True) -> torch.fx.GraphModule:
+        """The graph `rank` runs for `stage` (default: the rank's first stage); `recompute=False`
+        with the recomputed regions inline."""
         chosen = self.stages[stage] if stage is not None else self.stages_of_rank(rank)[0]
-        return emit_rank_graph(chosen.graph_module, self.context, rank=rank, groups=groups)
+        return emit_rank_graph(chosen.graph_module, self.context, rank=rank, groups=groups, recompute=recompute)
 
     def placeholder_nodes(self, kind: str) -> list[torch.fx.Node]:
         return [n for n in self.graph_module.graph.nodes

@@ -103,8 +103,10 @@ def _globalize_sizes(graph: torch.fx.Graph, ctx: CompileContext) -> None:
 
 
 def emit_rank_graph(gm: torch.fx.GraphModule, ctx: CompileContext, *, rank: int,
-                    groups: dict[str, str] | None = None) -> torch.fx.GraphModule:
-    """The graph rank `rank` runs. `groups` maps axis -> process-group name (axis names when planning)."""
+                    groups: dict[str, str] | None = None, recompute: bool = True) -> torch.fx.GraphModule:
+    """The graph rank `rank` runs. `groups` maps axis -> process-group name (axis names when planning).
+    `recompute=False` leaves the recomputed regions inline (what they save once their forward runs
+    again: the memory ledger's transient)."""
     groups = groups or {axis: axis for axis in ctx.mesh.names}
     graph = torch.fx.Graph()
     output = graph.graph_copy(gm.graph, {})
@@ -132,6 +134,7 @@ def emit_rank_graph(gm: torch.fx.GraphModule, ctx: CompileContext, *, rank: int,
             # input is contiguous where the traced one was a transposed view): reshape copies only then
             node.target = torch.ops.aten.reshape.default
     graph.eliminate_dead_code()
-    wrap_recomputed_regions(graph)
+    if recompute:
+        wrap_recomputed_regions(graph)
     graph.lint()
     return lazy_graph_module(gm, graph, class_name=f"Rank{rank}")

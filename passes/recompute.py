@@ -14,8 +14,9 @@ A region holds the computing nodes only: ZeRO's gathers, their items, releases a
 (`sharded_state.unit_call`) stay outside (the gathered parameters enter the region as inputs,
 saved as handles like any saved parameter), so recomputation never gathers twice. A region must
 be convex (no path leaving it and coming back, `torch.fx`'s `validate_partition`), else a
-plan-time error names it. Pipelines, context-parallel attention and mixture-of-experts blocks
-inside a region are refused at plan time (not supported yet).
+plan-time error names it. Context-parallel attention and mixture-of-experts blocks
+inside a region are refused at plan time (not supported yet), and so is the zb_h1 pipeline
+schedule; a pipeline stage's sends and receives stay outside its regions.
 
 The comm ledger (`autopar/ledger/comm.py`) counts the forward collectives of a marked node a
 second time in backward: recomputation runs them again (early stop is off, so every node of a
@@ -59,8 +60,10 @@ _ATTENTION = (torch.ops.aten.scaled_dot_product_attention.default,
 
 
 def _computes(node: torch.fx.Node) -> bool:
-    """A node a region may hold: a computation, not ZeRO's unit calls or graph boundaries."""
-    return node.op == "call_function" and sharded_state.unit_call(node.target) is None
+    """A node a region may hold: a computation, not ZeRO's unit calls, a pipeline stage's sends and
+    receives (runtime/p2p.py) or graph boundaries."""
+    return (node.op == "call_function" and sharded_state.unit_call(node.target) is None
+            and getattr(node.target, "__module__", "") != "autopar.runtime.p2p")
 
 
 def attention_cores(graph: torch.fx.Graph, kinds: dict[str, str]) -> list[list[torch.fx.Node]]:
@@ -124,9 +127,10 @@ def find_regions(graph: torch.fx.Graph, declared, kinds: dict[str, str]) -> dict
 
 def _refuse_unsupported(ctx: CompileContext, declared) -> None:
     what = f"recompute({declared.describe()})"
-    if ctx.strategy.pipeline() is not None:
-        raise PlanError(f"{what} under pipeline parallelism is not supported yet\n"
-                        f"  fix: leave recompute out of a pipelined plan")
+    pipeline = ctx.strategy.pipeline()
+    if pipeline is not None and pipeline[1].schedule == "zb_h1":
+        raise PlanError(f"{what} under the zb_h1 schedule is not supported yet (its split backward unpacks a "
+                        f"recomputed region's tensors twice)\n  fix: schedule='1f1b', 'gpipe' or 'interleaved_1f1b'")
     if ctx.strategy.context_axes():
         raise PlanError(f"{what} under context parallelism is not supported yet (its attention kernels issue their "
                         f"own messages)\n  fix: leave recompute out, or context_parallel out")

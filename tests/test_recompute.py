@@ -8,6 +8,9 @@ a forward leaves alive, measured from outside, equal the activation ledger exact
 held bytes the memory ledger. Dropout inside a recomputed block draws the same masks again
 (the numerics would differ otherwise).
 
+The same checks for HF Llama under dp=2×tp=2 with full recomputation, and for pipelines (pp=2
+GPipe, pp=2×dp=2 1F1B with ZeRO-1) recomputing every stage's blocks.
+
 Plans: what each policy keeps against no recomputation, the extra backward collectives equal
 to the recomputed regions' forward ones, the rank graph calling checkpointed regions, the
 recomputed FLOPs in the report, and the plan-time refusals.
@@ -145,8 +148,9 @@ def test_bad_recompute_declarations_are_refused():
     with pytest.raises(autopar.PlanError, match="declared 2 times"):
         _plan("full", strategies=[autopar.data_parallel(), autopar.recompute("selective")])
     deep = GPTConfig(vocab_size=128, seq_len=16, n_layer=4, n_head=4, d_model=32, d_ff=64)
-    with pytest.raises(autopar.PlanError, match="pipeline parallelism is not supported yet"):
-        _plan("full", mesh="pp=2", strategies=[autopar.pipeline_parallel(microbatches=2)], config=deep)
+    with pytest.raises(autopar.PlanError, match="zb_h1 schedule is not supported yet"):
+        _plan("full", mesh="pp=2", strategies=[autopar.pipeline_parallel(schedule="zb_h1", microbatches=2)],
+              config=deep)
     with pytest.raises(autopar.PlanError, match="context parallelism is not supported yet"):
         _plan("full", mesh="cp=2", strategies=[autopar.context_parallel()])
     from examples.moe import MoEConfig, MoEGPT
@@ -206,3 +210,20 @@ def test_recomputation_plans_with_symbolic_sizes_on_the_meta_device():
         kept[policy] = ledger.number()
         assert sum(is_region_call(n) for n in plan.rank_graph(0).graph.nodes) == 2
     assert kept["full"] < kept["selective"]
+
+
+def test_recomputation_under_a_pipeline_equals_one_device():
+    """pp=2 (GPipe; 1F1B with ZeRO-1 on dp=2) with full recomputation of every block: numerics on
+    the same micro-batches, every send/recv and collective counted == ledger (the recomputed ones
+    once per micro-batch), held bytes == memory ledger; the stage graphs' sends and receives stay
+    outside the regions (they would be sent twice)."""
+    from tests import test_pipeline_numerics as pipeline
+
+    cases = [pipeline.case("gpt", "pp=2", "gpipe"), pipeline.case("gpt", "pp=2,dp=2", "1f1b", data="zero1")]
+    for one in cases:
+        one["strategies"] = one["strategies"] + [autopar.recompute("full")]
+        one["name"] += "-recompute_full"
+    two = launch(pipeline.run_cases, 2, cases[:1], timeout_s=300)
+    four = launch(pipeline.run_cases, 4, cases[1:], timeout_s=300)
+    pipeline.check(cases[:1], two)
+    pipeline.check(cases[1:], four)

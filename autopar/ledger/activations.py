@@ -203,10 +203,10 @@ def on_device(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphM
     return gm
 
 
-def _saved_storages(plan: "Plan", rank: int, device: torch.device,
-                    stage: int | None) -> tuple[torch.fx.GraphModule, list[_Saved]]:
+def _saved_storages(plan: "Plan", rank: int, device: torch.device, stage: int | None, *,
+                    recompute: bool = True) -> tuple[torch.fx.GraphModule, list[_Saved]]:
     chosen = plan.stages[stage] if stage is not None else plan.stages_of_rank(rank)[0]
-    gm = on_device(plan.rank_graph(rank, stage=chosen.index), device)
+    gm = on_device(plan.rank_graph(rank, stage=chosen.index, recompute=recompute), device)
     values = [n.meta["val"] for n in plan.graph_module.graph.nodes if n.op == "placeholder"]
     mode = torch._guards.detect_fake_mode(values) or torch._subclasses.FakeTensorMode()
     recorder = _SavedTensorRecorder(gm)
@@ -313,3 +313,25 @@ def saved_activations(plan: "Plan", *, rank: int = 0, recompute: str | None = No
         entries.append(_entry(plan, item, planned))
     return ActivationLedger(entries=entries, symbol_values=dict(plan.traced.symbol_values or {}), rank=rank,
                             recompute=recompute)
+
+
+def recomputed_region_bytes(plan: "Plan", *, rank: int = 0, device: "str | torch.device | None" = None,
+                            stage: int | None = None) -> int:
+    """What the largest recomputed region (`passes/recompute.py`) saves inside itself when its
+    forward runs again in backward, alive until its backward has used it (bytes at the hints; 0
+    without recomputation): the rank graph run with the regions inline, its saved storages summed
+    per region of the node that produced them."""
+    if plan.strategy.recompute is None:
+        return 0
+    from autopar.passes.recompute import RECOMPUTE
+
+    _, saved = _saved_storages(plan, rank, kernel_device(plan, device), stage, recompute=False)
+    chosen = plan.stages[stage] if stage is not None else plan.stages_of_rank(rank)[0]
+    planned = {node.name: node for node in chosen.graph_module.graph.nodes}
+    per_region: dict[str, int] = defaultdict(int)
+    for item in saved:
+        producer = planned.get(item.producer[0].name) if item.producer is not None else planned.get(item.running.name)
+        region = producer.meta.get(RECOMPUTE) if producer is not None else None
+        if region is not None:
+            per_region[region] += item.storage.nbytes()
+    return max(per_region.values(), default=0)

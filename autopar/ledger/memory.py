@@ -12,7 +12,8 @@ Categories (bytes per rank, sympy expressions in the traced symbols and numbers)
 - activations: tensors autograd saves for backward (`ledger/activations.py`, from the emitted graph);
 - transient: not held after the step: ZeRO-3 gathered units alive at once (the kept root unit,
   plus one resharded block, two with prefetching) and reduce-scatter inputs in flight (at most
-  two: the one being laid out and the one landing). An upper bound, not measured exactly.
+  two: the one being laid out and the one landing), and under `autopar.recompute` the largest
+  recomputed region's activations while its backward runs. An upper bound, not measured exactly.
 The tests compare these categories with bytes measured from outside the runtime
 (`autopar.measure.memory`, `autopar.measure.activations`).
 
@@ -135,6 +136,18 @@ def _parameter_entries(plan: Any, optimizer: str, stages: list) -> list[MemoryEn
     return entries
 
 
+def _recompute_entries(plan: Any, rank: int, stages: list) -> list[MemoryEntry]:
+    """A recomputed region's activations, saved again while its backward runs (the largest region
+    of the rank's stages; one at a time)."""
+    if plan.strategy.recompute is None:
+        return []
+    from autopar.ledger.activations import recomputed_region_bytes
+
+    largest = max(recomputed_region_bytes(plan, rank=rank, stage=stage.index) for stage in stages)
+    return [MemoryEntry("transient", "a recomputed region's activations during its backward (largest region)",
+                        sympy.Integer(largest))]
+
+
 def _transient_entries(plan: Any, stages: list) -> list[MemoryEntry]:
     units = [u for stage in stages for u in stage.units]
     if not units:
@@ -180,6 +193,7 @@ def build_memory_ledger(plan: Any, *, rank: int = 0, optimizer: str = "adamw",
         raise PlanError(f"no memory model for optimizer {optimizer!r}; known: {sorted(OPTIMIZER_STATE)}")
     stages = plan.stages_of_rank(rank)
     entries = _parameter_entries(plan, optimizer, stages) + _transient_entries(plan, stages)
+    entries += _recompute_entries(plan, rank, stages)
     if activations:
         entries += _activation_entries(plan, rank, stages)
     return MemoryLedger(entries=entries, symbol_values=plan.comm.symbol_values)
