@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
-# The test suite: graph/plan-only tests and multi-process gloo numerics (about 20 minutes on 2 cores).
+# The test suite: graph/plan-only tests and multi-process gloo numerics (about 30 minutes on 2 cores).
 # Under CI=true (.ci/run sets it) a skipped test fails (tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-python -m pytest -q "$@"
+# two test files at a time (pytest-xdist, a file's tests on one worker: its module fixtures are built
+# once): most multi-process tests leave a core idle while one rank plans. Tests marked serial
+# (tests/conftest.py: timing and CPU-share measurements, torchrun jobs) run alone afterwards.
+# Exit 5 is pytest's "no test selected" (a path given here may hold only one kind).
+status=0
+python -m pytest -q -n 2 --dist loadfile -m "not serial" "$@" || status=$?
+if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then exit "$status"; fi
+serial=0
+python -m pytest -q -m serial "$@" || serial=$?
+if [ "$serial" -ne 0 ] && [ "$serial" -ne 5 ]; then exit "$serial"; fi
+if [ "$status" -eq 5 ] && [ "$serial" -eq 5 ]; then echo "no test selected" >&2; exit 5; fi
