@@ -58,13 +58,15 @@ def module_stack(node: torch.fx.Node) -> list[str]:
     return [path for path, _ in stack.values() if isinstance(path, str) and path and "hook" not in path]
 
 
-def reachable(node: "torch.fx.Node | list[torch.fx.Node]", *, forward: bool) -> set[torch.fx.Node]:
-    """Nodes reachable from `node` (or any of a list) through users (forward) or inputs (backward)."""
+def reachable(node: "torch.fx.Node | list[torch.fx.Node]", *, forward: bool,
+              within: "Any | None" = None) -> set[torch.fx.Node]:
+    """Nodes reachable from `node` (or any of a list) through users (forward) or inputs (backward),
+    passing only through nodes for which `within(node)` holds (all, by default)."""
     seen, stack = set(), list(node) if isinstance(node, list) else [node]
     while stack:
         current = stack.pop()
         for neighbour in (current.users if forward else current.all_input_nodes):
-            if neighbour not in seen:
+            if neighbour not in seen and (within is None or within(neighbour)):
                 seen.add(neighbour)
                 stack.append(neighbour)
     return seen

@@ -53,7 +53,7 @@ from autopar.runtime import sharded_state
 RECOMPUTE = "autopar_recompute"  # node meta: the name of the recomputed region the node belongs to
 _BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
 _MATMULS = (torch.ops.aten.bmm.default, torch.ops.aten.mm.default, torch.ops.aten.matmul.default)
-_ATTENTION = (torch.ops.aten.scaled_dot_product_attention.default,
+ATTENTION_OPS = (torch.ops.aten.scaled_dot_product_attention.default,
               torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
               torch.ops.aten._scaled_dot_product_efficient_attention.default,
               torch.ops.aten._scaled_dot_product_flash_attention.default)
@@ -70,7 +70,7 @@ def attention_cores(graph: torch.fx.Graph, kinds: dict[str, str]) -> list[list[t
     """The attention cores of a graph, each as its nodes in graph order (module docstring)."""
     cores: list[set[torch.fx.Node]] = []
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in _ATTENTION:
+        if node.op == "call_function" and node.target in ATTENTION_OPS:
             cores.append({node} | {u for u in node.users if u.target is operator.getitem})
     data: set[torch.fx.Node] = set()
     for node in graph.nodes:
@@ -243,17 +243,10 @@ def _convex(nodes: list[torch.fx.Node], order: dict[torch.fx.Node, int]) -> list
     its tensors and computed with, under dynamic dims), so that it can run as one call."""
     members, first, last = set(nodes), order[nodes[0]], order[nodes[-1]]
 
-    def reachable(forward: bool) -> set[torch.fx.Node]:
-        seen, stack = set(), list(nodes)
-        while stack:
-            current = stack.pop()
-            for neighbour in (current.users if forward else current.all_input_nodes):
-                if neighbour not in seen and first <= order[neighbour] <= last:
-                    seen.add(neighbour)
-                    stack.append(neighbour)
-        return seen
+    def inside(node: torch.fx.Node) -> bool:  # a path out of the region and back lies between its ends
+        return first <= order[node] <= last
 
-    between = (reachable(forward=True) & reachable(forward=False)) - members
+    between = (reachable(nodes, forward=True, within=inside) & reachable(nodes, forward=False, within=inside)) - members
     if any(not _computes(node) for node in between):
         raise PlanError.at(nodes[0], f"recomputed region {nodes[0].meta[RECOMPUTE]} is not convex in the rank graph",
                            fix="recompute smaller modules (module globs)")

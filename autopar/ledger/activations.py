@@ -41,7 +41,7 @@ import torch.fx
 from tabulate import tabulate
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from autopar.ir import PLANNED_NAME, SPEC, hint, local_numel, local_shape, module_path, reachable
+from autopar.ir import PLANNED_NAME, SPEC, hint, local_numel, local_shape, module_path
 from autopar.passes.recompute import is_region_call
 from autopar.runtime.collectives import regathered_source
 from autopar.runtime.p2p import PLANNING_STAND_INS
@@ -52,7 +52,6 @@ if TYPE_CHECKING:
 # gathered ZeRO-3 parameters (passes/shard_parameters.py); its `unit_boundary` nodes carry the key too,
 # but return a view, so the storages they pass on keep the block's own node as first producer
 ZERO_UNIT = "autopar_zero_unit"
-_MATMULS = (torch.ops.aten.bmm.default, torch.ops.aten.mm.default, torch.ops.aten.matmul.default)
 
 
 @dataclass(frozen=True)
@@ -262,31 +261,13 @@ def _entry(plan: "Plan", saved: _Saved, planned: dict[str, torch.fx.Node]) -> Ac
 
 
 def attention_core(gm: torch.fx.GraphModule, placeholder_kinds: dict[str, str]) -> set[str]:
-    """Names of the nodes strictly inside explicit attention cores (see the module docstring).
+    """Names of the nodes strictly inside explicit attention cores (see the module docstring): the
+    cores `passes/recompute.attention_cores` finds (score matmul … probabilities·v), without their
+    last node (the probabilities·v matmul) and without fused attention, which has no such core."""
+    from autopar.passes.recompute import ATTENTION_OPS, attention_cores
 
-    A score matmul is a bmm/mm/matmul both of whose operands depend on a user input; its partner
-    is the first later such matmul that consumes it (probabilities·v). The core is the score
-    matmul and every node between the two; a region that reads a parameter is not a core."""
-    kinds = {n: placeholder_kinds.get(n.name) for n in gm.graph.nodes if n.op == "placeholder"}
-    state = {n for n, kind in kinds.items() if kind == "parameter"}
-    data: set[torch.fx.Node] = set()
-    for node in gm.graph.nodes:
-        if kinds.get(node) == "input" or data & set(node.all_input_nodes):
-            data.add(node)
-    matmuls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _MATMULS
-               and len(n.all_input_nodes) == 2 and set(n.all_input_nodes) <= data]
-    core: set[torch.fx.Node] = set()
-    index = 0
-    while index < len(matmuls):
-        first, descendants = matmuls[index], reachable(matmuls[index], forward=True)
-        partner = next((m for m in matmuls[index + 1:] if m in descendants), None)
-        region = ({first} | (descendants & reachable(partner, forward=False))) if partner is not None else set()
-        if partner is None or any(state & set(n.all_input_nodes) for n in region):
-            index += 1
-            continue
-        core |= region
-        index = matmuls.index(partner) + 1
-    return {n.name for n in core}
+    return {n.name for core in attention_cores(gm.graph, placeholder_kinds) if core[0].target not in ATTENTION_OPS
+            for n in core[:-1]}
 
 
 def saved_activations(plan: "Plan", *, rank: int = 0, recompute: str | None = None,
