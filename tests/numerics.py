@@ -185,7 +185,11 @@ def device_mesh_keys() -> set[int]:
     before `settle_garbage` freezes the survivors out of that list."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    return {storage_key(o.mesh) for o in gc.get_objects() if isinstance(o, DeviceMesh)}
+    # the test is made once per type: isinstance on every object would run a Python-level
+    # __instancecheck__ for torch's opaque types, ~1.5 s per rank over a process's ~10^6 objects
+    objects = gc.get_objects()
+    meshes = {kind for kind in {type(o) for o in objects} if issubclass(kind, DeviceMesh)}
+    return {storage_key(o.mesh) for o in objects if type(o) in meshes}
 
 
 def device_mesh_bytes(storages: LiveStorages, keys: set[int]) -> int:
@@ -193,12 +197,16 @@ def device_mesh_bytes(storages: LiveStorages, keys: set[int]) -> int:
     return sum(nbytes for key, nbytes in storages.live().items() if key in keys)
 
 
-def settle_garbage() -> None:
+def settle_garbage() -> set[int]:
     """Free what setup left in reference cycles (the original model, tracing state), then freeze
     the survivors out of the cyclic collector: the measurements' `gc.collect()` calls in each step
-    then take milliseconds instead of ~0.4 s (a full collection over torch, sympy, transformers)."""
+    then take milliseconds instead of ~0.4 s (a full collection over torch, sympy, transformers).
+    Returns `device_mesh_keys()` of the survivors, read in between (frozen objects leave
+    `gc.get_objects()`); one full collection, not two."""
     gc.collect()
+    meshes = device_mesh_keys()
     gc.freeze()
+    return meshes
 
 
 # ---- what a rank reports
@@ -248,13 +256,15 @@ def regathered_shard_bound(plan: Any) -> int:
                 if e.why == "the shard saved for backward gathered again"), default=0)
 
 
-def rank_summary(module: Any, rank: int, world: int, setup: CommCounter) -> dict[str, Any]:
-    """What a rank reports besides its steps: setup traffic, ledgers, layout, the named sizes."""
+def rank_summary(module: Any, rank: int, world: int, setup: CommCounter, *, memory: bool = True) -> dict[str, Any]:
+    """What a rank reports besides its steps: setup traffic, ledgers, layout, the named sizes.
+    `memory=False` leaves the memory ledger out (its activation entries run the rank graph on
+    fake tensors, ~0.5-1 s per rank) for callers that check no memory."""
     group_to_axis = {name: axis for axis, name in module.groups.items()}
     plan = module.plan
     kept = lambda unit: unit.stage == 3 and not unit.reshard  # noqa: E731
     return {"rank": rank, "world": world, "setup_comm": setup.by_key(group_to_axis),
-            "ledger": plan.comm.by_key(rank=rank), "memory_ledger": memory_ledger(module, rank),
+            "ledger": plan.comm.by_key(rank=rank), **({"memory_ledger": memory_ledger(module, rank)} if memory else {}),
             "layout": parameter_layout(module), "group_to_axis": group_to_axis,
             "kept_units": {"padded": unit_bytes(plan, keep=kept, padded=True),
                            "unpadded": unit_bytes(plan, keep=kept, padded=False)},
@@ -267,20 +277,19 @@ def rank_summary(module: Any, rank: int, world: int, setup: CommCounter) -> dict
 def distributed_rank(rank: int, world: int, build: Callable[[], torch.nn.Module], batches: list[tuple], mesh: str,
                      strategies: list, step: Callable[[Any, list], torch.Tensor] = train_step,
                      clip_norm: float | None = None, eps: float = EPS,
-                     after: Callable[[Any, int], dict] | None = None) -> dict[str, Any]:
+                     after: Callable[[Any, int], dict] | None = None, memory: bool = True) -> dict[str, Any]:
     """Train one step per batch; per step: loss, whole gradients and parameters, collectives by
     phase, bytes held after the step (by category), the step's peak, activations left by the
     forward. `after(module, rank)` (module-level, so that it pickles) adds its own entries once
-    training is done (e.g. a state dict loaded into a fresh model)."""
+    training is done (e.g. a state dict loaded into a fresh model). `memory=False`: no memory
+    ledger in the result (`rank_summary`), for callers that check numerics and communication only."""
     instruments = Instruments()
     with instruments.phase("setup"):
         module, optimizer = parallel_trainer(build, batches[0], mesh, strategies, eps=eps)
     setup = instruments.next_counter()
-    gc.collect()
-    meshes = device_mesh_keys()
-    settle_garbage()
+    meshes = settle_garbage()
     check = comparison_mesh(module)
-    result = rank_summary(module, rank, world, setup)
+    result = rank_summary(module, rank, world, setup, memory=memory)
     result.update(losses=[], grads=[], params=[], norms=[], comm=[], held=[], peak=[], device_mesh_bytes=[])
     instruments.storages.track(batches)  # the harness's own: alive throughout, named in the peak's "at rest"
     result["batch_bytes"] = distinct_storage_bytes([t for batch in batches for t in batch])

@@ -8,7 +8,6 @@ optimizer state, and what the runtime keeps aside), left by the forward, and at 
 from __future__ import annotations
 
 import contextlib
-import gc
 import functools
 
 import pytest
@@ -19,7 +18,7 @@ from autopar.measure.memory import held_bytes
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
 from examples.hf_models import tiny_gpt2, tiny_llama, token_batch
-from tests.numerics import (STEPS, Instruments, Probed, comparison_mesh, device_mesh_bytes, device_mesh_keys,
+from tests.numerics import (STEPS, Instruments, Probed, comparison_mesh, device_mesh_bytes,
                             distributed_rank, parallel_trainer, rank_summary, reference_trainer, settle_garbage,
                             single_device, train_step, whole_tensors)
 from tests.numerics_checks import (assert_activations_equal_ledger, assert_held_equals_ledger,
@@ -89,10 +88,8 @@ def _accumulating_rank(rank: int, world: int, build, batch, mesh: str, strategie
     instruments = Instruments()
     with instruments.phase("setup"):
         module, optimizer = parallel_trainer(build, micro_batch(batch, 0), mesh, strategies)
-    gc.collect()
-    meshes = device_mesh_keys()
     result = rank_summary(module, rank, world, instruments.next_counter())
-    settle_garbage()
+    meshes = settle_garbage()
     check = comparison_mesh(module)
     instruments.storages.track(batch)
     losses = []

@@ -1,0 +1,56 @@
+"""What the launcher's fork server loads before it forks any rank (`autopar/runtime/launch.py`).
+
+Importing this module, once per fork server, does the work every rank would otherwise repeat in
+its first seconds: the lazy parts of transformers (its import structure and `modeling_utils`,
+~4 s per rank on this 2-core machine, where it is installed), and one `autopar.plan` of a
+two-layer model, which loads and initialises what tracing, decomposition, sharding propagation
+and the fake-tensor check use (~1 s off the first plan of each job's rank 0). Nothing it
+creates is handed to a rank except through the fork: no process group, no thread (checked), no
+file. One intra-op thread, as every rank has; tqdm's monitor thread off (a bar made while
+tracing would start it).
+"""
+from __future__ import annotations
+
+import importlib.util
+import threading
+
+import torch
+
+
+def _load_transformers() -> None:
+    if importlib.util.find_spec("transformers") is None:
+        return
+    import transformers
+    import transformers.modeling_utils  # noqa: F401
+
+    transformers.AutoConfig, transformers.AutoModelForCausalLM  # resolve the lazy names
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x))).pow(2).mean()
+
+
+def _plan_once() -> None:
+    import autopar
+
+    autopar.plan(_TwoLayers(), "tp=2", strategies=[autopar.tensor_parallel()], example_inputs=(torch.ones(4, 8),))
+
+
+def warm_up() -> None:
+    torch.set_num_threads(1)
+    if importlib.util.find_spec("tqdm") is not None:  # a progress bar made while tracing starts tqdm's
+        import tqdm  # monitor thread; the forked ranks need none
+
+        tqdm.tqdm.monitor_interval = 0
+    _load_transformers()
+    _plan_once()
+    if threading.active_count() != 1:  # a fork would copy a process whose other threads vanish
+        raise RuntimeError(f"the fork server's warm-up left {threading.active_count() - 1} threads running")
+
+
+warm_up()
