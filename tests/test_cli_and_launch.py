@@ -10,14 +10,16 @@ import time
 import pytest
 
 from autopar.runtime.launch import launch
+from tests.cli_in_process import run_cli
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
+def run_cli_subprocess(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "autopar.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_plan_prints_placements_and_ledger():
-    result = run_cli("plan", "examples/gpt.py", "--mesh", "dp=2,tp=2", "--strategy", "dp,sp", "--symbolic", "b=0,s=1")
+    """The entry point itself, as a user runs it; the other CLI tests call it in process."""
+    result = run_cli_subprocess("plan", "examples/gpt.py", "--mesh", "dp=2,tp=2", "--strategy", "dp,sp", "--symbolic", "b=0,s=1")
     assert result.returncode == 0, result.stderr
     assert "placement (dp,tp)" in result.stdout and "reduce_scatter" in result.stdout and "b*s" in result.stdout
 

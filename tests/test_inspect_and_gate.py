@@ -2,24 +2,21 @@
 gate that fails when a strategy change adds communication and names the axis and kind."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
 import autopar
 from autopar import PlanError
-from autopar.cli import main
 from autopar.plan_diff import diff_plans
 from autopar.plan_file import load_plan, save_plan
 from autopar.strategies.layouts import EXAMPLE_GPT
 from autopar.comm_gate import comm_summary, load_baseline
 from autopar.testing import assert_comm_within_baseline, rewrite_reference
 from examples.gpt import example
+from tests.cli_in_process import run_cli
 
 BASELINES = Path(__file__).parent.parent / "baselines"
 EXAMPLES = {
@@ -37,19 +34,6 @@ NO_ROW_PARALLEL_MLP = dataclasses.replace(EXAMPLE_GPT, row=("*layers.*.attn.o_pr
 def plan_example(mesh: str, strategies: list, **options) -> autopar.Plan:
     model, batch = example()
     return autopar.plan(model, mesh, strategies=strategies, example_inputs=batch, **options)
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    """`autopar <args>` run in this process (`autopar.cli.main`: what `python -m autopar.cli` calls,
-    whose entry point tests/test_cli_and_launch.py runs as a subprocess): its exit code and output,
-    without ~5 s of imports per call."""
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        try:
-            code = main(list(args))
-        except SystemExit as exit:  # argparse's own errors
-            code = exit.code if isinstance(exit.code, int) else 2
-    return subprocess.CompletedProcess(["autopar", *args], code, stdout.getvalue(), stderr.getvalue())
 
 
 @pytest.mark.parametrize("name", list(EXAMPLES))
