@@ -3,9 +3,11 @@ ledgers, plan files and views.
 
 Two tables:
 - `KINDS`: what moves on the wire. Each `CommKind` says whether it joins a group of ranks along
-  a mesh axis or one peer (point-to-point), and its wire bytes per logical byte S for a group
+  a mesh axis or one peer (point-to-point), its wire bytes per logical byte S for a group
   of n ranks, NCCL's bus-bandwidth convention: all-reduce 2(n-1)/n, all-gather / reduce-scatter /
-  all-to-all (n-1)/n, broadcast 1, send / recv 1 (wire = logical for point-to-point).
+  all-to-all (n-1)/n, broadcast 1, send / recv 1 (wire = logical for point-to-point), and the
+  messages a ring sends one after another (all-reduce 2(n-1), the others n-1, a send 1): the α
+  count of the α-β time model (`autopar/cluster.py`).
 - `STEPS`: the graph steps that move a tensor (functions of `autopar.runtime.collectives` and
   `autopar.runtime.p2p`), each with the kind it issues in forward, its conjugate kind in
   backward, and how its keyword arguments bind to one rank (`BINDINGS`): `group` (axis name ->
@@ -34,20 +36,25 @@ class CommKind:
     name: str
     peer: bool  # point-to-point (one peer rank) rather than a group along an axis
     wire_factor: Callable[[int], sympy.Expr]  # wire bytes per logical byte, for a group of n ranks
+    latency_steps: Callable[[int], int]  # messages in sequence on a ring of n ranks (the α-β model's α count)
 
 
 def _ring(n: int) -> sympy.Expr:
     return sympy.Rational(n - 1, n)
 
 
+def _ring_steps(n: int) -> int:
+    return n - 1
+
+
 KINDS: dict[str, CommKind] = {kind.name: kind for kind in (
-    CommKind("all_reduce", False, lambda n: sympy.Rational(2 * (n - 1), n)),
-    CommKind("all_gather", False, _ring),
-    CommKind("reduce_scatter", False, _ring),
-    CommKind("all_to_all", False, _ring),
-    CommKind("broadcast", False, lambda n: sympy.Integer(1)),
-    CommKind("send", True, lambda n: sympy.Integer(1)),
-    CommKind("recv", True, lambda n: sympy.Integer(1)),
+    CommKind("all_reduce", False, lambda n: sympy.Rational(2 * (n - 1), n), lambda n: 2 * (n - 1)),
+    CommKind("all_gather", False, _ring, _ring_steps),
+    CommKind("reduce_scatter", False, _ring, _ring_steps),
+    CommKind("all_to_all", False, _ring, _ring_steps),
+    CommKind("broadcast", False, lambda n: sympy.Integer(1), _ring_steps),
+    CommKind("send", True, lambda n: sympy.Integer(1), lambda n: 1),
+    CommKind("recv", True, lambda n: sympy.Integer(1), lambda n: 1),
 )}
 
 

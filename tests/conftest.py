@@ -18,7 +18,7 @@ import pytest
 # alone, after the rest has run two files at a time (pytest-xdist), so that no other test's load
 # moves their measurements.
 SERIAL_MODULES = {"test_planning_growth.py", "test_faults.py", "test_cli_and_launch.py", "test_check_rank_graphs.py",
-                  "test_plan_once.py"}
+                  "test_plan_once.py", "test_cluster.py"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,85 @@
+"""The cost model's communication part: a plan's communication ledger priced on a `Cluster`.
+
+`comm_time(plan, cluster, rank=0)` prices every entry rank `rank` performs in one step
+(`CommLedger.for_rank`) with the α-β model (`Cluster.collective_seconds`: ring steps · α +
+wire bytes / β of the entry's link, intra or inter node as the plan's mesh places its groups),
+times its calls per step. Nothing is estimated beyond that: the bytes are the ledger's, exact
+for the emitted program; what the model adds is the two numbers per link, which
+`autopar.calibrate()` measures and the presets state. The result keeps one row per entry
+(`CommTime.rows`) and sums per (phase, axis, link, kind); overlap with compute is not applied
+here (the runtime's overlaps are the scheduling part of the cost model, not yet built).
+
+The plan's mesh must be the cluster's (`Cluster.mesh(spec)`): a plan whose node size differs
+would put its axes on other links than the cluster has, and is refused naming both.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from tabulate import tabulate
+
+from autopar.cluster import Cluster
+from autopar.errors import PlanError
+
+
+@dataclass(frozen=True)
+class CommTimeRow:
+    phase: str
+    kind: str
+    axis: str
+    link: str
+    group_size: int
+    calls: int
+    logical_bytes: int  # per call
+    seconds: float  # all calls of a step
+
+
+@dataclass(frozen=True)
+class CommTime:
+    cluster: Cluster
+    rank: int
+    rows: tuple[CommTimeRow, ...]
+
+    @property
+    def seconds(self) -> float:
+        return sum(row.seconds for row in self.rows)
+
+    def by_key(self) -> dict[tuple[str, str, str, str], float]:
+        """(phase, axis, link, kind) -> seconds per step."""
+        totals: dict[tuple[str, str, str, str], float] = defaultdict(float)
+        for row in self.rows:
+            totals[(row.phase, row.axis, row.link, row.kind)] += row.seconds
+        return dict(totals)
+
+    def table(self) -> str:
+        rows = [(*key, f"{seconds * 1e3:.3f}") for key, seconds in sorted(self.by_key().items())]
+        rows.append(("total", "", "", "", f"{self.seconds * 1e3:.3f}"))
+        return tabulate(rows, headers=["phase", "axis", "link", "collective", "ms per step"], disable_numparse=True)
+
+
+def _check_mesh(plan: Any, cluster: Cluster) -> None:
+    mesh = plan.mesh
+    if mesh.world_size != cluster.world_size:
+        raise PlanError(f"the plan's mesh {mesh} has {mesh.world_size} ranks; cluster {cluster.name or ''} has "
+                        f"{cluster.world_size}\n  fix: plan with mesh=cluster.mesh({str(mesh)!r}) on a cluster of "
+                        f"that size")
+    node = mesh.ranks_per_node or mesh.world_size
+    expected = cluster.gpus_per_node if cluster.nodes > 1 else cluster.world_size
+    if node != expected:
+        raise PlanError(f"the plan's mesh puts {node} ranks on a node; cluster {cluster.name or ''} has "
+                        f"{cluster.gpus_per_node}\n  fix: plan with mesh=cluster.mesh({str(mesh)!r})")
+
+
+def comm_time(plan: Any, cluster: Cluster, *, rank: int = 0) -> CommTime:
+    """Seconds of communication rank `rank` performs per step on `cluster` (module docstring)."""
+    _check_mesh(plan, cluster)
+    ledger = plan.comm
+    rows = []
+    for entry in ledger.for_rank(rank):
+        logical = int(ledger.number(entry.logical_bytes))
+        one_call = cluster.collective_seconds(entry.kind, entry.group_size, logical, entry.link)
+        rows.append(CommTimeRow(entry.phase, entry.kind, entry.axis, entry.link, entry.group_size, entry.times,
+                                logical, entry.times * one_call))
+    return CommTime(cluster, rank, tuple(rows))

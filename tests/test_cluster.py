@@ -1,0 +1,135 @@
+"""Cluster descriptions, the α-β price of a plan's communication, and calibration on real gloo ranks.
+
+The prices are checked against figures derived here, not read back from the code: the example
+GPT's gradient all-reduce moves 4 bytes per parameter (counted from the model), so on a link of
+bandwidth β with no latency data parallelism over 2 ranks costs 2·(1/2)·4·P / β seconds (and the
+loss's sum and count, 8 bytes, in forward).
+Calibration is checked against a measurement of its own: this test times `all_reduce` itself in
+a separate job and the fitted model must predict it within a factor of 3 (the machine's two
+cores are shared by the ranks; the bound catches a wrong unit or a wrong fit, which are off by
+8x, 10^3 or more, not the machine's noise).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import sympy
+import torch
+
+import autopar
+from autopar import Cluster, PlanError
+from autopar.calibration import fit_alpha_beta
+from autopar.runtime.launch import launch
+from examples.gpt import example
+
+
+def test_presets_hold_their_figures():
+    h100 = Cluster.preset("h100x64")
+    assert (h100.nodes, h100.gpus_per_node, h100.world_size, h100.memory_bytes) == (64, 8, 512, 80 * 10 ** 9)
+    assert h100.bandwidth("intra") == 450e9 and h100.bandwidth("inter") == 45e9
+    assert h100.latency("inter") == pytest.approx(10e-6)
+    with pytest.raises(PlanError, match="unknown cluster preset 'h100x3'; known:"):
+        Cluster.preset("h100x3")
+
+
+def test_a_collective_costs_ring_steps_times_alpha_plus_wire_bytes_over_beta():
+    cluster = Cluster(nodes=2, gpus_per_node=8, memory_gb=80, intra_gbps=100, inter_gbps=10, peak_tflops=100,
+                      intra_latency_us=2, inter_latency_us=20)
+    size = 8 * 2 ** 20
+    assert cluster.collective_seconds("all_reduce", 8, size, "intra") == pytest.approx(14 * 2e-6 + 2 * 7 / 8 * size / 100e9)
+    assert cluster.collective_seconds("all_gather", 16, size, "inter") == pytest.approx(15 * 20e-6 + 15 / 16 * size / 10e9)
+    assert cluster.collective_seconds("send", 2, size, "inter") == pytest.approx(20e-6 + size / 10e9)
+    assert cluster.collective_seconds("all_reduce", 1, size, "intra") == 0.0
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"nodes": 0}, "nodes=0; it must be a positive integer"),
+    ({"gpus_per_node": 2.5}, "gpus_per_node=2.5; it must be a positive integer"),
+    ({"memory_gb": -80}, "memory_gb=-80; it must be a positive number"),
+    ({"inter_gbps": 900}, "links between nodes cannot be faster than links inside one"),
+    ({"inter_latency_us": 1}, "cannot arrive sooner than one inside a node"),
+    ({"intra_latency_us": float("nan")}, "a latency is a number >= 0"),
+])
+def test_a_cluster_that_contradicts_itself_is_refused(changes, words):
+    figures = dict(nodes=2, gpus_per_node=8, memory_gb=80, intra_gbps=450, inter_gbps=45, peak_tflops=989,
+                   intra_latency_us=5, inter_latency_us=10, name="mine")
+    with pytest.raises(PlanError, match=words):
+        Cluster(**{**figures, **changes})
+
+
+def _plan(mesh, strategies):
+    model, batch = example()
+    return model, autopar.plan(model, mesh, strategies=strategies, example_inputs=batch)
+
+
+def test_data_parallel_gradients_cost_their_bytes_over_beta():
+    cluster = Cluster(nodes=1, gpus_per_node=2, memory_gb=8, intra_gbps=2, inter_gbps=2, peak_tflops=1,
+                      intra_latency_us=0, inter_latency_us=0)
+    model, plan = _plan(cluster.mesh("dp=2"), [autopar.data_parallel()])
+    gradient_bytes = 4 * sum(p.numel() for p in model.parameters())
+    loss_bytes = 2 * 4  # the global mean loss: the local sum and token count, two fp32 values, all-reduced
+    priced = autopar.comm_time(plan, cluster).by_key()
+    assert priced == {("grad_sync", "dp", "intra", "all_reduce"): pytest.approx(gradient_bytes / 2e9, rel=1e-12),
+                      ("forward", "dp", "intra", "all_reduce"): pytest.approx(loss_bytes / 2e9, rel=1e-12)}
+
+
+def test_latency_counts_every_call_and_axes_take_their_links():
+    """dp=2 x tp=2 on 2 nodes of 2: dp crosses nodes, tp stays inside one; with bandwidth so high
+    that bytes cost nothing, each call costs its ring steps (2 for an all-reduce of 2) times α."""
+    cluster = Cluster(nodes=2, gpus_per_node=2, memory_gb=8, intra_gbps=1e12, inter_gbps=1e12, peak_tflops=1,
+                      intra_latency_us=1, inter_latency_us=7)
+    _, plan = _plan(cluster.mesh("dp=2,tp=2"), [autopar.data_parallel(), autopar.tensor_parallel()])
+    priced = autopar.comm_time(plan, cluster)
+    links = {(row.axis, row.link) for row in priced.rows}
+    assert links == {("dp", "inter"), ("tp", "intra")}
+    expected = sum(row.calls * (2 * (row.group_size - 1) if row.kind == "all_reduce" else row.group_size - 1)
+                   * (7e-6 if row.link == "inter" else 1e-6) for row in priced.rows)
+    assert priced.seconds == pytest.approx(expected, rel=1e-6)
+    assert plan.comm.count(axis="dp") == sum(row.calls for row in priced.rows if row.axis == "dp") > 0
+    assert "ms per step" in priced.table()
+
+
+def test_a_plan_on_another_mesh_than_the_cluster_is_refused():
+    cluster = Cluster.preset("h100x1")
+    _, plan = _plan("dp=2", [autopar.data_parallel()])
+    with pytest.raises(PlanError, match="has 2 ranks; cluster h100x1 has 8"):
+        autopar.comm_time(plan, cluster)
+    with pytest.raises(PlanError, match="has 4 ranks; cluster h100x1 has 1 x 8 = 8"):
+        cluster.mesh("dp=4")
+
+
+def test_the_fit_recovers_alpha_and_beta_from_exact_samples():
+    alpha, beta, n = 30e-6, 0.8e9, 4
+    samples = [(size, 2 * (n - 1) * alpha + float(sympy.Rational(2 * (n - 1), n)) * size / beta)
+               for size in (4096, 65536, 2 ** 20, 2 ** 24)]
+    fitted_alpha, fitted_beta = fit_alpha_beta(samples, n)
+    assert fitted_alpha == pytest.approx(alpha, rel=1e-9) and fitted_beta == pytest.approx(beta, rel=1e-9)
+
+
+def _time_all_reduce(rank: int, world: int, nbytes: int) -> float:
+    import torch.distributed as dist
+
+    tensor = torch.ones(nbytes // 4)
+    dist.all_reduce(tensor)
+    times = []
+    for _ in range(9):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@pytest.mark.timeout(300)
+def test_calibration_predicts_an_all_reduce_timed_apart_from_it():
+    calibration = autopar.calibrate(world_size=2, repeats=5)
+    cluster = calibration.cluster
+    assert cluster.world_size == 2 and cluster.nodes == 1 and cluster.memory_gb > 0 and cluster.peak_tflops > 0
+    assert cluster.intra_gbps == cluster.inter_gbps > 0
+    assert len(calibration.samples) == len(calibration.fitted) and "α-β model ms" in calibration.table()
+    nbytes = 2 ** 22
+    measured = max(launch(_time_all_reduce, 2, nbytes, timeout_s=120))
+    predicted = cluster.collective_seconds("all_reduce", 2, nbytes, "intra")
+    assert measured / 3 <= predicted <= measured * 3, (predicted, measured, calibration.table())
