@@ -7,7 +7,7 @@ bash scripts/setup.sh
 . .venv/bin/activate
 # two test files at a time (pytest-xdist, a file's tests on one worker: its module fixtures are built
 # once): most multi-process tests leave a core idle while one rank plans. Tests marked serial
-# (tests/conftest.py: timing and CPU-share measurements, torchrun jobs) run alone afterwards.
+# (tests/conftest.py: timing and CPU-share measurements) run alone afterwards.
 # Exit 5 is pytest's "no test selected" (a path given here may hold only one kind).
 status=0
 python -m pytest -q -n 2 --dist loadfile -m "not serial" "$@" || status=$?

@@ -2,8 +2,8 @@
 
 Under CI (`CI=true`, as `.ci/run` sets it) every skipped test or module is reported as a failure:
 a missing dependency (transformers, Chromium) must fail the run, not thin it out. Locally a test
-whose dependency is missing is skipped with the reason. Modules in `SERIAL_MODULES` get the
-`serial` mark. Tests that need transformers ask for the
+whose dependency is missing is skipped with the reason. Modules in `SERIAL_MODULES` and tests in
+`SERIAL_TESTS` get the `serial` mark; the files of `LONGEST_FIRST` are collected first. Tests that need transformers ask for the
 `transformers` fixture (or `pytestmark = pytest.mark.usefixtures("transformers")`); nothing
 imports it at module level, so tests that do not need it run without it.
 """
@@ -14,17 +14,29 @@ from pathlib import Path
 
 import pytest
 
-# Tests that time themselves or measure CPU shares (and torchrun jobs): `scripts/test.sh` runs them
-# alone, after the rest has run two files at a time (pytest-xdist), so that no other test's load
-# moves their measurements.
-SERIAL_MODULES = {"test_planning_growth.py", "test_faults.py", "test_cli_and_launch.py", "test_check_rank_graphs.py",
-                  "test_plan_once.py", "test_cluster.py"}
+# Tests that time themselves or measure CPU shares: `scripts/test.sh` runs them alone, after the
+# rest has run two files at a time (pytest-xdist), so that no other test's load moves their
+# measurements. (torchrun jobs and deadlines run with the rest: they wait more than they compute,
+# and their bounds are tens of seconds.)
+SERIAL_MODULES = {"test_planning_growth.py"}
+SERIAL_TESTS = {
+    "test_check_rank_graphs.py::test_the_check_is_a_small_part_of_planning",
+    "test_plan_once.py::test_rank_zero_plans_the_others_run_its_plan_or_a_plan_file_and_a_different_model_is_named",
+    "test_cluster.py::test_calibration_predicts_an_all_reduce_timed_apart_from_it",
+}
+# The longest files first: pytest-xdist's loadfile hands out files in collection order, so the
+# last files to start are short ones and neither worker waits long for the other at the end.
+LONGEST_FIRST = ("test_zoo.py", "test_moe.py", "test_pipeline_numerics.py", "test_zero_numerics.py",
+                 "test_context_parallel.py", "test_recompute.py", "test_hf_numerics.py", "test_inspect_and_gate.py")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if Path(str(item.fspath)).name in SERIAL_MODULES:
+        name = Path(str(item.fspath)).name
+        if name in SERIAL_MODULES or f"{name}::{item.name}" in SERIAL_TESTS:
             item.add_marker(pytest.mark.serial)
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable: the rest keep their order
 
 
 def in_ci() -> bool:
