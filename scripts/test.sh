@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test suite: graph/plan-only tests and multi-process gloo numerics (about 18 minutes on 2 cores).
+# The test suite: graph/plan-only tests and multi-process gloo numerics (about 16 minutes on 2 cores).
 # Under CI=true (.ci/run sets it) a skipped test fails (tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
