@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import threading
+import warnings
 
 import torch
 
@@ -38,7 +39,10 @@ class _TwoLayers(torch.nn.Module):
 def _plan_once() -> None:
     import autopar
 
-    autopar.plan(_TwoLayers(), "tp=2", strategies=[autopar.tensor_parallel()], example_inputs=(torch.ones(4, 8),))
+    try:
+        autopar.plan(_TwoLayers(), "tp=2", strategies=[autopar.tensor_parallel()], example_inputs=(torch.ones(4, 8),))
+    except Exception as error:  # a warm-up only saves time: the ranks plan for themselves either way
+        warnings.warn(f"autopar's fork-server warm-up plan failed ({type(error).__name__}: {error}); ranks start cold")
 
 
 def warm_up() -> None:
