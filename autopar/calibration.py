@@ -26,7 +26,7 @@ import torch
 from autopar.cluster import GB, Cluster
 from autopar.comm_kinds import KINDS, wire_bytes
 
-SIZES = tuple(4 ** k * 1024 for k in range(8))  # 4 KiB ... 16 MiB
+SIZES = tuple(4 ** k * 1024 for k in range(8))  # 1 KiB ... 16 MiB
 MATMUL_N = 512
 
 
@@ -126,4 +126,3 @@ def calibrate(*, world_size: int = 4, sizes: tuple[int, ...] = SIZES, repeats: i
                       name=f"this machine, {world_size} ranks (measured)")
     fitted = tuple(cluster.collective_seconds("all_reduce", world_size, size, "intra") for size, _ in samples)
     return Calibration(cluster, world_size, tuple(samples), fitted, matmul)
-

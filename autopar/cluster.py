@@ -21,7 +21,7 @@ answer than intra-node ones, a mesh that does not fill the cluster (`Cluster.mes
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import sympy
 
@@ -48,25 +48,26 @@ class Cluster:
         for name in ("nodes", "gpus_per_node"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise PlanError(f"cluster {self._label()}: {name}={value!r}; it must be a positive integer")
+                raise PlanError(f"cluster {self.label}: {name}={value!r}; it must be a positive integer")
         for name in ("memory_gb", "intra_gbps", "inter_gbps", "peak_tflops"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise PlanError(f"cluster {self._label()}: {name}={value!r}; it must be a positive number")
+                raise PlanError(f"cluster {self.label}: {name}={value!r}; it must be a positive number")
         for name in ("intra_latency_us", "inter_latency_us"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise PlanError(f"cluster {self._label()}: {name}={value!r}; a latency is a number >= 0")
+                raise PlanError(f"cluster {self.label}: {name}={value!r}; a latency is a number >= 0")
         if self.inter_gbps > self.intra_gbps:
-            raise PlanError(f"cluster {self._label()}: inter_gbps={self.inter_gbps} is above intra_gbps="
+            raise PlanError(f"cluster {self.label}: inter_gbps={self.inter_gbps} is above intra_gbps="
                             f"{self.intra_gbps}: links between nodes cannot be faster than links inside one "
                             f"(swapped?); with one node give both the node's figure")
         if self.inter_latency_us < self.intra_latency_us:
-            raise PlanError(f"cluster {self._label()}: inter_latency_us={self.inter_latency_us} is below "
+            raise PlanError(f"cluster {self.label}: inter_latency_us={self.inter_latency_us} is below "
                             f"intra_latency_us={self.intra_latency_us}: a message between nodes cannot arrive "
                             f"sooner than one inside a node (swapped?)")
 
-    def _label(self) -> str:
+    @property
+    def label(self) -> str:
         return self.name or f"{self.nodes}x{self.gpus_per_node}"
 
     @property
@@ -101,7 +102,7 @@ class Cluster:
         axes = Mesh.parse(spec).axes if not isinstance(spec, Mesh) else spec.axes
         mesh = Mesh(dict(axes), ranks_per_node=self.gpus_per_node if self.world_size > self.gpus_per_node else None)
         if mesh.world_size != self.world_size:
-            raise PlanError(f"mesh {mesh} has {mesh.world_size} ranks; cluster {self._label()} has "
+            raise PlanError(f"mesh {mesh} has {mesh.world_size} ranks; cluster {self.label} has "
                             f"{self.nodes} x {self.gpus_per_node} = {self.world_size}")
         return mesh
 
@@ -110,9 +111,6 @@ class Cluster:
         if name not in PRESETS:
             raise PlanError(f"unknown cluster preset {name!r}; known: {', '.join(sorted(PRESETS))}")
         return PRESETS[name]
-
-    def describe(self) -> dict[str, object]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def _per_link(intra: float, inter: float, link: str) -> float:

@@ -60,16 +60,12 @@ class CommTime:
 
 
 def _check_mesh(plan: Any, cluster: Cluster) -> None:
-    mesh = plan.mesh
-    if mesh.world_size != cluster.world_size:
-        raise PlanError(f"the plan's mesh {mesh} has {mesh.world_size} ranks; cluster {cluster.name or ''} has "
-                        f"{cluster.world_size}\n  fix: plan with mesh=cluster.mesh({str(mesh)!r}) on a cluster of "
-                        f"that size")
-    node = mesh.ranks_per_node or mesh.world_size
-    expected = cluster.gpus_per_node if cluster.nodes > 1 else cluster.world_size
-    if node != expected:
-        raise PlanError(f"the plan's mesh puts {node} ranks on a node; cluster {cluster.name or ''} has "
-                        f"{cluster.gpus_per_node}\n  fix: plan with mesh=cluster.mesh({str(mesh)!r})")
+    """The plan's mesh must be the one `cluster.mesh` lays out (world size, then node size)."""
+    laid = cluster.mesh(plan.mesh)
+    if (plan.mesh.ranks_per_node or plan.mesh.world_size) != (laid.ranks_per_node or laid.world_size):
+        raise PlanError(f"the plan's mesh puts {plan.mesh.ranks_per_node or plan.mesh.world_size} ranks on a node; "
+                        f"cluster {cluster.label} has {cluster.gpus_per_node}\n"
+                        f"  fix: plan with mesh=cluster.mesh({str(plan.mesh)!r})")
 
 
 def comm_time(plan: Any, cluster: Cluster, *, rank: int = 0) -> CommTime:
