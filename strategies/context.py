@@ -7,7 +7,7 @@ sequence-sharded with no communication; replicated tensors with a sequence dimen
 shard (position tables, rotary tables built from an `arange`) are sliced to the rank's positions
 by propagation itself; the loss reduces over the sequence shards in one all-reduce of (sum,
 count) (`op_rules.nll_loss_rule`). Attention on sequence shards is the one op that needs the
-other ranks' keys and values: `op_rules.sdpa_rule` lowers it to `runtime/context_attention.py`
+other ranks' keys and values: `attention_rules.sdpa_rule` lowers it to `runtime/context_attention.py`
 by `method`:
 
 - "ring": K/V blocks circulate around the axis (send to the next rank, receive from the previous),
@@ -40,7 +40,7 @@ METHODS = {
 
 @dataclass(frozen=True)
 class ContextDeclaration:
-    """What `context_parallel()` declares; read by op_rules.sdpa_rule, insert_collectives and the runtime."""
+    """What `context_parallel()` declares; read by attention_rules.sdpa_rule, insert_collectives and the runtime."""
 
     method: str
     load_balance: bool

@@ -1,7 +1,7 @@
 """Attention on sequence shards: ring, all-gather K/V and all-to-all (Ulysses) kernels.
 
 `context_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=, enable_gqa=, group=, size=,
-index=, method=, layout=)` is what `op_rules.sdpa_rule` puts in a rank graph in place of
+index=, method=, layout=)` is what `attention_rules.sdpa_rule` puts in a rank graph in place of
 `aten.scaled_dot_product_attention` when q, k and v are sharded on the sequence (dim 2 of
 [batch, heads, seq, head_dim]) over a context-parallel axis: `group` names its process group,
 `size` is N and `index` this rank's coordinate; `layout` says which chunks of the sequence this
@@ -239,7 +239,7 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_ma
                       layout: str, mask: str = "absent") -> torch.Tensor:
     """scaled_dot_product_attention of the rank's query positions over the whole sequence (module
     docstring). `mask`: what the planner read the attention mask as ("causal", "none": a mask built
-    from positions alone, `op_rules.static_mask_kind`; then `attn_mask` is ignored), or "absent"."""
+    from positions alone, `attention_rules.static_mask_kind`; then `attn_mask` is ignored), or "absent"."""
     if mask != "absent":
         is_causal, attn_mask = mask == "causal", None
     if attn_mask is not None or dropout_p:
