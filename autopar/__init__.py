@@ -22,6 +22,9 @@ from autopar.api import ParallelModule, Plan, parallelize, plan, save_runnable_p
 from autopar.calibration import calibrate
 from autopar.cluster import Cluster
 from autopar.cost import comm_time
+from autopar.planner import search
+from autopar.search_space import SearchSpace
+from autopar.step_cost import estimate
 from autopar.errors import PlanError
 from autopar.expert_rules import register_grouped_matmul
 from autopar.mesh import Mesh
@@ -33,5 +36,5 @@ from autopar.strategies.recompute import recompute
 from autopar.strategies.tensor_parallel import sequence_parallel, tensor_parallel
 from autopar.strategies.zero import fsdp, hsdp, zero
 
-__all__ = ["Cluster", "Mesh", "calibrate", "comm_time", "ParallelModule", "Plan", "PlanError", "context_parallel", "data_parallel", "expert_parallel", "fsdp", "hsdp", "parallelize",
+__all__ = ["Cluster", "Mesh", "calibrate", "comm_time", "estimate", "search", "SearchSpace", "ParallelModule", "Plan", "PlanError", "context_parallel", "data_parallel", "expert_parallel", "fsdp", "hsdp", "parallelize",
            "pipeline_parallel", "plan", "recompute", "register_grouped_matmul", "save_runnable_plan", "sequence_parallel", "tensor_parallel", "zero"]

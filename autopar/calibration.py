@@ -5,7 +5,19 @@ CPU, NCCL where there are GPUs, one thread each) that together:
 - time `torch.distributed.all_reduce` over all of them at logical sizes `SIZES` (after a warm-up,
   the median of `repeats` calls; each call's time is the slowest rank's, read after a barrier);
 - time a square fp32 matrix product on every rank at once (the ranks share the machine's cores
-  as training's ranks do), giving the per-rank throughput.
+  as training's ranks do), giving the per-rank throughput;
+- time a 32 MiB copy on every rank at once (memory bandwidth: read + write bytes over time) and
+  a one-element add under autograd (the fixed cost of one operator call);
+- the same for every smaller group size n dividing the world: the world cut into groups of n
+  consecutive ranks that all-reduce at once, one α-β fit per size (`Cluster.group_links`: ranks
+  sharing fewer cores wait longer for a peer the more of them there are);
+- time all-gather, reduce-scatter, all-to-all and broadcast of 4 MiB over the world: each
+  kind's time over what the all-reduce's α and β predict for it is its `kind_factor` (1 on
+  NCCL, whose bus bandwidth serves every kind; gloo implements some kinds less directly);
+- time an asynchronous all-reduce of 4 MiB alone, matrix products alone, and the two together:
+  the share of the shorter one that disappears when they run at once is the `overlap` of
+  asynchronous communication with compute (near 1 where links have their own engines; on a
+  CPU gloo's thread takes the cores compute needs).
 
 The α-β fit: an all-reduce of S bytes over n ranks takes t = 2(n-1)·α + (2(n-1)/n)·S / β (the
 registry's steps and wire bytes, `autopar.comm_kinds`). Least squares of t on the wire bytes,
@@ -28,6 +40,9 @@ from autopar.comm_kinds import KINDS, wire_bytes
 
 SIZES = tuple(4 ** k * 1024 for k in range(8))  # 1 KiB ... 16 MiB
 MATMUL_N = 512
+COPY_BYTES = 32 * 2 ** 20
+OVERLAP_BYTES = 4 * 2 ** 20
+KIND_BYTES = 4 * 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -37,6 +52,7 @@ class Calibration:
     samples: tuple[tuple[int, float], ...]  # (all-reduce logical bytes, median seconds)
     fitted: tuple[float, ...]  # the model's seconds at each sample's size
     matmul_seconds: float
+    overlap_seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)  # all-reduce, matmuls, both at once
 
     @property
     def worst_relative_residual(self) -> float:
@@ -51,21 +67,36 @@ class Calibration:
                         disable_numparse=True)
 
 
-def _timed_all_reduce(nbytes: int, repeats: int) -> float:
+def _timed_all_reduce(nbytes: int, repeats: int, group: object = None) -> float:
+    """Median over `repeats` of the slowest rank's time of one all-reduce in `group` (every group
+    of the world's partition at once; None: the world)."""
     import torch.distributed as dist
 
     tensor = torch.ones(nbytes // 4, dtype=torch.float32)
     for _ in range(2):
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=group)
     times = []
     for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=group)
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time
         times.append(float(elapsed))
     return statistics.median(times)
+
+
+def _group_samples(rank: int, world_size: int, sizes: tuple[int, ...], repeats: int) -> dict[int, list]:
+    """Per group size n < world dividing it: the world cut into groups of n consecutive ranks, all
+    of them all-reducing at once (as a dp×tp mesh's tp groups do)."""
+    import torch.distributed as dist
+
+    samples = {}
+    for n in (n for n in range(2, world_size) if world_size % n == 0):
+        groups = [dist.new_group(list(range(start, start + n))) for start in range(0, world_size, n)]
+        mine = groups[rank // n]
+        samples[n] = [(size, _timed_all_reduce(size, repeats, mine)) for size in sizes]
+    return samples
 
 
 def _timed_matmul(n: int, repeats: int) -> float:
@@ -82,9 +113,105 @@ def _timed_matmul(n: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _timed_copy(nbytes: int, repeats: int) -> float:
+    import torch.distributed as dist
+
+    source, target = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    target.copy_(source)
+    dist.barrier()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _timed_small_op(calls: int = 2000) -> float:
+    x = torch.ones(1, requires_grad=True)
+    for _ in range(100):
+        x + 1.0
+    start = time.perf_counter()
+    for _ in range(calls):
+        x + 1.0
+    return (time.perf_counter() - start) / calls
+
+
+def _slowest(seconds: float) -> float:
+    import torch.distributed as dist
+
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
+
+
+def _overlap_times(repeats: int) -> tuple[float, float, float]:
+    """(all-reduce alone, matmuls alone, both at once), each the slowest rank's median."""
+    import torch.distributed as dist
+
+    tensor, a = torch.ones(OVERLAP_BYTES // 4), torch.randn(MATMUL_N, MATMUL_N)
+    # as many products as take the all-reduce's time: the share is then read off two equal parts
+    one = _slowest(_timed_matmul(MATMUL_N, repeats))
+    count = max(1, round(_timed_all_reduce(OVERLAP_BYTES, repeats) / one))
+
+    def matmuls() -> None:
+        for _ in range(count):
+            torch.mm(a, a)
+
+    def alone() -> None:
+        dist.all_reduce(tensor, async_op=True).wait()
+
+    def both() -> None:
+        work = dist.all_reduce(tensor, async_op=True)
+        matmuls()
+        work.wait()
+
+    results = []
+    for run in (alone, matmuls, both):
+        run()
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            run()
+            times.append(_slowest(time.perf_counter() - start))
+        results.append(statistics.median(times))
+    return results[0], results[1], results[2]
+
+
+def _timed_kinds(rank: int, world_size: int, repeats: int) -> dict[str, float]:
+    """Median seconds (slowest rank) of each other collective kind over the world at KIND_BYTES logical."""
+    import torch.distributed as dist
+
+    whole, piece = torch.ones(KIND_BYTES // 4), torch.ones(KIND_BYTES // 4 // world_size)
+    calls = {"all_gather": lambda: dist.all_gather_into_tensor(whole, piece),
+             "reduce_scatter": lambda: dist.reduce_scatter_tensor(piece, whole),
+             "all_to_all": lambda: dist.all_to_all_single(whole.clone(), whole),
+             "broadcast": lambda: dist.broadcast(whole, src=0)}
+    result = {}
+    for kind, call in calls.items():
+        call()
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            call()
+            times.append(_slowest(time.perf_counter() - start))
+        result[kind] = statistics.median(times)
+    return result
+
+
 def _calibration_rank(rank: int, world_size: int, sizes: tuple[int, ...], repeats: int) -> dict:
     samples = [(size, _timed_all_reduce(size, repeats)) for size in sizes]
-    return {"samples": samples, "matmul": _timed_matmul(MATMUL_N, repeats)}
+    return {"samples": samples, "groups": _group_samples(rank, world_size, sizes, repeats), "matmul": _timed_matmul(MATMUL_N, repeats),
+            "copy": _timed_copy(COPY_BYTES, repeats), "small_op": _timed_small_op(),
+            "overlap": _overlap_times(repeats), "kinds": _timed_kinds(rank, world_size, repeats)}
+
+
+def overlap_share(communication: float, compute: float, both: float) -> float:
+    """The share of the shorter of two activities hidden when they run at once, in [0, 1]."""
+    hidden = communication + compute - both
+    return min(1.0, max(0.0, hidden / min(communication, compute)))
 
 
 def fit_alpha_beta(samples: list[tuple[int, float]], world_size: int) -> tuple[float, float]:
@@ -120,9 +247,23 @@ def calibrate(*, world_size: int = 4, sizes: tuple[int, ...] = SIZES, repeats: i
     samples = results[0]["samples"]  # every rank holds the same (slowest-rank) times
     alpha, beta = fit_alpha_beta(samples, world_size)
     matmul = max(r["matmul"] for r in results)
+    copy = max(r["copy"] for r in results)
+    small_op = max(r["small_op"] for r in results)
+    overlap = results[0]["overlap"]
+    group_links = [(world_size, alpha * 1e6, beta / GB)]
+    for n, group_samples in sorted(results[0]["groups"].items()):
+        group_alpha, group_beta = fit_alpha_beta(group_samples, n)
+        group_links.append((n, group_alpha * 1e6, group_beta / GB))
+    base = Cluster(nodes=1, gpus_per_node=world_size, memory_gb=1, intra_gbps=beta / GB, inter_gbps=beta / GB,
+                   peak_tflops=1, intra_latency_us=alpha * 1e6, inter_latency_us=alpha * 1e6)
+    kind_factors = tuple(sorted((kind, seconds / base.collective_seconds(kind, world_size, KIND_BYTES, "intra"))
+                                for kind, seconds in results[0]["kinds"].items()))
+    processors = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cluster = Cluster(nodes=1, gpus_per_node=world_size, memory_gb=round(_memory_gb_per_rank(world_size), 3),
                       intra_gbps=beta / GB, inter_gbps=beta / GB, peak_tflops=2 * MATMUL_N ** 3 / matmul / 1e12,
                       intra_latency_us=alpha * 1e6, inter_latency_us=alpha * 1e6,
-                      name=f"this machine, {world_size} ranks (measured)")
+                      memory_gbps=2 * COPY_BYTES / copy / GB, op_overhead_us=small_op * 1e6,
+                      overlap=overlap_share(*overlap), processors=processors if processors < world_size else None,
+                      group_links=tuple(sorted(group_links)), kind_factors=kind_factors, name=f"this machine, {world_size} ranks (measured)")
     fitted = tuple(cluster.collective_seconds("all_reduce", world_size, size, "intra") for size, _ in samples)
-    return Calibration(cluster, world_size, tuple(samples), fitted, matmul)
+    return Calibration(cluster, world_size, tuple(samples), fitted, matmul, overlap)

@@ -1,5 +1,6 @@
 """The `autopar` command line.
 
+    autopar plan    TARGET --cluster h100x8 --auto [--top N] [--save plan.json]
     autopar plan    TARGET --mesh dp=2,tp=2 [--strategy dp,sp] [--node 8] [--symbolic b=0,s=1]
                     [--params-only] [--save plan.json] [--compare-stages] [--compare-cp] [--timeline out.svg]
                     [--schedule 1f1b --microbatches 8 --virtual-stages 1 --stages layers.4]
@@ -8,6 +9,7 @@
     autopar check   TARGET --mesh ... --baseline comm.json [--tolerance PCT] [--update]
     autopar diff    a.json b.json
     autopar explain plan.json NODE_OR_MODULE
+    autopar explain TARGET --cluster h100x8
 
 TARGET is `module:function` or `file.py[:function]` (default `example`): a function with no
 arguments returning `(model, example_inputs)` (a global batch). `--strategy` lists strategy
@@ -18,6 +20,10 @@ dp_shard, replicated on dp_rep), tp (tensor_parallel on tp), sp (sequence_parall
 (expert_parallel on ep: experts split by expert, tokens exchanged by all-to-all); by default dp
 for a `dp` axis, tp for a `tp` axis, pp for a `pp` axis, cp for a `cp` axis and ep for an `ep` axis.
 `--recompute` adds `autopar.recompute` (selective, full, or comma-separated module globs).
+`--auto` lets the planner choose mesh and strategies for `--cluster` (a preset: h100x8, a100x64,
+cpu2x4, ...; `autopar/planner.py`) and prints its ranking: each candidate's peak memory, bytes,
+predicted step time and why it lost; `explain TARGET --cluster NAME` names the winner's binding
+constraint.
 `--compare-stages` prints DDP and ZeRO-1/2/3 side by side on the dp axis (memory per category per
 rank, bytes per step); `--compare-cp` the ring, all-gather and all-to-all lowerings of attention
 on the cp axis. Exit codes: 0 fine, 1 communication grew
@@ -88,6 +94,7 @@ def _symbolic(text: str | None) -> dict[str, int] | None:
 def _plan(args: argparse.Namespace, *, explain: bool = False):
     from autopar.plan import plan
 
+    _require_mesh(args)
     model, inputs = load_target(args.target)()
     mesh = Mesh.parse(args.mesh, ranks_per_node=args.node)
     strategies = strategies_for(args.strategy, mesh, _pipeline_options(args), _context_options(args))
@@ -113,7 +120,37 @@ def _context_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"method": args.cp_method, "load_balance": False if args.no_load_balance else None}
 
 
+def _search(args: argparse.Namespace):
+    from autopar.cluster import Cluster
+    from autopar.planner import search
+
+    if not args.cluster:
+        raise PlanError("--auto (and explain TARGET) need --cluster NAME, a preset such as h100x8 or cpu2x4")
+    from autopar.search_space import SearchSpace
+
+    model, inputs = load_target(args.target)()
+    space = SearchSpace(axes=tuple(args.axes.split(","))) if args.axes else None
+    return search(model, Cluster.preset(args.cluster), example_inputs=inputs, space=space)
+
+
+def _require_mesh(args: argparse.Namespace) -> None:
+    if not args.mesh:
+        raise PlanError("give --mesh (e.g. --mesh dp=2,tp=2), or --cluster NAME --auto to let the planner choose")
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
+    if args.auto:
+        result = _search(args)
+        print(result.table(top=args.top))
+        print()
+        print(result.explain())
+        if args.save:
+            from autopar.plan_file import save_plan
+
+            save_plan(result.best.plan, args.save)
+            print(f"\nthe chosen plan saved to {args.save}")
+        return 0
+    _require_mesh(args)
     if args.compare_stages:
         from autopar.stage_compare import compare_stages, stage_table
 
@@ -207,6 +244,12 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     from autopar.explain import explain
     from autopar.plan_file import load_plan
 
+    if not args.plan.endswith(".json"):  # a target: the planner's choice for --cluster, and why
+        args.target = args.plan
+        print(_search(args).explain())
+        return 0
+    if not args.name:
+        raise PlanError("explain plan.json needs a node name, parameter FQN or module path")
     try:
         print(explain(load_plan(args.plan), args.name))
     except KeyError as error:
@@ -216,7 +259,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 def _planning_arguments(command: argparse.ArgumentParser) -> None:
     command.add_argument("target", help="module:function or file.py[:function] returning (model, example_inputs)")
-    command.add_argument("--mesh", required=True, help="axes, e.g. dp=2,tp=2")
+    command.add_argument("--mesh", help="axes, e.g. dp=2,tp=2 (plan --auto chooses them)")
     command.add_argument("--strategy", help="comma-separated: " + ", ".join(STRATEGY_NAMES))
     command.add_argument("--node", type=int, help="ranks per node (axes spanning nodes are 'inter')")
     command.add_argument("--symbolic", help="symbolic input dims, e.g. b=0,s=1")
@@ -237,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     plan_cmd = commands.add_parser("plan", help="print the placement table and the communication ledger")
     _planning_arguments(plan_cmd)
+    plan_cmd.add_argument("--cluster", help="a cluster preset (h100x8, a100x64, cpu2x4, ...) for --auto")
+    plan_cmd.add_argument("--auto", action="store_true", help="let the planner choose mesh and strategies")
+    plan_cmd.add_argument("--top", type=int, default=10, help="--auto: candidates printed (default 10)")
+    plan_cmd.add_argument("--axes", help="--auto: the axes to search, e.g. dp,tp (default dp,tp,pp,cp,ep)")
     plan_cmd.add_argument("--params-only", action="store_true", help="placement table of parameters only")
     plan_cmd.add_argument("--save", help="also write the plan file (JSON) here")
     plan_cmd.add_argument("--timeline", help="pipeline: write the predicted timeline of one step as SVG here")
@@ -258,8 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
     diff_cmd.add_argument("before")
     diff_cmd.add_argument("after")
     explain_cmd = commands.add_parser("explain", help="why a node or module got its placement")
-    explain_cmd.add_argument("plan", help="a plan file from `autopar plan --save`")
-    explain_cmd.add_argument("name", help="node name, parameter FQN or module path")
+    explain_cmd.add_argument("plan", help="a plan file from `autopar plan --save`, or a TARGET with --cluster")
+    explain_cmd.add_argument("name", nargs="?", help="node name, parameter FQN or module path")
+    explain_cmd.add_argument("--cluster", help="with a TARGET: the cluster preset the planner chooses for")
+    explain_cmd.add_argument("--axes", help="with a TARGET: the axes to search, e.g. dp,tp")
     return parser
 
 

@@ -11,7 +11,23 @@ describes it; `Cluster.preset(name)` gives the named ones (`PRESETS`); `autopar.
   the time, so one β serves every kind and group size;
 - `intra_latency_us` / `inter_latency_us`: α, the time of one step of a ring (a collective of n
   ranks takes `CommKind.latency_steps(n)` of them: all-reduce 2(n-1), all-gather n-1, a send 1);
-- `peak_tflops`: dense matrix-product throughput, 10^12 floating-point operations per second.
+- `peak_tflops`: dense matrix-product throughput, 10^12 floating-point operations per second;
+- `memory_gbps`: the accelerator memory's bandwidth, GB/s (what an elementwise op is bound by);
+- `op_overhead_us`: the fixed cost of one operator call (kernel launch, eager dispatch), µs;
+- `overlap`: the share of communication the runtime issues asynchronously (gradient buckets
+  during backward, ZeRO-3's prefetched gathers) that actually hides behind compute: 1 where the
+  links have their own engines (NCCL on GPUs), less where communication takes the same cores as
+  compute (gloo on a CPU; `autopar.calibrate` measures it);
+- `processors`: where a node's ranks share fewer processors than there are ranks (CPU ranks of
+  one thread on a machine with fewer cores), how many; the compute figures are then per rank
+  with every rank busy, and a rank whose peers idle (a pipeline's bubble) runs faster, as
+  processor sharing gives it (`schedules.simulate(cores=)`). None: one processor per rank;
+- `group_links`: measured (group size, α µs, β GB/s) of collectives inside one node, for
+  machines where they depend on the group size (CPU ranks sharing cores wait longer for a peer
+  the more of them there are); `calibrate` fills it, and a group of a listed size uses its row;
+- `kind_factors`: measured (kind, factor) multiplying the α-β time of a collective kind whose
+  implementation is slower than the all-reduce's figures predict (gloo's reduce-scatter and
+  all-gather); none on the presets: NCCL's bus bandwidth serves every kind.
 
 A collective then takes `latency_steps(n) · α + wire_bytes / β` on its link (`collective_seconds`,
 the α-β model of the lecture and of NCCL's tuning model). A description that contradicts itself
@@ -42,6 +58,12 @@ class Cluster:
     peak_tflops: float
     intra_latency_us: float = 5.0
     inter_latency_us: float = 10.0
+    memory_gbps: float = 2000.0
+    op_overhead_us: float = 5.0
+    overlap: float = 1.0
+    processors: int | None = None
+    group_links: tuple[tuple[int, float, float], ...] = ()
+    kind_factors: tuple[tuple[str, float], ...] = ()
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -49,14 +71,23 @@ class Cluster:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"cluster {self.label}: {name}={value!r}; it must be a positive integer")
-        for name in ("memory_gb", "intra_gbps", "inter_gbps", "peak_tflops"):
+        for name in ("memory_gb", "intra_gbps", "inter_gbps", "peak_tflops", "memory_gbps"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise PlanError(f"cluster {self.label}: {name}={value!r}; it must be a positive number")
-        for name in ("intra_latency_us", "inter_latency_us"):
+        for name in ("intra_latency_us", "inter_latency_us", "op_overhead_us"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise PlanError(f"cluster {self.label}: {name}={value!r}; a latency is a number >= 0")
+        if not isinstance(self.overlap, (int, float)) or not 0 <= self.overlap <= 1:
+            raise PlanError(f"cluster {self.label}: overlap={self.overlap!r}; it is the share of asynchronous "
+                            f"communication hidden behind compute, between 0 and 1")
+        if self.processors is not None and (not isinstance(self.processors, int) or self.processors < 1):
+            raise PlanError(f"cluster {self.label}: processors={self.processors!r}; a positive integer or None")
+        for row in self.group_links:
+            if len(row) != 3 or row[0] < 2 or row[1] < 0 or row[2] <= 0:
+                raise PlanError(f"cluster {self.label}: group_links row {row!r}; each is (group size >= 2, "
+                                f"α µs >= 0, β GB/s > 0)")
         if self.inter_gbps > self.intra_gbps:
             raise PlanError(f"cluster {self.label}: inter_gbps={self.inter_gbps} is above intra_gbps="
                             f"{self.intra_gbps}: links between nodes cannot be faster than links inside one "
@@ -82,20 +113,47 @@ class Cluster:
     def peak_flops(self) -> float:
         return self.peak_tflops * 1e12
 
-    def bandwidth(self, link: str) -> float:
-        """β of a link class ('intra' or 'inter'), bytes per second."""
-        return _per_link(self.intra_gbps, self.inter_gbps, link) * GB
+    @property
+    def memory_bandwidth(self) -> float:
+        """Bytes per second of the accelerator's memory."""
+        return self.memory_gbps * GB
 
-    def latency(self, link: str) -> float:
-        """α of a link class, seconds per ring step."""
-        return _per_link(self.intra_latency_us, self.inter_latency_us, link) * 1e-6
+    @property
+    def op_overhead(self) -> float:
+        """Seconds of one operator call's fixed cost."""
+        return self.op_overhead_us * 1e-6
+
+    def _group_link(self, link: str, group_size: int | None) -> tuple[float, float] | None:
+        if link != "intra" or group_size is None:
+            return None
+        return next(((alpha, beta) for size, alpha, beta in self.group_links if size == group_size), None)
+
+    def bandwidth(self, link: str, group_size: int | None = None) -> float:
+        """β of a link class ('intra' or 'inter'), bytes per second (of that group size where measured)."""
+        measured = self._group_link(link, group_size)
+        return (measured[1] if measured else _per_link(self.intra_gbps, self.inter_gbps, link)) * GB
+
+    def latency(self, link: str, group_size: int | None = None) -> float:
+        """α of a link class, seconds per ring step (of that group size where measured)."""
+        measured = self._group_link(link, group_size)
+        return (measured[0] if measured else _per_link(self.intra_latency_us, self.inter_latency_us, link)) * 1e-6
+
+    @property
+    def alone_speedup(self) -> float:
+        """How much faster a rank computes alone than with all of its node's ranks busy."""
+        if self.processors is None or self.processors >= self.gpus_per_node:
+            return 1.0
+        return self.gpus_per_node / self.processors
 
     def collective_seconds(self, kind: str, group_size: int, logical_bytes: "int | sympy.Expr", link: str) -> float:
         """One call of a collective (`comm_kinds.KINDS`) of `logical_bytes` over `group_size` ranks."""
         if group_size <= 1 and not KINDS[kind].peer:
             return 0.0
         wire = float(wire_bytes(kind, group_size, sympy.sympify(logical_bytes)))
-        return KINDS[kind].latency_steps(group_size) * self.latency(link) + wire / self.bandwidth(link)
+        size = 2 if KINDS[kind].peer else group_size
+        factor = dict(self.kind_factors).get(kind, 1.0)
+        return factor * (KINDS[kind].latency_steps(group_size) * self.latency(link, size)
+                         + wire / self.bandwidth(link, size))
 
     def mesh(self, spec: "str | dict[str, int] | Mesh") -> Mesh:
         """The mesh `spec` laid on this cluster: its node size is the cluster's, its world the cluster's."""
@@ -123,16 +181,19 @@ def _per_link(intra: float, inter: float, link: str) -> float:
 
 def _h100_node(nodes: int) -> Cluster:
     # DGX/HGX H100 SXM: NVLink 4 + NVSwitch, nccl-tests all-reduce busbw ~450 GB/s in a node; one
-    # 400 Gb/s InfiniBand NIC per GPU (50 GB/s, busbw ~45 GB/s across nodes); 989 dense BF16 TFLOP/s
+    # 400 Gb/s InfiniBand NIC per GPU (50 GB/s, busbw ~45 GB/s across nodes); 989 dense BF16 TFLOP/s;
+    # HBM3 3.35 TB/s; ~4 µs per kernel launch
     return Cluster(nodes=nodes, gpus_per_node=8, memory_gb=80, intra_gbps=450, inter_gbps=45, peak_tflops=989,
-                   intra_latency_us=5, inter_latency_us=10, name=f"h100x{nodes}")
+                   intra_latency_us=5, inter_latency_us=10, memory_gbps=3350, op_overhead_us=4,
+                   name=f"h100x{nodes}")
 
 
 def _a100_node(nodes: int) -> Cluster:
     # DGX A100 80 GB: NVLink 3 busbw ~230 GB/s; one 200 Gb/s HDR NIC per GPU (25 GB/s, busbw ~23);
-    # 312 dense BF16 TFLOP/s
+    # 312 dense BF16 TFLOP/s; HBM2e 2.04 TB/s
     return Cluster(nodes=nodes, gpus_per_node=8, memory_gb=80, intra_gbps=230, inter_gbps=23, peak_tflops=312,
-                   intra_latency_us=6, inter_latency_us=12, name=f"a100x{nodes}")
+                   intra_latency_us=6, inter_latency_us=12, memory_gbps=2039, op_overhead_us=5,
+                   name=f"a100x{nodes}")
 
 
 # This 2-core CPU machine with 4 gloo ranks of one thread each, as `python benchmarks/calibrate.py

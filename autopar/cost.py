@@ -34,6 +34,13 @@ class CommTimeRow:
     calls: int
     logical_bytes: int  # per call
     seconds: float  # all calls of a step
+    why: str = ""
+    stage: int | None = 0
+    module: str = ""
+
+    @property
+    def per_call(self) -> float:
+        return self.seconds / self.calls if self.calls else 0.0
 
 
 @dataclass(frozen=True)
@@ -77,5 +84,5 @@ def comm_time(plan: Any, cluster: Cluster, *, rank: int = 0) -> CommTime:
         logical = int(ledger.number(entry.logical_bytes))
         one_call = cluster.collective_seconds(entry.kind, entry.group_size, logical, entry.link)
         rows.append(CommTimeRow(entry.phase, entry.kind, entry.axis, entry.link, entry.group_size, entry.times,
-                                logical, entry.times * one_call))
+                                logical, entry.times * one_call, entry.why, entry.stage, entry.module))
     return CommTime(cluster, rank, tuple(rows))

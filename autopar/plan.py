@@ -76,6 +76,8 @@ class Plan:
     # wall seconds of each planning phase (trace, layout search, each pass, ledger, check), in order
     phase_seconds: dict[str, float] = field(default_factory=dict, compare=False)
     _document: "PlanDocument | None" = field(default=None, repr=False, compare=False)
+    # the planner's ranking when the plan was chosen by `plan(model, cluster=...)` (autopar/planner.py)
+    search: Any = field(default=None, repr=False, compare=False)
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
@@ -159,6 +161,20 @@ class Plan:
     def pass_timings(self) -> str:
         return tabulate([[r.name, f"{r.seconds * 1000:.0f} ms", r.nodes_before, r.nodes_after]
                          for r in self.pass_records], headers=["pass", "time", "nodes in", "nodes out"])
+
+
+def _chosen_plan(model: torch.nn.Module, cluster: Any, example_inputs: Sequence[Any], example_kwargs: dict | None,
+                 space: Any) -> Plan:
+    from autopar.cluster import Cluster
+    from autopar.planner import search
+
+    if cluster is None:
+        raise PlanError("plan needs a mesh and strategies, or cluster= to let the planner choose them")
+    chosen = Cluster.preset(cluster) if isinstance(cluster, str) else cluster
+    result = search(model, chosen, example_inputs=example_inputs, example_kwargs=example_kwargs, space=space)
+    winner = result.best.plan
+    winner.search = result
+    return winner
 
 
 @contextmanager
@@ -256,15 +272,26 @@ def _keep_master_weights(traced: TracedProgram, model: torch.nn.Module) -> dict[
     return masters
 
 
-def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int]", *, strategies: Sequence[Any],
-         example_inputs: Sequence[Any], example_kwargs: dict | None = None, dynamic_dims: dict[str, int] | None = None,
-         ranks_per_node: int | None = None, bucket_cap_mb: float = 25.0, explain: bool = False,
-         reuse_blocks: bool = True) -> Plan:
+def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | None" = None, *,
+         strategies: Sequence[Any] | None = None, example_inputs: Sequence[Any], example_kwargs: dict | None = None,
+         dynamic_dims: dict[str, int] | None = None, ranks_per_node: int | None = None, bucket_cap_mb: float = 25.0,
+         explain: bool = False, reuse_blocks: bool = True, cluster: Any = None, space: Any = None) -> Plan:
     """Plan `model` for `mesh` in this process; no process group is needed. See module docstring.
 
     `explain=True` also records, for every op DTensor decided, the alternatives it weighed.
     `reuse_blocks=False` exports every repeated block instead of copying the traced one
-    (`autopar/repeated_blocks.py`; the plan is the same, only slower)."""
+    (`autopar/repeated_blocks.py`; the plan is the same, only slower). With `cluster=` (an
+    `autopar.Cluster` or a preset's name) and neither mesh nor strategies, the planner chooses
+    them (`autopar/planner.py`; `space=` narrows its search) and the winner's plan is returned,
+    its `search` holding the ranking."""
+    if mesh is None and strategies is None:
+        return _chosen_plan(model, cluster, example_inputs, example_kwargs, space)
+    if mesh is None or strategies is None:
+        raise PlanError("plan needs a mesh and strategies, or neither of them and cluster= to let the planner "
+                        "choose (autopar.plan(model, cluster='h100x8', example_inputs=...))")
+    if cluster is not None:
+        raise PlanError("cluster= chooses the mesh and strategies; give either cluster= alone or a mesh and "
+                        "strategies (price a given plan with autopar.estimate(plan, cluster))")
     mesh = Mesh.parse(mesh, ranks_per_node=ranks_per_node)
     param_dtype = _declared_param_dtype(strategies, mesh)
     pipelined = _declared_pipeline(strategies, mesh)

@@ -27,7 +27,10 @@ def main() -> None:
         print(result.table())
         print(f"fit: α {c.intra_latency_us:.1f} µs per ring step, β {c.intra_gbps:.3f} GB/s, worst error "
               f"{result.worst_relative_residual:.0%}; matmul {c.peak_tflops * 1e3:.1f} GFLOP/s per rank "
-              f"(all ranks at once), memory {c.memory_gb:.2f} GB per rank\n")
+              f"(all ranks at once), memory {c.memory_gb:.2f} GB per rank")
+        print(f"memory bandwidth {c.memory_gbps:.2f} GB/s per rank, {c.op_overhead_us:.1f} µs per operator call, "
+              f"overlap {c.overlap:.2f} (4 MiB all-reduce {result.overlap_seconds[0] * 1e3:.1f} ms, matmuls "
+              f"{result.overlap_seconds[1] * 1e3:.1f} ms, both {result.overlap_seconds[2] * 1e3:.1f} ms)\n")
 
 
 if __name__ == "__main__":

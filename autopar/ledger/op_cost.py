@@ -1,0 +1,110 @@
+"""The op ledger: every operator call a rank graph makes in forward and backward, with its FLOPs and bytes.
+
+`rank_ops(plan, rank, stage=)` runs the rank's emitted graph of one stage — what the runtime
+runs, recomputed regions included — forward and then backward, on fake tensors of the rank's
+local shapes (the inputs the activation ledger and `check_rank_graphs` build), under a dispatch
+mode that records each ATen call: its floating-point operations (PyTorch's own formulas,
+`torch.utils.flop_counter.flop_registry`: 2·m·n·k per matrix product, attention's products) and
+the bytes it touches (its tensor inputs and outputs). Views move no bytes; collectives are not
+compute (the communication ledger has them, exactly). Backward is what autograd runs for the
+graph's outputs, so a recomputed region's forward appears again in it.
+
+`OpTotals.seconds(cluster)` prices the calls with a roofline per call — the larger of FLOPs /
+peak and bytes / memory bandwidth — plus the cluster's fixed cost per call; that is the compute
+part of the cost model (`autopar/cost.py`). One micro-batch under a pipeline: the stage graph is
+a micro-batch's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from autopar.ledger.activations import fake_inputs, kernel_device, on_device
+
+if TYPE_CHECKING:
+    from autopar.cluster import Cluster
+    from autopar.plan import Plan
+
+_NOT_COMPUTE = ("_c10d_functional", "c10d", "_dtensor")
+
+
+@dataclass
+class OpTotals:
+    calls: int = 0
+    flops: int = 0
+    bytes: int = 0
+    # per call: (flops, bytes), to price each call on its own roofline
+    per_call: list[tuple[int, int]] = field(default_factory=list, repr=False)
+
+    def add(self, flops: int, nbytes: int) -> None:
+        self.calls += 1
+        self.flops += flops
+        self.bytes += nbytes
+        self.per_call.append((flops, nbytes))
+
+    def seconds(self, cluster: "Cluster") -> float:
+        peak, bandwidth, fixed = cluster.peak_flops, cluster.memory_bandwidth, cluster.op_overhead
+        return sum(max(f / peak, b / bandwidth) + fixed for f, b in self.per_call)
+
+
+@dataclass(frozen=True)
+class RankOps:
+    rank: int
+    stage: int
+    forward: OpTotals
+    backward: OpTotals
+
+
+def _nbytes(values: Any) -> int:
+    seen, total = set(), 0
+    for value in pytree.tree_leaves(values):
+        if isinstance(value, torch.Tensor) and id(value) not in seen:
+            seen.add(id(value))
+            total += value.numel() * value.element_size()
+    return total
+
+
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.totals = {"forward": OpTotals(), "backward": OpTotals()}
+        self.phase = "forward"
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace in _NOT_COMPUTE:
+            return out
+        schema = func._schema
+        is_view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+        flops = 0
+        if func.overloadpacket in flop_registry:
+            flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+        self.totals[self.phase].add(flops, 0 if is_view else _nbytes((args, kwargs, out)))
+        return out
+
+
+def rank_ops(plan: "Plan", rank: int, *, stage: int | None = None) -> RankOps:
+    """The calls `rank`'s graph of `stage` (default: its first) makes, forward and backward (module docstring)."""
+    from autopar.check_rank_graphs import _traced_mode
+
+    chosen = plan.stages[stage] if stage is not None else plan.stages_of_rank(rank)[0]
+    device = kernel_device(plan, None)
+    with unset_fake_temporarily():
+        gm = on_device(plan.rank_graph(rank, stage=chosen.index), device)
+        mode = _traced_mode(plan)
+        inputs = fake_inputs(plan, chosen.graph_module.graph, mode, device)
+        recorder = _OpRecorder()
+        with mode, torch.enable_grad(), recorder:
+            outputs = gm(*inputs)
+            roots = [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
+            recorder.phase = "backward"
+            if roots:
+                torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
+    return RankOps(rank, chosen.index, recorder.totals["forward"], recorder.totals["backward"])

@@ -1,0 +1,177 @@
+"""The planner: autopar chooses the degrees and strategies itself, from its own ledgers, and says why.
+
+`search(model, cluster, example_inputs=...)` enumerates the candidates of `search_space.py` for
+the cluster's world, plans each one (`autopar.plan`: a candidate the compiler refuses — heads
+that do not split, a batch that does not divide — is out, with the compiler's own message),
+prices the plan (`step_cost.estimate`: step time and peak memory per rank from the ledgers),
+and ranks them: those that fit the cluster's memory by predicted step time, then those that do
+not by peak memory. A candidate that does not fit is planned again with recomputation
+(`SearchSpace.recompute`) before it is given up, since memory is what recomputation buys.
+
+`SearchResult.best` is the winner (its plan kept; the others' dropped as they are priced, so a
+search holds one plan at a time besides the best), `table(top=)` the ranking with each
+candidate's memory, bytes, predicted time and why it lost to the winner, `explain()` the
+winner's binding constraint and the runner-up's margin. Nothing fits: `PlanError` naming the
+smallest peak any candidate needs; nothing plans: `PlanError` with each refusal.
+
+`autopar.plan(model, cluster=..., example_inputs=...)` with no mesh and no strategies is a
+search that returns the winner's plan (`Plan.search` holds the result); the CLI's
+`autopar plan TARGET --cluster NAME --auto` prints the table.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
+
+import torch
+from tabulate import tabulate
+
+from autopar.cluster import GB, Cluster
+from autopar.errors import PlanError
+from autopar.search_space import Candidate, Enumeration, ModelFacts, Pruned, SearchSpace, candidates
+from autopar.step_cost import StepEstimate, estimate
+
+
+@dataclass
+class Outcome:
+    candidate: Candidate
+    estimate: StepEstimate | None = None
+    refused: str | None = None  # the compiler's refusal (first line)
+    plan: Any = field(default=None, repr=False)
+    seconds: float = 0.0  # wall time spent planning and pricing it
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate is not None and self.estimate.fits
+
+
+@dataclass
+class SearchResult:
+    cluster: Cluster
+    outcomes: list[Outcome]  # ranked: fitting by predicted time, then not fitting by peak, then refused
+    pruned: list[Pruned]
+    seconds: float
+
+    @property
+    def best(self) -> Outcome:
+        return self.outcomes[0]
+
+    def why_lost(self, outcome: Outcome) -> str:
+        if outcome is self.best:
+            return "chosen"
+        if outcome.refused is not None:
+            return f"refused: {outcome.refused}"
+        if not outcome.fits:
+            return outcome.estimate.binding
+        mine, best = outcome.estimate, self.best.estimate
+        gaps = {part: mine.parts[part] - best.parts.get(part, 0.0) for part in mine.parts}
+        part, gap = max(gaps.items(), key=lambda item: item[1])
+        slower = mine.seconds / best.seconds - 1 if best.seconds else 0.0
+        return f"{slower:+.0%} step: {part} {gap * 1e3:+.2f} ms"
+
+    def table(self, *, top: int | None = None) -> str:
+        rows = []
+        for rank, outcome in enumerate(self.outcomes[:top] if top else self.outcomes, start=1):
+            e = outcome.estimate
+            rows.append([rank, outcome.candidate.label, outcome.candidate.mesh_spec,
+                         "-" if e is None else f"{e.peak_bytes / 2**20:,.1f}",
+                         "-" if e is None else f"{e.wire_bytes / 2**20:,.2f}",
+                         "-" if e is None else f"{e.seconds * 1e3:,.2f}",
+                         "-" if e is None else " ".join(f"{k[0]}{v * 1e3:.1f}" for k, v in e.parts.items() if v),
+                         self.why_lost(outcome)])
+        return tabulate(rows, headers=["#", "candidate", "mesh", "peak MiB/rank", "wire MiB/step", "step ms",
+                                       "parts ms (compute, comm, bubble, optimizer)", "why not chosen"],
+                        disable_numparse=True)
+
+    def explain(self) -> str:
+        best = self.best
+        lines = [f"chosen: {best.candidate.label} (mesh {best.candidate.mesh_spec}) on {self.cluster.label}: "
+                 f"{best.estimate.seconds * 1e3:.2f} ms per step predicted, peak {best.estimate.peak_bytes / GB:.3g} GB "
+                 f"of {self.cluster.memory_gb:g} GB per rank",
+                 f"binding constraint: {best.estimate.binding}"]
+        runner = next((o for o in self.outcomes[1:] if o.fits), None)
+        if runner is not None:
+            lines.append(f"runner-up: {runner.candidate.label}, {self.why_lost(runner)}")
+        unfit = [o for o in self.outcomes if o.estimate is not None and not o.fits]
+        if unfit:
+            lines.append(f"{len(unfit)} candidate(s) do not fit in memory, e.g. {unfit[0].candidate.label}: "
+                         f"{unfit[0].estimate.binding}")
+        refused = [o for o in self.outcomes if o.refused is not None]
+        if refused or self.pruned:
+            lines.append(f"{len(refused)} refused by the compiler, {len(self.pruned)} pruned by the rules "
+                         f"(e.g. {(self.pruned or refused)[0].candidate.label}: "
+                         f"{self.pruned[0].reason if self.pruned else refused[0].refused})")
+        lines.append(f"searched {len(self.outcomes)} candidates in {self.seconds:.1f} s")
+        return "\n".join(lines)
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def _price(model: torch.nn.Module, cluster: Cluster, candidate: Candidate, args: Sequence[Any],
+           kwargs: dict | None) -> Outcome:
+    from autopar.plan import plan
+
+    start = time.perf_counter()
+    try:
+        planned = plan(model, cluster.mesh(candidate.mesh_spec), strategies=candidate.strategies(),
+                       example_inputs=args, example_kwargs=kwargs)
+    except PlanError as error:
+        return Outcome(candidate, refused=_first_line(error), seconds=time.perf_counter() - start)
+    return Outcome(candidate, estimate(planned, cluster), plan=planned, seconds=time.perf_counter() - start)
+
+
+def search(model: torch.nn.Module, cluster: Cluster, *, example_inputs: Sequence[Any],
+           example_kwargs: dict | None = None, space: SearchSpace | None = None,
+           progress: Callable[[Outcome], None] | None = None) -> SearchResult:
+    """Plan and price every candidate for `cluster` (module docstring); the winner first."""
+    start = time.perf_counter()
+    space = space or SearchSpace()
+    enumeration: Enumeration = candidates(cluster.world_size, cluster, space, ModelFacts.of(model))
+    if not enumeration.candidates:
+        raise PlanError(f"no layout of {cluster.world_size} ranks passes the rules: "
+                        + "; ".join(sorted({p.reason for p in enumeration.pruned})))
+    outcomes: list[Outcome] = []
+    best: Outcome | None = None
+    for candidate in enumeration.candidates:
+        outcome = _price(model, cluster, candidate, example_inputs, example_kwargs)
+        for policy in space.recompute if outcome.estimate is not None and not outcome.fits else ():
+            retry = _price(model, cluster, replace(candidate, recompute=policy), example_inputs, example_kwargs)
+            outcomes.append(outcome)
+            outcome = retry
+            if retry.fits:
+                break
+        outcomes.append(outcome)
+        if outcome.fits and (best is None or outcome.estimate.seconds < best.estimate.seconds):
+            best = outcome
+        for earlier in outcomes:
+            if earlier is not best:
+                earlier.plan = None
+        if progress is not None:
+            progress(outcome)
+    _fail_if_nothing_fits(outcomes, cluster)
+    ranked = sorted(outcomes, key=_rank_key)
+    return SearchResult(cluster, ranked, enumeration.pruned, time.perf_counter() - start)
+
+
+def _rank_key(outcome: Outcome) -> tuple:
+    if outcome.estimate is None:
+        return (2, 0.0)
+    if not outcome.fits:
+        return (1, outcome.estimate.peak_bytes)
+    return (0, outcome.estimate.seconds)
+
+
+def _fail_if_nothing_fits(outcomes: list[Outcome], cluster: Cluster) -> None:
+    priced = [o for o in outcomes if o.estimate is not None]
+    if not priced:
+        reasons = "\n".join(f"  {o.candidate.label}: {o.refused}" for o in outcomes)
+        raise PlanError(f"the compiler refused every candidate layout of {cluster.world_size} ranks:\n{reasons}")
+    if not any(o.fits for o in priced):
+        smallest = min(priced, key=lambda o: o.estimate.peak_bytes)
+        raise PlanError(f"the model fits nowhere on {cluster.label}: the smallest peak any candidate needs is "
+                        f"{smallest.estimate.peak_bytes / GB:.4g} GB per rank ({smallest.candidate.label}), and a "
+                        f"rank has {cluster.memory_gb:g} GB\n  fix: more ranks or more memory per rank, a smaller "
+                        f"batch, or bf16 parameters")

@@ -1,0 +1,163 @@
+"""The planner's predictions against runs: every candidate it prices is also run and timed.
+
+For each world size: `autopar.calibrate(world_size=N)` measures this machine (α, β, matmul
+throughput, memory bandwidth, per-call cost, overlap), `autopar.planner.search` plans and prices
+every candidate layout of the example GPT on that cluster, and then one launch of N gloo ranks
+(one thread each) runs every priced candidate that fits (16 per launch): parallelize
+(rank 0 plans, the others receive), two steps under `LiveStorages` (the second step's peak of
+live tensor bytes, the global and local batch taken out, is the measured peak; nothing is asked
+of autopar's runtime), then timed steps (zero_grad, forward, backward, AdamW step; barrier
+before each, the slowest rank's time, median over the steps) in rounds: each round times every
+candidate of the launch once, so that the machine's drift hits them alike.
+
+Printed per world size: each candidate's predicted and measured step time and peak, the
+planner's first choice against the fastest measured, and the Spearman rank correlation of
+predicted against measured step time.
+
+Run: python benchmarks/planner_vs_measured.py [--world 4,8] [--steps 5] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tabulate import tabulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import autopar  # noqa: E402
+from autopar.measure.storages import LiveStorages  # noqa: E402
+from autopar.planner import search  # noqa: E402
+from autopar.runtime.launch import launch  # noqa: E402
+from autopar.search_space import SearchSpace  # noqa: E402
+from examples.gpt import GPT, GPTConfig, example_batch  # noqa: E402
+
+SPACES = {4: SearchSpace(), 8: SearchSpace(zero_stages=(0, 1, 3), schedules=("1f1b",))}
+
+
+def _storage_bytes(tensors: list) -> int:
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _build(candidate, config: GPTConfig, batch: tuple) -> tuple:
+    """Parallelize, then two steps under `LiveStorages`: the second step's peak (batches taken out)."""
+    storages = LiveStorages()
+    storages.track(list(batch))
+    with storages:
+        torch.manual_seed(0)
+        module = autopar.parallelize(GPT(config), candidate.mesh_spec, strategies=candidate.strategies(),
+                                     example_inputs=batch)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        local = module.local_batch(*batch)
+        for _ in range(2):
+            gc.collect()
+            storages.reset_peak()
+            optimizer.zero_grad(set_to_none=True)
+            module.train_step(*local)
+            optimizer.step()
+    peak = torch.tensor([storages.peak_bytes - _storage_bytes(list(batch) + list(local))], dtype=torch.int64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return module, optimizer, local, int(peak)
+
+
+def _timed_step(module, optimizer, local) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    module.train_step(*local)
+    optimizer.step()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's
+    return float(elapsed)
+
+
+def _run_all(rank: int, world: int, chosen: list, config: GPTConfig, batch: tuple, steps: int) -> list[dict]:
+    """Every candidate built, then `steps` rounds each timing every candidate once (drift hits all alike)."""
+    torch.set_num_threads(1)
+    built = [_build(candidate, config, batch) for candidate in chosen]
+    times: list[list[float]] = [[] for _ in chosen]
+    for _ in range(steps):
+        for index, (module, optimizer, local, _) in enumerate(built):
+            times[index].append(_timed_step(module, optimizer, local))
+    return [{"seconds": statistics.median(t), "peak": b[3]} for t, b in zip(times, built)]
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        result = [0.0] * len(values)
+        i = 0
+        while i < len(order):  # ties share their mean rank
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                result[order[k]] = (i + j) / 2
+            i = j + 1
+        return result
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", default="4,8")
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="a smaller model, 3 steps")
+    args = parser.parse_args()
+    config = GPTConfig(vocab_size=512, seq_len=64, n_layer=4, n_head=4, d_model=128, d_ff=512)
+    steps = args.steps
+    if args.quick:
+        config, steps = GPTConfig(vocab_size=128, seq_len=32, n_layer=4, n_head=4, d_model=64, d_ff=256), 3
+    batch = example_batch(config, batch=8)
+    for world in (int(w) for w in args.world.split(",")):
+        calibration = autopar.calibrate(world_size=world)
+        cluster = calibration.cluster
+        result = search(GPT(config), cluster, example_inputs=batch, space=SPACES.get(world, SearchSpace()))
+        priced = [o for o in result.outcomes if o.fits]
+        print(f"{world} ranks: searched {len(result.outcomes)} candidates in {result.seconds:.1f} s; running "
+              f"{len(priced)}", flush=True)
+        measured = []
+        for start in range(0, len(priced), 16):  # a launch per 16 candidates: a failure loses less
+            chunk = [o.candidate for o in priced[start:start + 16]]
+            measured += launch(_run_all, world, chunk, config, batch, steps, timeout_s=1800)[0]
+        rows = []
+        for index, (outcome, run) in enumerate(zip(priced, measured)):
+            e = outcome.estimate
+            rows.append([index + 1, outcome.candidate.label, f"{e.seconds * 1e3:.1f}", f"{run['seconds'] * 1e3:.1f}",
+                         f"{e.seconds / run['seconds']:.2f}", f"{e.peak_bytes / 2**20:.2f}",
+                         f"{run['peak'] / 2**20:.2f}", f"{e.peak_bytes / run['peak'] - 1:+.1%}"])
+        predicted = [o.estimate.seconds for o in priced]
+        times = [r["seconds"] for r in measured]
+        fastest = min(range(len(times)), key=times.__getitem__)
+        c = cluster
+        print(f"== {world} ranks; cluster: α {c.intra_latency_us:.0f} µs, β {c.intra_gbps:.2f} GB/s, "
+              f"{c.peak_tflops * 1e3:.1f} GFLOP/s, {c.memory_gbps:.1f} GB/s memory, {c.op_overhead_us:.1f} µs per call, "
+              f"overlap {c.overlap:.2f}, processors {c.processors}; per group size (n, α µs, β GB/s) "
+              f"{[(n, round(a), round(b, 2)) for n, a, b in c.group_links]}; kind factors "
+              f"{[(k, round(f, 2)) for k, f in c.kind_factors]}; search {result.seconds:.1f} s over {len(result.outcomes)} candidates "
+              f"({len(result.pruned)} pruned)")
+        print(f"model {config}, global batch {batch[0].shape[0]}")
+        print(tabulate(rows, headers=["#", "candidate", "predicted ms", "measured ms", "pred/meas",
+                                      "predicted peak MiB", "measured peak MiB", "peak error"], disable_numparse=True))
+        print(f"planner's first choice: {priced[0].candidate.label}, measured {times[0] * 1e3:.1f} ms; fastest "
+              f"measured: {priced[fastest].candidate.label}, {times[fastest] * 1e3:.1f} ms "
+              f"(first choice {times[0] / times[fastest] - 1:+.1%})")
+        print(f"Spearman rank correlation, predicted vs measured step time: {spearman(predicted, times):.3f}\n")
+
+
+if __name__ == "__main__":
+    main()

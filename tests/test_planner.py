@@ -1,0 +1,168 @@
+"""The planner: the op ledger's FLOPs against PyTorch's own counter, the step estimate's arithmetic,
+the search's ranking, `autopar.plan(model, cluster=...)`, the CLI's `--auto`, and its refusals.
+
+FLOPs are measured from outside: `torch.utils.flop_counter.FlopCounterMode` counts the single-device
+model's forward and backward on the whole batch; data parallelism over n ranks must give each rank
+1/n of both, and the tensor-parallel ranks together exactly the model's (every matrix product and
+attention product is split, none repeated). The estimate's parts are recomputed here from the
+ledgers and the cluster's figures with overlap 0 (nothing hides) and overlap 1 (backward hides
+the gradient buckets but the last one). Whether the predicted times rank the measured ones is
+the benchmark's question (`benchmarks/planner_vs_measured.py`), not a unit test's.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import autopar
+from autopar import Cluster, PlanError, SearchSpace
+from autopar.cost import comm_time
+from autopar.ledger.op_cost import rank_ops
+from autopar.step_cost import estimate
+from examples.gpt import GPT, GPTConfig, example_batch
+from tests.cli_in_process import run_cli
+
+CONFIG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32, d_ff=64)
+
+
+def _two_ranks(**changes) -> Cluster:
+    figures = dict(nodes=1, gpus_per_node=2, memory_gb=1.0, intra_gbps=1.0, inter_gbps=1.0, peak_tflops=0.05,
+                   intra_latency_us=100, inter_latency_us=100, memory_gbps=10, op_overhead_us=5, name="two")
+    return Cluster(**{**figures, **changes})
+
+
+def _single_device_flops(model: torch.nn.Module, batch: tuple) -> tuple[int, int]:
+    with FlopCounterMode(display=False) as forward:
+        loss = model(*batch)
+    with FlopCounterMode(display=False) as backward:
+        loss.backward()
+    return forward.get_total_flops(), backward.get_total_flops()
+
+
+def test_the_op_ledger_splits_the_models_flops_over_the_ranks():
+    torch.manual_seed(0)
+    model, batch = GPT(CONFIG), example_batch(CONFIG, batch=4)
+    forward, backward = _single_device_flops(model, batch)
+    assert forward > 0 and backward >= 2 * forward * 0.9
+    dp = autopar.plan(model, "dp=2", strategies=[autopar.data_parallel()], example_inputs=batch)
+    for rank in range(2):
+        ops = rank_ops(dp, rank)
+        assert (2 * ops.forward.flops, 2 * ops.backward.flops) == (forward, backward)
+    tp = autopar.plan(model, "tp=2", strategies=[autopar.tensor_parallel()], example_inputs=batch)
+    both = [rank_ops(tp, rank) for rank in range(2)]
+    assert sum(o.forward.flops for o in both) == forward
+    assert sum(o.backward.flops for o in both) == backward
+
+
+def test_the_estimate_adds_compute_exposed_communication_and_the_optimizer():
+    torch.manual_seed(0)
+    model, batch = GPT(CONFIG), example_batch(CONFIG, batch=4)
+    # small buckets: several gradient all-reduces, of which all but the last can hide behind backward
+    dp = autopar.plan(model, "dp=2", strategies=[autopar.data_parallel()], example_inputs=batch, bucket_cap_mb=0.02)
+    assert len(dp.buckets) > 2
+    ops = rank_ops(dp, 0)
+    for overlap in (0.0, 1.0):
+        cluster = _two_ranks(overlap=overlap)
+        result = estimate(dp, cluster)
+        forward, backward = ops.forward.seconds(cluster), ops.backward.seconds(cluster)
+        assert result.parts["compute"] == pytest.approx(forward + backward)
+        rows = comm_time(dp, cluster).rows
+        buckets = [r.per_call for r in rows for _ in range(r.calls) if r.phase == "grad_sync"]
+        others = sum(r.seconds for r in rows if r.phase != "grad_sync")
+        grad = sum(buckets)
+        exposed = grad if overlap == 0 else max(grad - backward, buckets[-1])
+        assert result.parts["communication"] == pytest.approx(others + exposed)
+        assert result.parts["bubble"] == 0.0
+        memory = dp.memory(rank=0).by_category()
+        assert result.peak_bytes == sum(memory.values())
+        # AdamW: 12 calls and 7 x the bytes of every parameter the rank updates
+        params = sum(p.numel() * 4 for p in model.parameters())
+        tensors = len(list(model.parameters()))
+        assert result.parts["optimizer"] == pytest.approx(12 * tensors * 5e-6 + 7 * params / 10e9)
+        assert result.seconds == pytest.approx(sum(result.parts.values()))
+    assert estimate(dp, _two_ranks(overlap=1.0)).seconds < estimate(dp, _two_ranks(overlap=0.0)).seconds
+
+
+def test_a_pipeline_is_priced_by_its_schedule():
+    torch.manual_seed(0)
+    model, batch = GPT(dataclasses.replace(CONFIG, n_layer=4)), example_batch(CONFIG, batch=8)
+    spans = {}
+    for micro in (2, 8):
+        pp = autopar.plan(model, "pp=2", strategies=[autopar.pipeline_parallel(microbatches=micro)],
+                          example_inputs=batch)
+        result = estimate(pp, _two_ranks())
+        assert result.parts["bubble"] > 0
+        spans[micro] = result.parts["bubble"] / (result.parts["bubble"] + result.parts["compute"])
+    assert spans[8] < spans[2]  # more micro-batches, smaller bubble: (p-1)/(m+p-1)
+
+
+def test_the_search_ranks_every_candidate_and_plan_returns_the_winner():
+    torch.manual_seed(0)
+    model, batch = GPT(CONFIG), example_batch(CONFIG, batch=4)
+    space = SearchSpace(axes=("dp", "tp"), zero_stages=(0, 3))
+    result = autopar.search(model, _two_ranks(), example_inputs=batch, space=space)
+    labels = [o.candidate.label for o in result.outcomes]
+    assert sorted(labels) == sorted(["dp2", "dp2 zero3", "tp2", "tp2+sp"])
+    times = [o.estimate.seconds for o in result.outcomes]
+    assert times == sorted(times) and result.best.plan is not None
+    assert all(o.plan is None for o in result.outcomes[1:])  # one plan kept: the winner's
+    table = result.table()
+    assert all(label in table for label in labels) and "chosen" in table and "step:" in table
+    assert "binding constraint:" in result.explain()
+    chosen = autopar.plan(model, cluster=_two_ranks(), example_inputs=batch, space=space)
+    assert str(chosen.mesh) == str(result.best.plan.mesh) and chosen.search.best.candidate == result.best.candidate
+
+
+def test_recomputation_is_tried_where_memory_does_not_fit():
+    torch.manual_seed(0)
+    model, batch = GPT(dataclasses.replace(CONFIG, d_model=64, d_ff=256)), example_batch(CONFIG, batch=16)
+    space = SearchSpace(axes=("dp",), zero_stages=(3,))
+    plain = estimate(autopar.plan(model, "dp=2", strategies=[autopar.zero(stage=3)], example_inputs=batch),
+                     _two_ranks())
+    full = estimate(autopar.plan(model, "dp=2", strategies=[autopar.zero(stage=3), autopar.recompute("full")],
+                                 example_inputs=batch), _two_ranks())
+    assert full.peak_bytes < plain.peak_bytes
+    between = (full.peak_bytes + plain.peak_bytes) / 2 / 10 ** 9
+    result = autopar.search(model, _two_ranks(memory_gb=between), example_inputs=batch, space=space)
+    assert result.best.candidate.label == "dp2 zero3 × recompute full"
+    assert [o.fits for o in result.outcomes] == [True, False]
+
+
+def test_a_model_that_fits_nowhere_names_the_smallest_memory_it_needs():
+    torch.manual_seed(0)
+    model, batch = GPT(CONFIG), example_batch(CONFIG, batch=4)
+    space = SearchSpace(axes=("dp",), zero_stages=(0, 3), recompute=())
+    with pytest.raises(PlanError, match=r"fits nowhere on two: the smallest peak any candidate needs is .* GB per "
+                                        r"rank \(dp2( zero3)?\), and a rank has 1e-06 GB"):
+        autopar.search(model, _two_ranks(memory_gb=1e-6), example_inputs=batch, space=space)
+
+
+def test_a_world_no_layout_fits_and_bad_requests_are_refused():
+    model, batch = GPT(CONFIG), example_batch(CONFIG, batch=4)
+    two_nodes = _two_ranks(nodes=2, gpus_per_node=1)
+    with pytest.raises(PlanError, match="no layout of 2 ranks passes the rules: tp=2 crosses nodes of 1"):
+        autopar.search(model, two_nodes, example_inputs=batch, space=SearchSpace(axes=("tp",)))
+    odd = example_batch(CONFIG, batch=3)  # 3 rows split over no dp degree of 2; tp=2 needs 2 heads...
+    with pytest.raises(PlanError, match="the compiler refused every candidate layout of 2 ranks"):
+        autopar.search(model, _two_ranks(), example_inputs=odd, space=SearchSpace(axes=("dp",)))
+    with pytest.raises(PlanError, match="give either cluster= alone or a mesh and strategies"):
+        autopar.plan(model, "dp=2", strategies=[autopar.data_parallel()], example_inputs=batch, cluster=two_nodes)
+    with pytest.raises(PlanError, match="plan needs a mesh and strategies, or neither"):
+        autopar.plan(model, "dp=2", example_inputs=batch)
+    with pytest.raises(PlanError, match="overlap=1.5"):
+        _two_ranks(overlap=1.5)
+
+
+def test_the_cli_prints_the_ranking_and_explains_the_winner():
+    result = run_cli("plan", "examples.gpt:example", "--cluster", "cpu2x4", "--auto", "--axes", "dp,tp", "--top", "3")
+    assert result.returncode == 0, result.stderr
+    assert "why not chosen" in result.stdout and "chosen:" in result.stdout and "binding constraint:" in result.stdout
+    assert len([line for line in result.stdout.splitlines() if line[:1].isdigit()]) == 3
+    explained = run_cli("explain", "examples.gpt:example", "--cluster", "cpu2x4", "--axes", "dp")
+    assert explained.returncode == 0, explained.stderr
+    assert explained.stdout.startswith("chosen: dp4")
+    missing = run_cli("plan", "examples.gpt:example", "--auto")
+    assert missing.returncode == 2 and "need --cluster NAME" in missing.stderr
