@@ -182,14 +182,18 @@ def assert_peak_within_ledger(result: dict[str, Any], single_device_temporaries:
     ledger = result["memory_ledger"]["by_category"]
     held = sum(ledger[c] for c in CLAIMED)
     lower = held - ledger["gradients"] + ledger["activations"]
+    # one device's temporaries are the same gradients in flight every step; which step measures the
+    # most depends on allocation timing (a pipeline rank once exceeded step 2's figure by 1.4 KB while
+    # under step 1's): the bound takes the most any step held
+    temporaries = max(single_device_temporaries[1:], default=0)
     for step, peak in enumerate(result["peak"][1:], start=1):
         upper = (held + ledger["activations"] + ledger["transient"] + result["device_mesh_bytes"][step]
                  + result["regathered_shard_bound"] + result["sends_bound"])
         measured = peak["total"] - result["batch_bytes"] - peak["step"] - result["loss_bytes"]
         where = f"rank {result['rank']} step {step}: peak {measured} ({peak})"
         assert measured >= lower, f"{where} < ledger's state + activations {lower}"
-        assert measured <= upper + single_device_temporaries[step], \
-            f"{where} > ledger {upper} + one device's backward temporaries {single_device_temporaries[step]}"
+        assert measured <= upper + temporaries, \
+            f"{where} > ledger {upper} + one device's backward temporaries {temporaries}"
 
 
 def assert_memory_equals_ledger(results: list[dict[str, Any]], reference: dict[str, Any], *,
