@@ -73,16 +73,22 @@ def _timed_all_reduce(nbytes: int, repeats: int, group: object = None) -> float:
     import torch.distributed as dist
 
     tensor = torch.ones(nbytes // 4, dtype=torch.float32)
-    for _ in range(2):
-        dist.all_reduce(tensor, group=group)
+    return _median_slowest(lambda: dist.all_reduce(tensor, group=group), repeats, warmup=2)
+
+
+def _median_slowest(call: "object", repeats: int, *, warmup: int = 1) -> float:
+    """`call` run `warmup` times, then `repeats` times each after a barrier: the median of the
+    slowest rank's time."""
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        call()
     times = []
     for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
-        dist.all_reduce(tensor, group=group)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time
-        times.append(float(elapsed))
+        call()
+        times.append(_slowest(time.perf_counter() - start))
     return statistics.median(times)
 
 
@@ -166,17 +172,7 @@ def _overlap_times(repeats: int) -> tuple[float, float, float]:
         matmuls()
         work.wait()
 
-    results = []
-    for run in (alone, matmuls, both):
-        run()
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            run()
-            times.append(_slowest(time.perf_counter() - start))
-        results.append(statistics.median(times))
-    return results[0], results[1], results[2]
+    return _median_slowest(alone, repeats), _median_slowest(matmuls, repeats), _median_slowest(both, repeats)
 
 
 def _timed_kinds(rank: int, world_size: int, repeats: int) -> dict[str, float]:
@@ -188,17 +184,7 @@ def _timed_kinds(rank: int, world_size: int, repeats: int) -> dict[str, float]:
              "reduce_scatter": lambda: dist.reduce_scatter_tensor(piece, whole),
              "all_to_all": lambda: dist.all_to_all_single(whole.clone(), whole),
              "broadcast": lambda: dist.broadcast(whole, src=0)}
-    result = {}
-    for kind, call in calls.items():
-        call()
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            call()
-            times.append(_slowest(time.perf_counter() - start))
-        result[kind] = statistics.median(times)
-    return result
+    return {kind: _median_slowest(call, repeats) for kind, call in calls.items()}
 
 
 def _calibration_rank(rank: int, world_size: int, sizes: tuple[int, ...], repeats: int) -> dict:

@@ -138,17 +138,18 @@ def search(model: torch.nn.Module, cluster: Cluster, *, example_inputs: Sequence
     for candidate in enumeration.candidates:
         outcome = _price(model, cluster, candidate, example_inputs, example_kwargs)
         for policy in space.recompute if outcome.estimate is not None and not outcome.fits else ():
-            retry = _price(model, cluster, replace(candidate, recompute=policy), example_inputs, example_kwargs)
+            outcome.plan = None  # it does not fit: never the winner
             outcomes.append(outcome)
-            outcome = retry
-            if retry.fits:
+            outcome = _price(model, cluster, replace(candidate, recompute=policy), example_inputs, example_kwargs)
+            if outcome.fits:
                 break
         outcomes.append(outcome)
         if outcome.fits and (best is None or outcome.estimate.seconds < best.estimate.seconds):
+            if best is not None:
+                best.plan = None
             best = outcome
-        for earlier in outcomes:
-            if earlier is not best:
-                earlier.plan = None
+        else:
+            outcome.plan = None
         if progress is not None:
             progress(outcome)
     _fail_if_nothing_fits(outcomes, cluster)

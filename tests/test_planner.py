@@ -156,7 +156,7 @@ def test_a_world_no_layout_fits_and_bad_requests_are_refused():
         _two_ranks(overlap=1.5)
 
 
-def test_the_cli_prints_the_ranking_and_explains_the_winner():
+def test_the_cli_prints_the_ranking_and_explains_the_winner(tmp_path):
     result = run_cli("plan", "examples.gpt:example", "--cluster", "cpu2x4", "--auto", "--axes", "dp,tp", "--top", "3")
     assert result.returncode == 0, result.stderr
     assert "why not chosen" in result.stdout and "chosen:" in result.stdout and "binding constraint:" in result.stdout
@@ -164,5 +164,10 @@ def test_the_cli_prints_the_ranking_and_explains_the_winner():
     explained = run_cli("explain", "examples.gpt:example", "--cluster", "cpu2x4", "--axes", "dp")
     assert explained.returncode == 0, explained.stderr
     assert explained.stdout.startswith("chosen: dp4")
+    saved = tmp_path / "auto.json"  # the chosen plan is an ordinary plan file
+    assert run_cli("plan", "examples.gpt:example", "--cluster", "cpu2x4", "--auto", "--axes", "dp",
+                   "--save", str(saved)).returncode == 0
+    node = run_cli("explain", str(saved), "layers.0.mlp")
+    assert node.returncode == 0 and "module layers.0.mlp" in node.stdout
     missing = run_cli("plan", "examples.gpt:example", "--auto")
     assert missing.returncode == 2 and "need --cluster NAME" in missing.stderr
