@@ -27,8 +27,11 @@ from typing import Any, Callable, Sequence
 import torch
 from tabulate import tabulate
 
+from autopar.block_ledgers import BlockLedgers, Layout, measure_layout
 from autopar.cluster import GB, Cluster
+from autopar.composed_cost import composed_estimate
 from autopar.errors import PlanError
+from autopar.trace import reusing_traces
 from autopar.search_space import Candidate, Enumeration, ModelFacts, Pruned, SearchSpace, candidates
 from autopar.step_cost import StepEstimate, estimate
 
@@ -123,38 +126,104 @@ def _price(model: torch.nn.Module, cluster: Cluster, candidate: Candidate, args:
     return Outcome(candidate, estimate(planned, cluster), plan=planned, seconds=time.perf_counter() - start)
 
 
+METHODS = ("auto", "plans", "blocks")
+PLANS_UP_TO = 16  # method="auto" plans every candidate up to this many ranks, composes blocks beyond
+
+
 def search(model: torch.nn.Module, cluster: Cluster, *, example_inputs: Sequence[Any],
            example_kwargs: dict | None = None, space: SearchSpace | None = None,
-           progress: Callable[[Outcome], None] | None = None) -> SearchResult:
-    """Plan and price every candidate for `cluster` (module docstring); the winner first."""
+           progress: Callable[[Outcome], None] | None = None, method: str = "auto") -> SearchResult:
+    """Price every candidate for `cluster` (module docstring); the winner first. `method`:
+    "plans" plans each candidate; "blocks" composes each from one block's ledgers per in-node
+    layout (`composed_cost.py`; no candidate is planned, `best.plan` is None); "auto" plans up to
+    `PLANS_UP_TO` ranks and composes beyond."""
+    if method not in METHODS:
+        raise PlanError(f"unknown search method {method!r}; one of {', '.join(METHODS)}")
     start = time.perf_counter()
     space = space or SearchSpace()
     enumeration: Enumeration = candidates(cluster.world_size, cluster, space, ModelFacts.of(model))
     if not enumeration.candidates:
         raise PlanError(f"no layout of {cluster.world_size} ranks passes the rules: "
                         + "; ".join(sorted({p.reason for p in enumeration.pruned})))
+    if method == "blocks" or (method == "auto" and cluster.world_size > PLANS_UP_TO):
+        price = _BlockPricer(model, cluster, example_inputs, example_kwargs)
+    else:
+        def price(candidate: Candidate) -> Outcome:
+            return _price(model, cluster, candidate, example_inputs, example_kwargs)
     outcomes: list[Outcome] = []
     best: Outcome | None = None
-    for candidate in enumeration.candidates:
-        outcome = _price(model, cluster, candidate, example_inputs, example_kwargs)
-        for policy in space.recompute if outcome.estimate is not None and not outcome.fits else ():
-            outcome.plan = None  # it does not fit: never the winner
-            outcomes.append(outcome)
-            outcome = _price(model, cluster, replace(candidate, recompute=policy), example_inputs, example_kwargs)
-            if outcome.fits:
-                break
-        outcomes.append(outcome)
-        if outcome.fits and (best is None or outcome.estimate.seconds < best.estimate.seconds):
-            if best is not None:
-                best.plan = None
-            best = outcome
-        else:
-            outcome.plan = None
-        if progress is not None:
-            progress(outcome)
+    with reusing_traces():
+        for candidate in enumeration.candidates:
+            best = _searched(candidate, price, space, outcomes, best, progress)
     _fail_if_nothing_fits(outcomes, cluster)
     ranked = sorted(outcomes, key=_rank_key)
     return SearchResult(cluster, ranked, enumeration.pruned, time.perf_counter() - start)
+
+
+def _searched(candidate: Candidate, price: Callable[[Candidate], Outcome], space: SearchSpace,
+              outcomes: list[Outcome], best: "Outcome | None", progress: Callable[[Outcome], None] | None
+              ) -> "Outcome | None":
+    """Price one candidate (again with recomputation while it does not fit) and record it; returns
+    the best so far (the only outcome that keeps its plan)."""
+    outcome = price(candidate)
+    for policy in space.recompute if outcome.estimate is not None and not outcome.fits else ():
+        outcome.plan = None  # it does not fit: never the winner
+        outcomes.append(outcome)
+        outcome = price(replace(candidate, recompute=policy))
+        if outcome.fits:
+            break
+    outcomes.append(outcome)
+    if outcome.fits and (best is None or outcome.estimate.seconds < best.estimate.seconds):
+        if best is not None:
+            best.plan = None
+        best = outcome
+    else:
+        outcome.plan = None
+    if progress is not None:
+        progress(outcome)
+    return best
+
+
+def global_batch(example_inputs: Sequence[Any], example_kwargs: dict | None = None) -> int:
+    """The batch: the first dimension of the first tensor input."""
+    for value in list(example_inputs) + list((example_kwargs or {}).values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    raise PlanError("the planner needs a tensor input whose first dimension is the batch")
+
+
+class _BlockPricer:
+    """Candidates composed from one block's ledgers per in-node layout (`block_ledgers.py`,
+    `composed_cost.py`); each layout is measured once, the first time a candidate needs it."""
+
+    def __init__(self, model: torch.nn.Module, cluster: Cluster, example_inputs: Sequence[Any],
+                 example_kwargs: dict | None) -> None:
+        self.model, self.cluster, self.args, self.kwargs = model, cluster, example_inputs, example_kwargs
+        self.batch = global_batch(example_inputs, example_kwargs)
+        self.layouts: dict[Layout, "BlockLedgers | str"] = {}
+
+    def ledgers(self, layout: Layout) -> "BlockLedgers | str":
+        if layout not in self.layouts:
+            try:
+                self.layouts[layout] = measure_layout(self.model, layout, example_inputs=self.args,
+                                                      example_kwargs=self.kwargs)
+            except PlanError as error:
+                self.layouts[layout] = _first_line(error)
+        return self.layouts[layout]
+
+    def __call__(self, candidate: Candidate) -> Outcome:
+        start = time.perf_counter()
+        split = candidate.degree("dp") * (candidate.microbatches or 1)
+        if self.batch % split:
+            return Outcome(candidate, refused=f"the batch of {self.batch} does not split into dp × micro-batches = "
+                                              f"{split}", seconds=time.perf_counter() - start)
+        layout = Layout(tp=candidate.degree("tp"), cp=candidate.degree("cp"), ep=candidate.degree("ep"),
+                        sequence_parallel=candidate.sequence_parallel, recompute=candidate.recompute)
+        ledgers = self.ledgers(layout)
+        if isinstance(ledgers, str):
+            return Outcome(candidate, refused=ledgers, seconds=time.perf_counter() - start)
+        return Outcome(candidate, composed_estimate(ledgers, candidate, self.cluster, global_batch=self.batch),
+                       seconds=time.perf_counter() - start)
 
 
 def _rank_key(outcome: Outcome) -> tuple:

@@ -76,12 +76,12 @@ def find_repeated_blocks(model: nn.Module) -> tuple[str, int] | None:
 
 
 @contextlib.contextmanager
-def truncated(model: nn.Module, path: str) -> Iterator[None]:
-    """The module list at `path` holds its first `TRACED` blocks meanwhile."""
+def truncated(model: nn.Module, path: str, keep: int = TRACED) -> Iterator[None]:
+    """The module list at `path` holds its first `keep` blocks meanwhile."""
     parent_path, _, name = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     full = parent._modules[name]
-    parent._modules[name] = nn.ModuleList(list(full)[:TRACED])
+    parent._modules[name] = nn.ModuleList(list(full)[:keep])
     try:
         yield
     finally:

@@ -13,10 +13,13 @@ gathered state dict loads back into the original model strictly.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import sympy
 import torch
@@ -106,10 +109,60 @@ def _symbols(program: ExportedProgram, placeholders: dict[str, PlaceholderInfo],
     return names, values
 
 
+_REUSED: "dict[Any, TracedProgram] | None" = None
+
+
+@contextlib.contextmanager
+def reusing_traces() -> Iterator[None]:
+    """Within it, tracing a model again (the same object, with the same modules, on inputs of the
+    same shapes) gives a copy of the first trace instead of exporting it again: the planner at
+    scale plans one model under many layouts (`autopar/block_ledgers.py`), and the passes rewrite
+    a graph in place, so each plan gets its own copy of the graph (nodes and their metadata
+    dicts), sharing the traced values and state tensors, which no pass changes."""
+    global _REUSED
+    outer, _REUSED = _REUSED, {} if _REUSED is None else _REUSED
+    try:
+        yield
+    finally:
+        _REUSED = outer
+
+
+def _reuse_key(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims: Any, reuse_blocks: bool) -> Any:
+    def describe(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return tuple(value.shape), value.dtype, value.device.type
+        return repr(value)
+
+    # a module list by its length: `repeated_blocks.truncated` stands a new list in for the old one
+    modules = tuple((name, len(module)) if isinstance(module, torch.nn.ModuleList) else (name, id(module))
+                    for name, module in model.named_modules())
+    dtypes = tuple(p.dtype for p in model.parameters())
+    return (id(model), modules, dtypes, tuple(pytree.tree_map(describe, pytree.tree_leaves((args, kwargs)))),
+            repr(sorted((dynamic_dims or {}).items())), reuse_blocks)
+
+
+def _copy_of(traced: TracedProgram) -> TracedProgram:
+    graph = copy.deepcopy(traced.graph_module.graph)  # fx copies nodes iteratively, metadata dicts shallowly
+    return dataclasses.replace(traced, graph_module=lazy_graph_module(traced.graph_module, graph),
+                               placeholders=dict(traced.placeholders), state=dict(traced.state),
+                               seconds={"export (reused)": 0.0})
+
+
 def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
                 dynamic_dims: dict[str, int] | None = None, reuse_blocks: bool = True) -> TracedProgram:
     """`reuse_blocks`: export the first blocks of a list of equal blocks and copy the last of them
-    for the rest (`autopar/repeated_blocks.py`); the whole model where they are not the same graph."""
+    for the rest (`autopar/repeated_blocks.py`); the whole model where they are not the same graph.
+    Under `reusing_traces()` a trace made before is copied instead."""
+    if _REUSED is None:
+        return _trace_model(model, args, kwargs, dynamic_dims=dynamic_dims, reuse_blocks=reuse_blocks)
+    key = _reuse_key(model, tuple(args), kwargs or {}, dynamic_dims, reuse_blocks)
+    if key not in _REUSED:
+        _REUSED[key] = _trace_model(model, args, kwargs, dynamic_dims=dynamic_dims, reuse_blocks=reuse_blocks)
+    return _copy_of(_REUSED[key])
+
+
+def _trace_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
+                 dynamic_dims: dict[str, int] | None = None, reuse_blocks: bool = True) -> TracedProgram:
     kwargs = kwargs or {}
     if any(p.device.type == "meta" for p in model.parameters()):  # planning a model built on the meta device
         args, kwargs = pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, (tuple(args), kwargs))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.flop_counter import register_flop_formula
 
 import autopar
 from examples.gpt import Attention, GPTConfig, example_batch
@@ -72,6 +73,18 @@ def _grouped_mm_setup(ctx, inputs, output) -> None:
 
 grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 autopar.register_grouped_matmul(torch.ops.examples.grouped_mm.default)
+
+
+# FLOPs for PyTorch's counter (torch.utils.flop_counter; autopar's op ledger reads the same
+# registry): every routed row meets one expert's [K, M] weight, forward and for both gradients
+@register_flop_formula(torch.ops.examples.grouped_mm)
+def _grouped_mm_flops(rows_shape, weight_shape, offsets_shape, out_shape=None, **kwargs) -> int:
+    return 2 * rows_shape[0] * weight_shape[1] * weight_shape[2]
+
+
+@register_flop_formula(torch.ops.examples.grouped_mm_weight_grad)
+def _grouped_mm_weight_grad_flops(rows_shape, grad_shape, offsets_shape, experts, out_shape=None, **kwargs) -> int:
+    return 2 * rows_shape[0] * rows_shape[1] * grad_shape[1]
 
 
 @dataclass(frozen=True)

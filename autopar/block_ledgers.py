@@ -1,0 +1,222 @@
+"""One block's ledgers and the rest of the model's, for one in-node layout, read off two real plans.
+
+The planner at scale (`autopar/composed_cost.py`) prices thousands of candidates for a model of
+a hundred layers on thousands of ranks; planning each is out of reach (a plan of a 405B-wide
+model is seconds, not milliseconds). What differs between most candidates is arithmetic the
+ledger formulas already state — data parallelism's gradient collectives, ZeRO's shards, a
+pipeline's micro-batches and stage depth — while what a block costs under tensor, sequence,
+context and expert parallelism is the compiler's to say. So per in-node `Layout` (tp, sp, cp, ep,
+recompute) `measure_layout` plans the model cut to its first block and to its first two blocks
+(`repeated_blocks.truncated`; on the mesh of the layout's axes alone, one micro-batch of
+`batch` sequences) and takes, from the two plans' ledgers on rank 0:
+
+- `block` = two-block plan − one-block plan, `rest` = one-block plan − `block`: parameter,
+  buffer, activation and transient bytes (memory ledger), parameter tensors, forward and
+  backward op totals (op ledger: calls, FLOPs, bytes), and the collectives (communication
+  ledger entries by phase, axis, kind and bytes per call, with their call counts);
+- `first_params`: the rest's parameters that come before the blocks (the embedding; a
+  pipeline's first stage holds them, the last stage the rest);
+- `boundary_bytes`: the value one block hands the next (a pipeline's send per micro-batch).
+
+The cost of `search` therefore grows with the distinct layouts (two plans each), not with the
+layers or the ranks. The batch's first dimension of every tensor input is taken as the batch.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from autopar.errors import PlanError
+from autopar.ledger.op_cost import OpTotals, rank_ops
+from autopar.repeated_blocks import truncated
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The part of a candidate that lives inside a node and changes what one block computes."""
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    recompute: str | None = None
+
+    @property
+    def degrees(self) -> tuple[tuple[str, int], ...]:
+        return tuple((a, n) for a, n in (("cp", self.cp), ("ep", self.ep), ("tp", self.tp)) if n > 1)
+
+    @property
+    def mesh_spec(self) -> str:
+        return ",".join(f"{a}={n}" for a, n in self.degrees) or "dp=1"
+
+
+@dataclass(frozen=True)
+class CommUse:
+    phase: str
+    axis: str
+    kind: str
+    logical_bytes: int  # per call
+
+
+@dataclass
+class Part:
+    """What a block (or the rest of the model) holds, computes and moves on one rank."""
+    param_bytes: int = 0
+    param_tensors: int = 0
+    buffer_bytes: int = 0
+    activation_bytes: int = 0
+    transient_bytes: int = 0
+    forward: OpTotals = field(default_factory=OpTotals)
+    backward: OpTotals = field(default_factory=OpTotals)
+    comm: Counter = field(default_factory=Counter)  # CommUse -> calls per micro-batch (not gradient sync)
+    grad_sync: Counter = field(default_factory=Counter)  # axis -> bytes of gradients synchronised over it
+
+
+@dataclass
+class BlockLedgers:
+    layout: Layout
+    blocks: int  # the model's repeated blocks
+    batch: int  # sequences per micro-batch the two plans ran
+    block: Part
+    rest: Part
+    first_params: int  # bytes of the rest's parameters before the blocks
+    first_tensors: int  # and how many tensors they are
+    boundary_bytes: int  # per micro-batch, on one rank
+
+
+def _blocks_path(model: torch.nn.Module) -> tuple[str, int]:
+    lists = [(path, len(m)) for path, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
+    if not lists:
+        raise PlanError(f"{type(model).__name__} has no list of repeated blocks: the planner at scale prices one "
+                        f"block and composes the layers; plan it with autopar.search(..., method='plans')")
+    return max(lists, key=lambda item: item[1])
+
+
+def _ops_difference(two: OpTotals, one: OpTotals) -> tuple[OpTotals, OpTotals]:
+    """(block, rest): the calls the second block adds, and the one-block plan's calls less those.
+    Calls are matched as a multiset of (FLOPs, bytes)."""
+    two_calls, one_calls = Counter(two.per_call), Counter(one.per_call)
+    block_calls = two_calls - one_calls
+    rest_calls = one_calls - block_calls
+    return _totals(block_calls), _totals(rest_calls)
+
+
+def _totals(calls: Counter) -> OpTotals:
+    totals = OpTotals()
+    for (flops, nbytes), count in calls.items():
+        for _ in range(count):
+            totals.add(flops, nbytes)
+    return totals
+
+
+def _comm(plan: Any) -> tuple[Counter, Counter]:
+    """The rank's collectives by (phase, axis, kind, bytes); gradient synchronisation (bucketed by
+    size, not by block) as bytes per axis."""
+    ledger, uses, synced = plan.comm, Counter(), Counter()
+    for entry in ledger.for_rank(0):
+        nbytes = int(ledger.number(entry.logical_bytes))
+        if entry.phase == "grad_sync":
+            synced[entry.axis] += nbytes * entry.times
+        else:
+            uses[CommUse(entry.phase, entry.axis, entry.kind, nbytes)] += entry.times
+    return uses, synced
+
+
+def _figures(plan: Any) -> Part:
+    memory = plan.memory(rank=0)
+    categories = {name: int(value) for name, value in memory.by_category().items()}
+    ops = rank_ops(plan, 0)
+    tensors = sum(1 for e in memory.entries if e.category == "optimizer state")
+    uses, synced = _comm(plan)
+    return Part(param_bytes=categories["parameters"], param_tensors=tensors, buffer_bytes=categories["model buffers"],
+                activation_bytes=categories["activations"], transient_bytes=categories["transient"],
+                forward=ops.forward, backward=ops.backward, comm=uses, grad_sync=synced)
+
+
+def _difference(two: Part, one: Part) -> tuple[Part, Part]:
+    forward_block, forward_rest = _ops_difference(two.forward, one.forward)
+    backward_block, backward_rest = _ops_difference(two.backward, one.backward)
+    comm_block, synced_block = two.comm - one.comm, two.grad_sync - one.grad_sync
+    block = Part(two.param_bytes - one.param_bytes, two.param_tensors - one.param_tensors,
+                 two.buffer_bytes - one.buffer_bytes, two.activation_bytes - one.activation_bytes,
+                 max(two.transient_bytes - one.transient_bytes, 0), forward_block, backward_block, comm_block,
+                 synced_block)
+    rest = Part(one.param_bytes - block.param_bytes, one.param_tensors - block.param_tensors,
+                one.buffer_bytes - block.buffer_bytes, one.activation_bytes - block.activation_bytes,
+                one.transient_bytes, forward_rest, backward_rest, one.comm - comm_block,
+                one.grad_sync - synced_block)
+    return block, rest
+
+
+def _sliced(values: Sequence[Any], rows: int) -> tuple:
+    return tuple(v[:rows] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for v in values)
+
+
+def measure_layout(model: torch.nn.Module, layout: Layout, *, example_inputs: Sequence[Any],
+                   example_kwargs: dict | None = None, batch: int = 1) -> BlockLedgers:
+    """The block and rest ledgers of `model` under `layout` (module docstring). `example_inputs`
+    hold the global batch; the plans run `batch` sequences of it."""
+    from autopar.plan import plan as make_plan
+    from autopar.search_space import Candidate
+
+    path, blocks = _blocks_path(model)
+    args = _sliced(example_inputs, batch)
+    kwargs = dict(zip(example_kwargs, _sliced(tuple(example_kwargs.values()), batch))) if example_kwargs else None
+    candidate = Candidate(layout.degrees, sequence_parallel=layout.sequence_parallel, recompute=layout.recompute)
+    parts, plans = [], []
+    for keep in (1, 2):
+        with truncated(model, path, keep):
+            planned = make_plan(model, layout.mesh_spec, strategies=candidate.strategies(), example_inputs=args,
+                                example_kwargs=kwargs, reuse_blocks=False, check=False)
+            plans.append(planned)
+            parts.append(_figures(planned))
+    block, rest = _difference(parts[1], parts[0])
+    with truncated(model, path, 1):
+        first = _before_blocks(model, path, plans[0])
+    return BlockLedgers(layout=layout, blocks=blocks, batch=batch, block=block, rest=rest, first_params=sum(first),
+                        first_tensors=len(first), boundary_bytes=_boundary_bytes(plans[1], path))
+
+
+def _before_blocks(model: torch.nn.Module, path: str, plan: Any) -> list[int]:
+    """Rank 0's bytes of each parameter registered before the block list (its local shape under
+    the plan's placements)."""
+    names = [n for n, _ in model.named_parameters()]
+    first = next((i for i, n in enumerate(names) if n.startswith(path + ".")), len(names))
+    before = set(names[:first])
+    return [local for name, local in plan_parameter_bytes(plan).items() if name in before]
+
+
+def plan_parameter_bytes(plan: Any) -> dict[str, int]:
+    """Each parameter's bytes on rank 0 (its local shard under the plan's placements)."""
+    from autopar.ir import SPEC, local_numel
+
+    result = {}
+    for node in plan.program.graph_module.graph.nodes if plan.program.graph_module is not None else ():
+        info = plan.context.placeholders.get(node.name) if node.op == "placeholder" else None
+        if info is None or info.kind != "parameter" or SPEC not in node.meta:
+            continue
+        meta = node.meta[SPEC].tensor_meta
+        result[info.target] = int(local_numel(meta.shape, node.meta[SPEC].placements, plan.mesh.shape)) * meta.dtype.itemsize
+    return result
+
+
+def _boundary_bytes(plan: Any, path: str) -> int:
+    """Rank 0's bytes of the value block 0 hands block 1 (the last output of block 0 that a node of
+    block 1 reads)."""
+    from autopar.ir import SPEC, local_numel, module_stack
+
+    graph = plan.program.graph_module.graph
+    first, second = f"{path}.0", f"{path}.1"
+    carried = 0
+    for node in graph.nodes:
+        if second not in module_stack(node):
+            continue
+        for arg in node.all_input_nodes:
+            meta = getattr(arg.meta.get(SPEC), "tensor_meta", None)
+            if first in module_stack(arg) and second not in module_stack(arg):
+                if hasattr(meta, "shape"):
+                    carried = max(carried, int(local_numel(meta.shape, arg.meta[SPEC].placements, plan.mesh.shape))
+                                  * meta.dtype.itemsize)
+    return carried

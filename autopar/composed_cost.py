@@ -1,0 +1,316 @@
+"""A candidate's step time and peak memory composed from one block's ledgers (`block_ledgers.py`).
+
+`composed_estimate(ledgers, candidate, cluster, global_batch=)` is `step_cost.estimate` for a
+candidate that was never planned: what one block and the rest of the model hold, compute and
+move under the candidate's in-node layout (tp, sp, cp, ep, recompute) come from two real plans;
+what data parallelism, ZeRO and the pipeline add is the ledger formulas (`../shared/reference/
+LEDGER.md`) applied to those figures, the same rules the memory and communication ledgers
+implement for a planned model:
+
+- micro-batch: the global batch over dp × micro-batches; activations, op FLOPs and bytes, and
+  the layout's collectives scale with it from the plans' batch (calls and their fixed cost do
+  not); parameters, gradients and optimizer state do not;
+- stages: the blocks cut as `passes/split_pipeline.py` cuts them (`balanced_starts` on forward
+  FLOPs, the head and loss on the last stage; the embedding's parameters on the first); the
+  stage of the largest peak is the candidate's peak;
+- memory (`ledger/memory.py`'s rules): fp32 gradients the size of the parameters; AdamW's two
+  moments and a 4-byte step per tensor; ZeRO-1 shards the optimizer state (and keeps a full
+  gradient buffer and a replicated compute copy), ZeRO-2 also the gradients, ZeRO-3 also the
+  parameters, with their transients (units gathered at once, reduce-scatter inputs in flight, a
+  unit's gradients being laid out); a unit is a block, the rest of the model is the root unit;
+  activations of the micro-batches in flight (1 without a pipeline; 1F1B: min(m, p − stage);
+  GPipe: m);
+- communication on the candidate's mesh as the cluster lays it (an axis crosses nodes when its
+  groups do): the layout's collectives per micro-batch, blocking; data-parallel gradient
+  all-reduces in buckets of `bucket_cap_mb` behind backward (the last one exposed), ZeRO's
+  reduce-scatters per unit behind backward and all-gathers after the optimizer (ZeRO-3: forward
+  gathers behind forward, backward gathers behind backward), the cluster's `overlap` share
+  hidden; the layout's own gradient synchronisation (over cp, or tp for SP's replicated norms)
+  in buckets behind backward; a pipeline send per stage boundary per micro-batch as latency;
+- the pipeline's span for stage costs F_s + B_s (compute and blocking collectives per
+  micro-batch): Σ_s (F_s + B_s) + (m − 1) · max_s (F_s + B_s), the GPipe/1F1B span, plus the
+  sends' latency; its idle part is the bubble;
+- optimizer: `step_cost`'s AdamW model over the parameters the rank updates.
+Each rank is taken to have its own processor (the accelerator clusters this is for): the
+processor sharing `step_cost` models for CPU ranks on shared cores is not composed.
+`tests/test_composed_cost.py` compares it, candidate by candidate, with `step_cost.estimate` of
+the real plans on small models.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from functools import lru_cache
+from typing import Any
+
+from autopar.block_ledgers import BlockLedgers, CommUse, Part
+from autopar.cluster import Cluster
+from autopar.comm_kinds import KINDS
+from autopar.ledger.op_cost import OpTotals
+from autopar.search_space import AXIS_ORDER, Candidate
+from autopar.step_cost import OPTIMIZER_CALLS, OPTIMIZER_TRAFFIC, RUNTIME_COPY_TRAFFIC, StepEstimate, _exposed
+
+LOSS_REDUCTION_BYTES = 8  # fp32 (sum, count of targets): how autopar reduces a mean loss over batch shards
+GRAD_BYTES_PER_PARAM_BYTE = 1  # fp32 gradients of fp32 parameters (mixed precision keeps fp32 masters)
+ADAM_MOMENTS = 2
+
+
+def axis_links(candidate: Candidate, cluster: Cluster) -> dict[str, str]:
+    """Each axis's link as `Cluster.mesh` lays the candidate's mesh (axes in AXIS_ORDER, the last
+    fastest-varying): 'intra' when every group of the axis stays in one node."""
+    sizes = [(a, n) for a, n in candidate.degrees]
+    per_node = cluster.gpus_per_node if cluster.world_size > cluster.gpus_per_node else cluster.world_size
+    links, stride = {}, 1
+    for axis, size in reversed(sizes):
+        span = stride * size
+        links[axis] = "intra" if span <= per_node and per_node % span == 0 else "inter"
+        stride = span
+    return links
+
+
+def _wire(kind: str, group: int, logical: float) -> float:
+    return float(KINDS[kind].wire_factor(group)) * logical
+
+
+class _Pricer:
+    """Per-call seconds of collectives on the candidate's mesh; wire bytes per pipeline stage."""
+
+    def __init__(self, candidate: Candidate, cluster: Cluster) -> None:
+        self.cluster, self.links = cluster, axis_links(candidate, cluster)
+        self.sizes = dict(candidate.degrees)
+        self.stage_wire: dict[int, float] = defaultdict(float)
+        self.by_kind: dict[str, float] = defaultdict(float)
+
+    def wire(self, kind: str, axis: str, logical: float) -> float:
+        group = self.sizes.get(axis, 1)
+        if group <= 1 and not KINDS[kind].peer:
+            return 0.0
+        return _wire(kind, 2 if KINDS[kind].peer else group, logical)
+
+    def __call__(self, kind: str, axis: str, logical: float, calls: float = 1, stage: int | None = None) -> float:
+        """Seconds of one call; `calls` per step on `stage` (None: counted by the caller) go to the
+        stage's wire bytes and the per-kind seconds."""
+        group = self.sizes.get(axis, 1)
+        if group <= 1 and not KINDS[kind].peer:
+            return 0.0
+        seconds = self.cluster.collective_seconds(kind, group, int(logical), self.links.get(axis, "intra"))
+        self.by_kind[f"{axis} {kind}"] += calls * seconds
+        if stage is not None:
+            self.stage_wire[stage] += calls * self.wire(kind, axis, logical)
+        return seconds
+
+
+def _roofline(totals: OpTotals, cluster: Cluster, scale: float) -> float:
+    peak, bandwidth = cluster.peak_flops, cluster.memory_bandwidth
+    return totals.calls * cluster.op_overhead + scale * sum(max(f / peak, b / bandwidth) for f, b in totals.per_call)
+
+
+@lru_cache(maxsize=256)
+def _stage_blocks(blocks: int, stages: int, block_flops: int, tail_flops: int) -> tuple[int, ...]:
+    from passes.split_pipeline import balanced_starts
+
+    if stages == 1:
+        return (blocks,)
+    if blocks > 64:  # balanced_starts is O(blocks^2 * stages): even groups, the last one lighter
+        tail = tail_flops / max(block_flops, 1)
+        counts = [0] * stages
+        for index in range(blocks):  # greedy: the next block to the stage of least cost so far
+            costs = [c + (tail if s == stages - 1 else 0) for s, c in enumerate(counts)]
+            counts[costs.index(min(costs))] += 1
+        return tuple(counts)
+    starts = balanced_starts([block_flops] * blocks, stages, head=0, tail=tail_flops) + [blocks]
+    return tuple(starts[i + 1] - starts[i] for i in range(stages))
+
+
+def _rest_tensors(ledgers: BlockLedgers, first: bool, last: bool) -> int:
+    return (ledgers.first_tensors if first else 0) + (ledgers.rest.param_tensors - ledgers.first_tensors if last else 0)
+
+
+def _units(part_bytes: list[int], largest: int) -> int:
+    return sum(sorted(part_bytes, reverse=True)[:largest])
+
+
+def _stage_memory(ledgers: BlockLedgers, candidate: Candidate, blocks: int, first: bool, last: bool,
+                  in_flight: int, scale: float) -> dict[str, int]:
+    block, rest = ledgers.block, ledgers.rest
+    dp, zero = candidate.degree("dp"), candidate.zero
+    rest_params = (ledgers.first_params if first else 0) + (rest.param_bytes - ledgers.first_params if last else 0)
+    params = blocks * block.param_bytes + rest_params
+    tensors = blocks * block.param_tensors + _rest_tensors(ledgers, first, last)
+    grads = params * GRAD_BYTES_PER_PARAM_BYTE
+    units = [block.param_bytes] * blocks + ([rest_params] if rest_params else [])
+    shard = math.ceil(params / dp)
+    memory = {"parameters": params, "model buffers": blocks * block.buffer_bytes + (rest.buffer_bytes if last else 0),
+              "gradients": grads, "optimizer state": ADAM_MOMENTS * params + 4 * tensors,
+              "activations": int(in_flight * scale * (blocks * block.activation_bytes
+                                                      + (rest.activation_bytes if last else 0))),
+              "transient": int(scale * max(block.transient_bytes, rest.transient_bytes))}
+    if zero >= 1:
+        memory["optimizer state"] = ADAM_MOMENTS * shard + 4 * tensors
+        memory["parameters"] = shard + (params if zero < 3 else 0)
+        memory["transient"] += _units(units, 1)  # a unit's gradients as backward hands them over
+    if zero == 1:
+        memory["gradients"] = grads + shard  # the full-gradient buffer and each unit's shard
+        memory["transient"] += _units(units, 1)  # laid out for the full-gradient buffer
+    if zero >= 2:
+        memory["gradients"] = shard
+        memory["transient"] += _units(units, 2)  # reduce-scatter inputs in flight
+    if zero == 3:
+        memory["transient"] += (rest_params if candidate.degree("pp") == 1 else 0) + _units(units[:blocks], 2)
+    return memory
+
+
+def _stage_compute(part: Part, cluster: Cluster, scale: float) -> tuple[float, float]:
+    return _roofline(part.forward, cluster, scale), _roofline(part.backward, cluster, scale)
+
+
+def _blocking(part: Part, price: _Pricer, scale: float, times: float) -> tuple[float, float, list[float], float]:
+    """(forward, backward) seconds per micro-batch of a part's blocking collectives, its sends'
+    seconds, and its wire bytes per micro-batch; `times` calls per step of the part (per-kind totals)."""
+    forward = backward = wire = 0.0
+    sends: list[float] = []
+    for use, calls in part.comm.items():
+        wire += calls * price.wire(use.kind, use.axis, use.logical_bytes * scale)
+        if use.kind == "recv":  # the other end of a peer's send: timed once, at the sender
+            continue
+        seconds = price(use.kind, use.axis, use.logical_bytes * scale, calls * times)
+        if use.kind == "send":
+            sends += [seconds] * int(calls)
+        elif use.phase == "forward":
+            forward += calls * seconds
+        else:
+            backward += calls * seconds
+    return forward, backward, sends, wire
+
+
+def _bucketed(nbytes: int, cap: int) -> list[int]:
+    if nbytes <= 0:
+        return []
+    full, left = divmod(nbytes, cap)
+    return [cap] * full + ([left] if left else [])
+
+
+def composed_estimate(ledgers: BlockLedgers, candidate: Candidate, cluster: Cluster, *, global_batch: int,
+                      bucket_cap_mb: float = 25.0) -> StepEstimate:
+    """`candidate`'s predicted step time and peak memory per rank (module docstring)."""
+    dp, pp = candidate.degree("dp"), candidate.degree("pp")
+    micro = candidate.microbatches or 1
+    scale = global_batch / (dp * micro) / ledgers.batch
+    block, rest = ledgers.block, ledgers.rest
+    price = _Pricer(candidate, cluster)
+    counts = _stage_blocks(ledgers.blocks, pp, block.forward.flops, rest.forward.flops)
+    block_f, block_b = _stage_compute(block, cluster, scale)
+    rest_f, rest_b = _stage_compute(rest, cluster, scale)
+    block_cf, block_cb, block_sends, block_wire = _blocking(block, price, scale, sum(counts) * micro)
+    rest_cf, rest_cb, rest_sends, rest_wire = _blocking(rest, price, scale, micro)
+    if dp > 1:  # the loss's (sum, count) over the data-parallel batch shards, as over cp's
+        rest_cf += price("all_reduce", "dp", LOSS_REDUCTION_BYTES, micro, stage=pp - 1)
+    cap = int(bucket_cap_mb * 2**20)
+    stages = []
+    for index, blocks in enumerate(counts):
+        first, last = index == 0, index == pp - 1
+        if pp == 1:
+            in_flight = 1
+        elif candidate.schedule == "gpipe":
+            in_flight = micro
+        else:
+            in_flight = min(micro, pp - index)
+        memory = _stage_memory(ledgers, candidate, blocks, first, last, in_flight, scale)
+        compute_f = blocks * block_f + (rest_f if last else 0.0)
+        compute_b = blocks * block_b + (rest_b if last else 0.0)
+        blocking_f = blocks * block_cf + (rest_cf if last else 0.0)
+        blocking_b = blocks * block_cb + (rest_cb if last else 0.0)
+        sends = block_sends * blocks + (rest_sends if last else [])
+        price.stage_wire[index] += micro * (blocks * block_wire + (rest_wire if last else 0.0))
+        stages.append(_Stage(index, blocks, first, last, memory, compute_f, compute_b, blocking_f, blocking_b, sends))
+    tails = [_gradient_and_optimizer(ledgers, candidate, cluster, price, stage, cap, micro) for stage in stages]
+    if pp == 1:
+        stage, tail = stages[0], tails[0]
+        compute = stage.compute_f + stage.compute_b
+        exposed = (stage.blocking_f + stage.blocking_b
+                   + _exposed(stage.sends, compute, cluster.overlap, unhidden="first")
+                   + _exposed(tail.behind_forward, stage.compute_f, cluster.overlap, unhidden="first")
+                   + _exposed(tail.behind_backward, stage.compute_b, cluster.overlap, unhidden="last") + tail.after)
+        parts = {"compute": compute + tail.copies, "communication": exposed, "bubble": 0.0,
+                 "optimizer": tail.optimizer}
+    else:
+        parts = _pipelined(stages, tails, candidate, cluster, price, ledgers, scale, micro)
+    peak_stage = max(stages, key=lambda s: sum(s.memory.values()))
+    return StepEstimate(cluster=cluster, seconds=sum(parts.values()), parts=parts,
+                        comm_seconds=sum(price.by_kind.values()) / pp, wire_bytes=int(max(price.stage_wire.values(), default=0)),
+                        peak_bytes=sum(peak_stage.memory.values()), memory=peak_stage.memory,
+                        comm_by_kind=dict(price.by_kind))
+
+
+class _Stage:
+    def __init__(self, index: int, blocks: int, first: bool, last: bool, memory: dict[str, int], compute_f: float,
+                 compute_b: float, blocking_f: float, blocking_b: float, sends: list[float]) -> None:
+        self.index, self.blocks, self.first, self.last, self.memory = index, blocks, first, last, memory
+        self.compute_f, self.compute_b, self.blocking_f, self.blocking_b = compute_f, compute_b, blocking_f, blocking_b
+        self.sends = sends
+
+
+class _Tail:
+    def __init__(self) -> None:
+        self.behind_forward: list[float] = []
+        self.behind_backward: list[float] = []
+        self.after = self.copies = self.optimizer = 0.0
+
+
+def _gradient_and_optimizer(ledgers: BlockLedgers, candidate: Candidate, cluster: Cluster, price: _Pricer,
+                            stage: _Stage, cap: int, micro: int) -> _Tail:
+    """A stage's data-parallel (and the layout's own) gradient collectives, ZeRO's copies and the
+    optimizer step, once per step."""
+    tail, at = _Tail(), stage.index
+    block, rest = ledgers.block, ledgers.rest
+    rest_params = ((ledgers.first_params if stage.first else 0)
+                   + (rest.param_bytes - ledgers.first_params if stage.last else 0))
+    full = stage.blocks * block.param_bytes + rest_params
+    dp, zero = candidate.degree("dp"), candidate.zero
+    units = [block.param_bytes] * stage.blocks + ([rest_params] if rest_params else [])
+    tensors = [block.param_tensors] * stage.blocks + ([_rest_tensors(ledgers, stage.first, stage.last)]
+                                                      if rest_params else [])
+    if dp > 1 and zero == 0:
+        tail.behind_backward += [price("all_reduce", "dp", b, stage=at) for b in _bucketed(full, cap)]
+    elif dp > 1:
+        gathers = micro if zero == 3 else 1
+        for unit, count in zip(units, tensors):
+            tail.behind_backward.append(price("reduce_scatter", "dp", unit, stage=at))
+            copy = RUNTIME_COPY_TRAFFIC * unit / cluster.memory_bandwidth + (2 + count) * cluster.op_overhead
+            tail.copies += copy
+            if zero < 3:
+                tail.after += price("all_gather", "dp", unit, stage=at)
+                tail.copies += copy
+            else:
+                tail.behind_forward += [price("all_gather", "dp", unit, gathers, stage=at)] * gathers
+                tail.behind_backward += [price("all_gather", "dp", unit, gathers, stage=at)] * gathers
+                tail.copies += 2 * gathers * copy
+    for axis, per_block in block.grad_sync.items():
+        synced = stage.blocks * per_block + (rest.grad_sync.get(axis, 0) if stage.last or stage.first else 0)
+        tail.behind_backward += [price("all_reduce", axis, b, stage=at) for b in _bucketed(synced, cap)]
+    owned = math.ceil(full / dp) if zero >= 1 else full
+    tail.optimizer = (OPTIMIZER_CALLS * sum(tensors) * cluster.op_overhead
+                      + OPTIMIZER_TRAFFIC * owned / cluster.memory_bandwidth)
+    return tail
+
+
+def _pipelined(stages: list[_Stage], tails: list[_Tail], candidate: Candidate, cluster: Cluster, price: _Pricer,
+               ledgers: BlockLedgers, scale: float, micro: int) -> dict[str, float]:
+    per_micro = [s.compute_f + s.compute_b + s.blocking_f + s.blocking_b for s in stages]
+    send = price("send", "pp", ledgers.boundary_bytes * scale, 2 * micro * (len(stages) - 1))
+    for stage in stages:  # per micro-batch at each boundary a stage has: one transfer forward, one backward
+        boundaries = (not stage.first) + (not stage.last)
+        price.stage_wire[stage.index] += 2 * micro * boundaries * price.wire("send", "pp", ledgers.boundary_bytes * scale)
+    span = sum(per_micro) + (micro - 1) * max(per_micro) + 2 * (len(stages) - 1) * send
+    critical = max(range(len(stages)), key=lambda i: per_micro[i])
+    busy = micro * per_micro[critical]
+    compute = micro * (stages[critical].compute_f + stages[critical].compute_b)
+    ends = []
+    for stage, tail in zip(stages, tails):
+        last_backward = stage.compute_b / max(stage.blocks, 1)
+        communication = (_exposed(tail.behind_backward, last_backward, cluster.overlap, unhidden="last")
+                         + tail.after + sum(tail.behind_forward))
+        ends.append((communication, tail.copies, tail.optimizer))
+    communication, copies, optimizer = max(ends, key=sum)
+    return {"compute": compute + copies, "communication": busy - compute + communication, "bubble": span - busy,
+            "optimizer": optimizer}
