@@ -78,7 +78,7 @@ class Part:
 class BlockLedgers:
     layout: Layout
     blocks: int  # the model's repeated blocks
-    batch: int  # sequences per micro-batch the two plans ran
+    batch: int  # sequences per rank per micro-batch the two plans ran (1: the plans ran `layout.ep`)
     block: Part
     rest: Part
     first_params: int  # bytes of the rest's parameters before the blocks
@@ -155,9 +155,11 @@ def _sliced(values: Sequence[Any], rows: int) -> tuple:
 
 
 def measure_layout(model: torch.nn.Module, layout: Layout, *, example_inputs: Sequence[Any],
-                   example_kwargs: dict | None = None, batch: int = 1) -> BlockLedgers:
+                   example_kwargs: dict | None = None) -> BlockLedgers:
     """The block and rest ledgers of `model` under `layout` (module docstring). `example_inputs`
-    hold the global batch; the plans run `batch` sequences of it."""
+    hold the global batch; the plans run one sequence per rank of the batch-sharding axes (ep:
+    the attention's data parallelism inside an expert-parallel group)."""
+    batch = layout.ep
     from autopar.plan import plan as make_plan
     from autopar.search_space import Candidate
 
@@ -175,7 +177,7 @@ def measure_layout(model: torch.nn.Module, layout: Layout, *, example_inputs: Se
     block, rest = _difference(parts[1], parts[0])
     with truncated(model, path, 1):
         first = _before_blocks(model, path, plans[0])
-    return BlockLedgers(layout=layout, blocks=blocks, batch=batch, block=block, rest=rest, first_params=sum(first),
+    return BlockLedgers(layout=layout, blocks=blocks, batch=1, block=block, rest=rest, first_params=sum(first),
                         first_tensors=len(first), boundary_bytes=_boundary_bytes(plans[1], path))
 
 

@@ -7,7 +7,8 @@ what data parallelism, ZeRO and the pipeline add is the ledger formulas (`../sha
 LEDGER.md`) applied to those figures, the same rules the memory and communication ledgers
 implement for a planned model:
 
-- micro-batch: the global batch over dp × micro-batches; activations, op FLOPs and bytes, and
+- micro-batch: the global batch over dp × ep × micro-batches (ep splits the batch of everything
+  but the experts); activations, op FLOPs and bytes, and
   the layout's collectives scale with it from the plans' batch (calls and their fixed cost do
   not); parameters, gradients and optimizer state do not;
 - stages: the blocks cut as `passes/split_pipeline.py` cuts them (`balanced_starts` on forward
@@ -80,6 +81,7 @@ class _Pricer:
         self.sizes = dict(candidate.degrees)
         self.stage_wire: dict[int, float] = defaultdict(float)
         self.by_kind: dict[str, float] = defaultdict(float)
+        self.seconds: dict[tuple[str, str, int], float] = {}
 
     def wire(self, kind: str, axis: str, logical: float) -> float:
         group = self.sizes.get(axis, 1)
@@ -93,7 +95,10 @@ class _Pricer:
         group = self.sizes.get(axis, 1)
         if group <= 1 and not KINDS[kind].peer:
             return 0.0
-        seconds = self.cluster.collective_seconds(kind, group, int(logical), self.links.get(axis, "intra"))
+        key = (kind, axis, int(logical))
+        if key not in self.seconds:
+            self.seconds[key] = self.cluster.collective_seconds(kind, group, int(logical), self.links.get(axis, "intra"))
+        seconds = self.seconds[key]
         self.by_kind[f"{axis} {kind}"] += calls * seconds
         if stage is not None:
             self.stage_wire[stage] += calls * self.wire(kind, axis, logical)
@@ -130,9 +135,10 @@ def _units(part_bytes: list[int], largest: int) -> int:
     return sum(sorted(part_bytes, reverse=True)[:largest])
 
 
-def _stage_memory(ledgers: BlockLedgers, candidate: Candidate, blocks: int, first: bool, last: bool,
-                  in_flight: int, scale: float) -> dict[str, int]:
+def _rank_memory(ledgers: BlockLedgers, candidate: Candidate, rank: "_Rank", activations: float,
+                 scale: float) -> dict[str, int]:
     block, rest = ledgers.block, ledgers.rest
+    blocks, first, last = rank.blocks, rank.first, rank.last
     dp, zero = candidate.degree("dp"), candidate.zero
     rest_params = (ledgers.first_params if first else 0) + (rest.param_bytes - ledgers.first_params if last else 0)
     params = blocks * block.param_bytes + rest_params
@@ -142,8 +148,7 @@ def _stage_memory(ledgers: BlockLedgers, candidate: Candidate, blocks: int, firs
     shard = math.ceil(params / dp)
     memory = {"parameters": params, "model buffers": blocks * block.buffer_bytes + (rest.buffer_bytes if last else 0),
               "gradients": grads, "optimizer state": ADAM_MOMENTS * params + 4 * tensors,
-              "activations": int(in_flight * scale * (blocks * block.activation_bytes
-                                                      + (rest.activation_bytes if last else 0))),
+              "activations": int(activations),
               "transient": int(scale * max(block.transient_bytes, rest.transient_bytes))}
     if zero >= 1:
         memory["optimizer state"] = ADAM_MOMENTS * shard + 4 * tensors
@@ -183,49 +188,50 @@ def _blocking(part: Part, price: _Pricer, scale: float, times: float) -> tuple[f
     return forward, backward, sends, wire
 
 
-def _bucketed(nbytes: int, cap: int) -> list[int]:
+def _bucketed(price: _Pricer, kind: str, axis: str, nbytes: int, cap: int, stage: int) -> list[float]:
+    """Per-call seconds of `nbytes` moved in buckets of `cap` bytes (each size priced once)."""
     if nbytes <= 0:
         return []
     full, left = divmod(nbytes, cap)
-    return [cap] * full + ([left] if left else [])
+    calls = [price(kind, axis, cap, full, stage=stage)] * full if full else []
+    return calls + ([price(kind, axis, left, 1, stage=stage)] if left else [])
 
 
 def composed_estimate(ledgers: BlockLedgers, candidate: Candidate, cluster: Cluster, *, global_batch: int,
                       bucket_cap_mb: float = 25.0) -> StepEstimate:
     """`candidate`'s predicted step time and peak memory per rank (module docstring)."""
     dp, pp = candidate.degree("dp"), candidate.degree("pp")
-    micro = candidate.microbatches or 1
-    scale = global_batch / (dp * micro) / ledgers.batch
+    micro, virtual = candidate.microbatches or 1, candidate.virtual
+    scale = global_batch / (dp * candidate.degree("ep") * micro) / ledgers.batch
     block, rest = ledgers.block, ledgers.rest
     price = _Pricer(candidate, cluster)
-    counts = _stage_blocks(ledgers.blocks, pp, block.forward.flops, rest.forward.flops)
+    chunks = pp * virtual
+    counts = _stage_blocks(ledgers.blocks, chunks, block.forward.flops, rest.forward.flops)
     block_f, block_b = _stage_compute(block, cluster, scale)
     rest_f, rest_b = _stage_compute(rest, cluster, scale)
     block_cf, block_cb, block_sends, block_wire = _blocking(block, price, scale, sum(counts) * micro)
     rest_cf, rest_cb, rest_sends, rest_wire = _blocking(rest, price, scale, micro)
     if dp > 1:  # the loss's (sum, count) over the data-parallel batch shards, as over cp's
-        rest_cf += price("all_reduce", "dp", LOSS_REDUCTION_BYTES, micro, stage=pp - 1)
-    cap = int(bucket_cap_mb * 2**20)
+        rest_cf += price("all_reduce", "dp", LOSS_REDUCTION_BYTES, micro, stage=(chunks - 1) % pp)
     stages = []
     for index, blocks in enumerate(counts):
-        first, last = index == 0, index == pp - 1
-        if pp == 1:
-            in_flight = 1
-        elif candidate.schedule == "gpipe":
-            in_flight = micro
-        else:
-            in_flight = min(micro, pp - index)
-        memory = _stage_memory(ledgers, candidate, blocks, first, last, in_flight, scale)
-        compute_f = blocks * block_f + (rest_f if last else 0.0)
-        compute_b = blocks * block_b + (rest_b if last else 0.0)
-        blocking_f = blocks * block_cf + (rest_cf if last else 0.0)
-        blocking_b = blocks * block_cb + (rest_cb if last else 0.0)
-        sends = block_sends * blocks + (rest_sends if last else [])
-        price.stage_wire[index] += micro * (blocks * block_wire + (rest_wire if last else 0.0))
-        stages.append(_Stage(index, blocks, first, last, memory, compute_f, compute_b, blocking_f, blocking_b, sends))
-    tails = [_gradient_and_optimizer(ledgers, candidate, cluster, price, stage, cap, micro) for stage in stages]
+        last = index == chunks - 1
+        stage = _Stage(index, blocks, index == 0, last)
+        stage.compute_f = blocks * block_f + (rest_f if last else 0.0)
+        stage.compute_b = blocks * block_b + (rest_b if last else 0.0)
+        stage.blocking_f = blocks * block_cf + (rest_cf if last else 0.0)
+        stage.blocking_b = blocks * block_cb + (rest_cb if last else 0.0)
+        stage.sends = block_sends * blocks + (rest_sends if last else [])
+        stage.activation = scale * (blocks * block.activation_bytes + (rest.activation_bytes if last else 0))
+        price.stage_wire[index % pp] += micro * (blocks * block_wire + (rest_wire if last else 0.0))
+        stages.append(stage)
+    ranks = [_Rank([s for s in stages if s.index % pp == r]) for r in range(pp)]
+    in_flight = _activation_peaks(candidate, stages, pp, micro)
+    for rank in ranks:
+        rank.memory = _rank_memory(ledgers, candidate, rank, in_flight[rank.index], scale)
+        rank.tail = _gradient_and_optimizer(ledgers, candidate, cluster, price, rank, int(bucket_cap_mb * 2**20), micro)
     if pp == 1:
-        stage, tail = stages[0], tails[0]
+        stage, tail = stages[0], ranks[0].tail
         compute = stage.compute_f + stage.compute_b
         exposed = (stage.blocking_f + stage.blocking_b
                    + _exposed(stage.sends, compute, cluster.overlap, unhidden="first")
@@ -234,20 +240,53 @@ def composed_estimate(ledgers: BlockLedgers, candidate: Candidate, cluster: Clus
         parts = {"compute": compute + tail.copies, "communication": exposed, "bubble": 0.0,
                  "optimizer": tail.optimizer}
     else:
-        parts = _pipelined(stages, tails, candidate, cluster, price, ledgers, scale, micro)
-    peak_stage = max(stages, key=lambda s: sum(s.memory.values()))
+        parts = _pipelined(stages, ranks, candidate, cluster, price, ledgers, scale, micro)
+    peak = max(ranks, key=lambda r: sum(r.memory.values()))
     return StepEstimate(cluster=cluster, seconds=sum(parts.values()), parts=parts,
                         comm_seconds=sum(price.by_kind.values()) / pp, wire_bytes=int(max(price.stage_wire.values(), default=0)),
-                        peak_bytes=sum(peak_stage.memory.values()), memory=peak_stage.memory,
-                        comm_by_kind=dict(price.by_kind))
+                        peak_bytes=sum(peak.memory.values()), memory=peak.memory, comm_by_kind=dict(price.by_kind))
+
+
+def _activation_peaks(candidate: Candidate, stages: list["_Stage"], pp: int, micro: int) -> list[float]:
+    """Per pipeline rank, the most activation bytes its schedule keeps at once: a forward holds its
+    stage's activations until that stage's backward of the same micro-batch runs."""
+    if pp == 1:
+        return [stages[0].activation]
+    from autopar import schedules
+
+    orders = schedules.actions(candidate.schedule, degree=pp, virtual=candidate.virtual, microbatches=micro)
+    peaks = []
+    for order in orders:
+        held = most = 0.0
+        for action in order:
+            if action.kind == "F":
+                held += stages[action.stage].activation
+                most = max(most, held)
+            elif action.kind == "B":
+                held -= stages[action.stage].activation
+        peaks.append(most)
+    return peaks
 
 
 class _Stage:
-    def __init__(self, index: int, blocks: int, first: bool, last: bool, memory: dict[str, int], compute_f: float,
-                 compute_b: float, blocking_f: float, blocking_b: float, sends: list[float]) -> None:
-        self.index, self.blocks, self.first, self.last, self.memory = index, blocks, first, last, memory
-        self.compute_f, self.compute_b, self.blocking_f, self.blocking_b = compute_f, compute_b, blocking_f, blocking_b
-        self.sends = sends
+    """A pipeline stage (a virtual one under interleaving): its blocks and per-micro-batch costs."""
+
+    def __init__(self, index: int, blocks: int, first: bool, last: bool) -> None:
+        self.index, self.blocks, self.first, self.last = index, blocks, first, last
+        self.compute_f = self.compute_b = self.blocking_f = self.blocking_b = self.activation = 0.0
+        self.sends: list[float] = []
+
+
+class _Rank:
+    """The stages one pipeline rank runs (one; `virtual` under interleaving)."""
+
+    def __init__(self, stages: list[_Stage]) -> None:
+        self.stages = stages
+        self.index = stages[0].index if stages else 0
+        self.blocks = sum(s.blocks for s in stages)
+        self.first, self.last = any(s.first for s in stages), any(s.last for s in stages)
+        self.memory: dict[str, int] = {}
+        self.tail: "_Tail | None" = None
 
 
 class _Tail:
@@ -258,7 +297,7 @@ class _Tail:
 
 
 def _gradient_and_optimizer(ledgers: BlockLedgers, candidate: Candidate, cluster: Cluster, price: _Pricer,
-                            stage: _Stage, cap: int, micro: int) -> _Tail:
+                            stage: "_Rank", cap: int, micro: int) -> _Tail:
     """A stage's data-parallel (and the layout's own) gradient collectives, ZeRO's copies and the
     optimizer step, once per step."""
     tail, at = _Tail(), stage.index
@@ -271,7 +310,7 @@ def _gradient_and_optimizer(ledgers: BlockLedgers, candidate: Candidate, cluster
     tensors = [block.param_tensors] * stage.blocks + ([_rest_tensors(ledgers, stage.first, stage.last)]
                                                       if rest_params else [])
     if dp > 1 and zero == 0:
-        tail.behind_backward += [price("all_reduce", "dp", b, stage=at) for b in _bucketed(full, cap)]
+        tail.behind_backward += _bucketed(price, "all_reduce", "dp", full, cap, at)
     elif dp > 1:
         gathers = micro if zero == 3 else 1
         for unit, count in zip(units, tensors):
@@ -287,30 +326,38 @@ def _gradient_and_optimizer(ledgers: BlockLedgers, candidate: Candidate, cluster
                 tail.copies += 2 * gathers * copy
     for axis, per_block in block.grad_sync.items():
         synced = stage.blocks * per_block + (rest.grad_sync.get(axis, 0) if stage.last or stage.first else 0)
-        tail.behind_backward += [price("all_reduce", axis, b, stage=at) for b in _bucketed(synced, cap)]
+        tail.behind_backward += _bucketed(price, "all_reduce", axis, synced, cap, at)
     owned = math.ceil(full / dp) if zero >= 1 else full
     tail.optimizer = (OPTIMIZER_CALLS * sum(tensors) * cluster.op_overhead
                       + OPTIMIZER_TRAFFIC * owned / cluster.memory_bandwidth)
     return tail
 
 
-def _pipelined(stages: list[_Stage], tails: list[_Tail], candidate: Candidate, cluster: Cluster, price: _Pricer,
+def _pipelined(stages: list[_Stage], ranks: list[_Rank], candidate: Candidate, cluster: Cluster, price: _Pricer,
                ledgers: BlockLedgers, scale: float, micro: int) -> dict[str, float]:
-    per_micro = [s.compute_f + s.compute_b + s.blocking_f + s.blocking_b for s in stages]
-    send = price("send", "pp", ledgers.boundary_bytes * scale, 2 * micro * (len(stages) - 1))
-    for stage in stages:  # per micro-batch at each boundary a stage has: one transfer forward, one backward
-        boundaries = (not stage.first) + (not stage.last)
-        price.stage_wire[stage.index] += 2 * micro * boundaries * price.wire("send", "pp", ledgers.boundary_bytes * scale)
-    span = sum(per_micro) + (micro - 1) * max(per_micro) + 2 * (len(stages) - 1) * send
-    critical = max(range(len(stages)), key=lambda i: per_micro[i])
-    busy = micro * per_micro[critical]
-    compute = micro * (stages[critical].compute_f + stages[critical].compute_b)
+    """The span of the schedule for per-rank work T_r (its stages' F + B per micro-batch):
+    Σ_r T_r / v + (m − 1/v) · max_r T_r — GPipe's and 1F1B's (m + p − 1) · T, interleaving's
+    (m + (p − 1)/v) · T (Narayanan et al. 2021) for equal ranks — plus a send's latency per
+    stage boundary on the way down and back. (`schedules.simulate` runs every action; for
+    p · m · v in the thousands that is seconds per candidate, which the composed search cannot spend.)"""
+    pp, chunks, virtual = len(ranks), len(stages), candidate.virtual
+    boundary = ledgers.boundary_bytes * scale
+    send = price("send", "pp", boundary, 2 * micro * (chunks - 1))
+    for rank in ranks:  # per micro-batch at each boundary of each of its stages: one transfer forward, one backward
+        boundaries = sum((not s.first) + (not s.last) for s in rank.stages)
+        price.stage_wire[rank.index] += 2 * micro * boundaries * price.wire("send", "pp", boundary)
+    work = [sum(s.compute_f + s.compute_b + s.blocking_f + s.blocking_b for s in r.stages) for r in ranks]
+    critical = max(range(pp), key=work.__getitem__)
+    span = sum(work) / virtual + (micro - 1 / virtual) * work[critical] + 2 * (chunks - 1) * send
+    busy = micro * work[critical]
+    compute = micro * sum(s.compute_f + s.compute_b for s in ranks[critical].stages)
     ends = []
-    for stage, tail in zip(stages, tails):
-        last_backward = stage.compute_b / max(stage.blocks, 1)
+    for rank in ranks:
+        tail = rank.tail
+        last_backward = min(s.compute_b / max(s.blocks, 1) for s in rank.stages)
         communication = (_exposed(tail.behind_backward, last_backward, cluster.overlap, unhidden="last")
                          + tail.after + sum(tail.behind_forward))
         ends.append((communication, tail.copies, tail.optimizer))
     communication, copies, optimizer = max(ends, key=sum)
-    return {"compute": compute + copies, "communication": busy - compute + communication, "bubble": span - busy,
-            "optimizer": optimizer}
+    return {"compute": compute + copies, "communication": busy - compute + communication,
+            "bubble": span - busy, "optimizer": optimizer}

@@ -141,7 +141,8 @@ def search(model: torch.nn.Module, cluster: Cluster, *, example_inputs: Sequence
         raise PlanError(f"unknown search method {method!r}; one of {', '.join(METHODS)}")
     start = time.perf_counter()
     space = space or SearchSpace()
-    enumeration: Enumeration = candidates(cluster.world_size, cluster, space, ModelFacts.of(model))
+    facts = replace(ModelFacts.of(model), sequence=_sequence(example_inputs, example_kwargs))
+    enumeration: Enumeration = candidates(cluster.world_size, cluster, space, facts)
     if not enumeration.candidates:
         raise PlanError(f"no layout of {cluster.world_size} ranks passes the rules: "
                         + "; ".join(sorted({p.reason for p in enumeration.pruned})))
@@ -192,6 +193,14 @@ def global_batch(example_inputs: Sequence[Any], example_kwargs: dict | None = No
     raise PlanError("the planner needs a tensor input whose first dimension is the batch")
 
 
+def _sequence(example_inputs: Sequence[Any], example_kwargs: dict | None) -> int | None:
+    """Tokens per sequence: the second dimension of the first tensor input of two or more."""
+    for value in list(example_inputs) + list((example_kwargs or {}).values()):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return int(value.shape[1])
+    return None
+
+
 class _BlockPricer:
     """Candidates composed from one block's ledgers per in-node layout (`block_ledgers.py`,
     `composed_cost.py`); each layout is measured once, the first time a candidate needs it."""
@@ -213,10 +222,10 @@ class _BlockPricer:
 
     def __call__(self, candidate: Candidate) -> Outcome:
         start = time.perf_counter()
-        split = candidate.degree("dp") * (candidate.microbatches or 1)
+        split = candidate.degree("dp") * candidate.degree("ep") * (candidate.microbatches or 1)
         if self.batch % split:
-            return Outcome(candidate, refused=f"the batch of {self.batch} does not split into dp × micro-batches = "
-                                              f"{split}", seconds=time.perf_counter() - start)
+            return Outcome(candidate, refused=f"the batch of {self.batch} does not split into dp × ep × micro-batches "
+                                              f"= {split}", seconds=time.perf_counter() - start)
         layout = Layout(tp=candidate.degree("tp"), cp=candidate.degree("cp"), ep=candidate.degree("ep"),
                         sequence_parallel=candidate.sequence_parallel, recompute=candidate.recompute)
         ledgers = self.ledgers(layout)

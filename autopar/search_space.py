@@ -42,6 +42,7 @@ class Candidate:
     schedule: str | None = None
     microbatches: int | None = None
     recompute: str | None = None
+    virtual: int = 1  # pipeline stages per pp rank (interleaved_1f1b when > 1)
 
     def degree(self, axis: str) -> int:
         return dict(self.degrees).get(axis, 1)
@@ -60,7 +61,7 @@ class Candidate:
             if axis == "tp" and self.sequence_parallel:
                 text += "+sp"
             if axis == "pp":
-                text += f" {self.schedule} m{self.microbatches}"
+                text += f" {self.schedule} m{self.microbatches}" + (f" v{self.virtual}" if self.virtual > 1 else "")
             parts.append(text)
         if self.recompute:
             parts.append(f"recompute {self.recompute}")
@@ -82,7 +83,8 @@ class Candidate:
             elif axis == "tp":
                 chosen.append(sequence_parallel() if self.sequence_parallel else tensor_parallel())
             elif axis == "pp":
-                chosen.append(pipeline_parallel(schedule=self.schedule, microbatches=self.microbatches))
+                chosen.append(pipeline_parallel(schedule=self.schedule, microbatches=self.microbatches,
+                                                virtual_stages=self.virtual))
             elif axis == "cp":
                 chosen.append(context_parallel())
             elif axis == "ep":
@@ -99,8 +101,10 @@ class SearchSpace:
     sequence_parallel: tuple[bool, ...] = (False, True)
     schedules: tuple[str, ...] = ("1f1b", "gpipe")
     microbatch_multiples: tuple[int, ...] = (1, 2)  # micro-batches = multiple × pp degree
-    recompute: tuple[str, ...] = ("full",)  # tried, in order, on a candidate that does not fit
+    virtual_stages: tuple[int, ...] = (1,)  # > 1: interleaved_1f1b with that many stages per pp rank
+    recompute: tuple[str, ...] = ("full", "selective")  # tried, in order, on a candidate that does not fit
     cross_node_tp: bool = False
+    context_tokens: int = 1024  # cp only while each rank keeps at least this many tokens of a sequence
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,7 @@ class ModelFacts:
     blocks: int  # the longest run of repeated blocks (a pipeline's stages split them)
     experts: bool
     attention: bool
+    sequence: int | None = None  # tokens per sequence (the inputs' second dimension), where known
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelFacts":
@@ -150,12 +155,16 @@ def _options(degrees: tuple[tuple[str, int], ...], space: SearchSpace) -> Iterat
     if "pp" in sizes:
         zeros = tuple(z for z in zeros if z <= 1)
     sps = space.sequence_parallel if "tp" in sizes else (False,)
-    pipelines = ([(s, m * sizes["pp"]) for s in space.schedules for m in space.microbatch_multiples]
-                 if "pp" in sizes else [(None, None)])
+    pipelines = [(None, None, 1)]
+    if "pp" in sizes:
+        pipelines = [(s, m * sizes["pp"], 1) for s in space.schedules for m in space.microbatch_multiples]
+        pipelines += [("interleaved_1f1b", m * sizes["pp"], v) for v in space.virtual_stages if v > 1
+                      for m in space.microbatch_multiples]
     for z in zeros:
         for sp in sps:
-            for schedule, micro in pipelines:
-                yield Candidate(degrees, zero=z, sequence_parallel=sp, schedule=schedule, microbatches=micro)
+            for schedule, micro, virtual in pipelines:
+                yield Candidate(degrees, zero=z, sequence_parallel=sp, schedule=schedule, microbatches=micro,
+                                virtual=virtual)
 
 
 def candidates(world: int, cluster: Cluster, space: SearchSpace, facts: ModelFacts) -> Enumeration:
@@ -166,7 +175,10 @@ def candidates(world: int, cluster: Cluster, space: SearchSpace, facts: ModelFac
         sizes = dict(degrees)
         reason = _pruned(sizes, cluster, space, facts)
         for candidate in _options(degrees, space):
-            (result.pruned.append(Pruned(candidate, reason)) if reason else result.candidates.append(candidate))
+            why = reason or (f"pp={sizes['pp']} × {candidate.virtual} virtual stages is more stages than the model's "
+                             f"{facts.blocks} repeated blocks" if candidate.virtual * sizes.get("pp", 1) > facts.blocks
+                             else None)
+            (result.pruned.append(Pruned(candidate, why)) if why else result.candidates.append(candidate))
     return result
 
 
@@ -183,6 +195,9 @@ def _pruned(sizes: dict[str, int], cluster: Cluster, space: SearchSpace, facts: 
         return "ep: the model has no experts"
     if "cp" in sizes and not facts.attention:
         return "cp: the model has no attention"
+    if "cp" in sizes and facts.sequence is not None and facts.sequence < sizes["cp"] * space.context_tokens:
+        return (f"cp={sizes['cp']} leaves {facts.sequence // sizes['cp']} tokens of a sequence per rank, under "
+                f"{space.context_tokens} (context parallelism is for long sequences)")
     return None
 
 

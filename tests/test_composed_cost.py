@@ -2,14 +2,14 @@
 planner that plans every candidate (`step_cost.estimate` of real plans).
 
 - On the example GPT (4 blocks) and a 4-accelerator node, every candidate over pp, dp, cp and
-  tp with ZeRO 0/1/3, SP and both schedules is priced both ways: the composed peak memory per
-  rank equals the planned one within 1% (measured: ±0.2%; what is left is the pipeline's
-  per-stage activations of the first stage's embedding); the step time within 10% (measured:
-  −7.3% … +1.8%: op bytes scaled with the micro-batch from a one-sequence plan, weights
-  included, and the pipeline span by formula instead of `schedules.simulate`); the wire bytes
-  of the busiest rank within 25% (measured 0 … +19%: the rest of the model's collectives all
-  counted on the last stage, ZeRO's gradient sync over cp as an all-reduce); the ranking's
-  Spearman correlation ≥ 0.9.
+  tp with ZeRO 0/1/3, SP, GPipe, 1F1B and interleaved 1F1B (v = 2) is priced both ways (51
+  that plan): the composed peak memory per rank equals the planned one within 1% (measured
+  −0.2% … +0.2%); the step time within 12% (measured −9.8% … +1.8%, the worst an interleaved
+  pipeline under ZeRO-1: op bytes scaled with the micro-batch from a one-sequence plan, weights
+  included, and the pipeline span by formula instead of `schedules.simulate`); the busiest
+  rank's wire bytes within 25% (measured 0 … +19%: the rest of the model's collectives counted
+  on the last stage, ZeRO's gradient sync over cp as an all-reduce); the ranking's Spearman
+  correlation ≥ 0.95 (measured 0.995), and both pick the same winner.
 - The composed search of a 405B-parameter model (`examples/scale.py`) on 8192 accelerators
   finishes with a winner that fits, having planned two small plans per in-node layout only.
 - A model without repeated blocks is refused with the fix named.
@@ -30,7 +30,8 @@ pytestmark = pytest.mark.timeout(600)
 
 NODE = Cluster(nodes=1, gpus_per_node=4, memory_gb=80, intra_gbps=100, inter_gbps=10, peak_tflops=10,
                memory_gbps=500, op_overhead_us=5)
-SPACE = SearchSpace(axes=("pp", "dp", "cp", "tp"), zero_stages=(0, 1, 3), microbatch_multiples=(1, 2))
+SPACE = SearchSpace(axes=("pp", "dp", "cp", "tp"), zero_stages=(0, 1, 3), microbatch_multiples=(1, 2), virtual_stages=(1, 2),
+                    context_tokens=1)  # the test model's sequences are 32 tokens
 
 
 def _ranks(values: list[float]) -> list[float]:
@@ -65,11 +66,12 @@ def test_composed_candidates_equal_planned_ones():
         full, part = outcome.estimate, mine.estimate
         label = outcome.candidate.label
         assert abs(part.peak_bytes / full.peak_bytes - 1) <= 0.01, (label, part.memory, full.memory)
-        assert abs(part.seconds / full.seconds - 1) <= 0.10, (label, part.parts, full.parts)
+        assert abs(part.seconds / full.seconds - 1) <= 0.12, (label, part.parts, full.parts)
         assert abs(part.wire_bytes / full.wire_bytes - 1) <= 0.25, (label, part.wire_bytes, full.wire_bytes)
         times.append((full.seconds, part.seconds))
-    assert len(times) >= 30
-    assert spearman([t[0] for t in times], [t[1] for t in times]) >= 0.9
+    assert len(times) >= 40
+    assert spearman([t[0] for t in times], [t[1] for t in times]) >= 0.95
+    assert composed.best.candidate.label == planned.best.candidate.label
 
 
 def test_a_405b_model_on_8192_accelerators_is_searched_from_two_plans_per_layout():
