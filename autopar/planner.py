@@ -193,6 +193,14 @@ def global_batch(example_inputs: Sequence[Any], example_kwargs: dict | None = No
     raise PlanError("the planner needs a tensor input whose first dimension is the batch")
 
 
+def price_composed(model: torch.nn.Module, cluster: Cluster, candidate: Candidate, *, example_inputs: Sequence[Any],
+                   example_kwargs: dict | None = None) -> Outcome:
+    """One candidate priced as the composed search prices it, whether or not the search's rules
+    would enumerate it (a published configuration that puts expert parallelism across nodes)."""
+    with reusing_traces():
+        return _BlockPricer(model, cluster, example_inputs, example_kwargs)(candidate)
+
+
 def _sequence(example_inputs: Sequence[Any], example_kwargs: dict | None) -> int | None:
     """Tokens per sequence: the second dimension of the first tensor input of two or more."""
     for value in list(example_inputs) + list((example_kwargs or {}).values()):
@@ -218,6 +226,9 @@ class _BlockPricer:
                                                       example_kwargs=self.kwargs)
             except PlanError as error:
                 self.layouts[layout] = _first_line(error)
+            except RuntimeError as error:  # PyTorch failing on the layout's shapes (e.g. a view past 2^31
+                # elements on the meta device): that layout is out, the search goes on
+                self.layouts[layout] = f"{type(error).__name__} while planning {layout.mesh_spec}: {_first_line(error)}"
         return self.layouts[layout]
 
     def __call__(self, candidate: Candidate) -> Outcome:

@@ -1,0 +1,49 @@
+"""How long the planner at scale takes to search large shapes (issue 14: the 8B shape on 64 GPUs
+in ≤ 5 s, the 405B shape on 8192 GPUs in ≤ 30 s), and what it chose.
+
+`python benchmarks/planner_at_scale.py` searches, in this process, one after the other:
+Llama 3 8B's shape on `h100x8` (64 GPUs) and Llama 3 405B's on `h100x1024` (8192 GPUs)
+(`examples/scale.py`), each under the default `SearchSpace` (every axis, SP on and off, ZeRO
+0–3, both schedules) and under the space the exercise uses (`examples/planner_exercise.py`:
+SP with TP, interleaving, up to 8 micro-batches per pipeline rank, CP from 8K tokens per rank).
+It prints the wall time of each search, the candidates priced, the in-node layouts measured
+(two small plans each) and the winner. A first search in a process also pays imports and
+PyTorch's first-call costs; the table's times include them for the first row only.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from tabulate import tabulate
+
+from autopar.cluster import Cluster
+from autopar.planner import search
+from autopar.search_space import SearchSpace
+from examples import scale
+from examples.planner_exercise import SPACE as EXERCISE
+
+CASES = [("Llama 3 8B shape", scale.llama3_8b, "h100x8"), ("Llama 3 405B shape", scale.llama3_405b, "h100x1024")]
+SPACES = [("default", SearchSpace()), ("exercise", EXERCISE)]
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    rows = []
+    for name, build, preset in CASES:
+        model, batch = build()
+        cluster = Cluster.preset(preset)
+        for space_name, space in SPACES:
+            start = time.perf_counter()
+            result = search(model, cluster, example_inputs=batch, space=space, method="blocks")
+            seconds = time.perf_counter() - start
+            rows.append([name, f"{cluster.label} ({cluster.world_size})", space_name, f"{seconds:.1f}",
+                         len(result.outcomes), result.best.candidate.label,
+                         f"{result.best.estimate.seconds:.2f}", f"{result.best.estimate.peak_bytes / 1e9:.1f}"])
+            print(tabulate(rows[-1:], disable_numparse=True), flush=True)
+    print(tabulate(rows, headers=["model", "cluster (GPUs)", "space", "search s", "candidates", "chosen",
+                                  "step s", "peak GB"], disable_numparse=True))
+
+
+if __name__ == "__main__":
+    main()
