@@ -130,7 +130,7 @@ def _search(args: argparse.Namespace):
 
     model, inputs = load_target(args.target)()
     space = SearchSpace(axes=tuple(args.axes.split(","))) if args.axes else None
-    return search(model, Cluster.preset(args.cluster), example_inputs=inputs, space=space)
+    return search(model, Cluster.preset(args.cluster), example_inputs=inputs, space=space), model, inputs
 
 
 def _require_mesh(args: argparse.Namespace) -> None:
@@ -140,14 +140,15 @@ def _require_mesh(args: argparse.Namespace) -> None:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     if args.auto:
-        result = _search(args)
+        result, model, inputs = _search(args)
         print(result.table(top=args.top))
         print()
         print(result.explain())
         if args.save:
             from autopar.plan_file import save_plan
+            from autopar.planner import winner_plan
 
-            save_plan(result.best.plan, args.save)
+            save_plan(winner_plan(result, model, example_inputs=inputs), args.save)
             print(f"\nthe chosen plan saved to {args.save}")
         return 0
     _require_mesh(args)
@@ -246,7 +247,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
     if not args.plan.endswith(".json"):  # a target: the planner's choice for --cluster, and why
         args.target = args.plan
-        print(_search(args).explain())
+        print(_search(args)[0].explain())
         return 0
     if not args.name:
         raise PlanError("explain plan.json needs a node name, parameter FQN or module path")

@@ -166,15 +166,13 @@ class Plan:
 def _chosen_plan(model: torch.nn.Module, cluster: Any, example_inputs: Sequence[Any], example_kwargs: dict | None,
                  space: Any) -> Plan:
     from autopar.cluster import Cluster
-    from autopar.planner import search
+    from autopar.planner import search, winner_plan
 
     if cluster is None:
         raise PlanError("plan needs a mesh and strategies, or cluster= to let the planner choose them")
     chosen = Cluster.preset(cluster) if isinstance(cluster, str) else cluster
     result = search(model, chosen, example_inputs=example_inputs, example_kwargs=example_kwargs, space=space)
-    winner = result.best.plan
-    winner.search = result
-    return winner
+    return winner_plan(result, model, example_inputs=example_inputs, example_kwargs=example_kwargs)
 
 
 @contextmanager

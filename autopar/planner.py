@@ -193,6 +193,19 @@ def global_batch(example_inputs: Sequence[Any], example_kwargs: dict | None = No
     raise PlanError("the planner needs a tensor input whose first dimension is the batch")
 
 
+def winner_plan(result: SearchResult, model: torch.nn.Module, *, example_inputs: Sequence[Any],
+                example_kwargs: dict | None = None) -> Any:
+    """The winner's plan: kept by a search that planned it, planned now after a composed search."""
+    best = result.best
+    if best.plan is None:
+        from autopar.plan import plan
+
+        best.plan = plan(model, result.cluster.mesh(best.candidate.mesh_spec), strategies=best.candidate.strategies(),
+                         example_inputs=example_inputs, example_kwargs=example_kwargs)
+    best.plan.search = result
+    return best.plan
+
+
 def price_composed(model: torch.nn.Module, cluster: Cluster, candidate: Candidate, *, example_inputs: Sequence[Any],
                    example_kwargs: dict | None = None) -> Outcome:
     """One candidate priced as the composed search prices it, whether or not the search's rules

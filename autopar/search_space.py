@@ -8,14 +8,16 @@ world into the space's axes (degree-1 axes left out of the mesh), then per axis 
 - dp: the ZeRO stage (0 is plain data parallelism; under a pipeline only 0 and 1 — a stage
   whose units were sharded would regather them every micro-batch);
 - tp: sequence parallelism on or off;
-- pp: each schedule, each micro-batch count (multiples of the degree);
-- cp: the ring lowering (load-balanced);
+- pp: each schedule, each micro-batch count (multiples of the degree), and with
+  `virtual_stages` > 1 the interleaved 1F1B schedule with that many stages per rank;
+- cp: the ring lowering (load-balanced), while each rank keeps `context_tokens` of a sequence;
 - ep: the experts split over the axis (only for a model with experts, `ModelFacts.experts`).
 
 The lecture's hard rules prune before anything is planned, each pruned candidate keeping its
 reason: tensor and expert parallelism stay inside a node (their collectives sit on the critical
 path of every layer; `SearchSpace.cross_node_tp=True` lifts it); a pipeline needs at least as
-many repeated blocks as stages; context parallelism needs attention. The mesh order is the
+many repeated blocks as stages (virtual ones included); context parallelism needs attention and
+a long sequence (at least `context_tokens` per rank: it is for long contexts). The mesh order is the
 usual one, outermost first: pp, dp, cp, ep, tp — tensor parallelism's ranks consecutive, so
 they share a node.
 Recomputation is not enumerated: the planner adds it to a candidate that does not fit

@@ -20,6 +20,7 @@ from dataclasses import replace
 import torch
 
 from autopar.cluster import Cluster
+from autopar.errors import PlanError
 from autopar.planner import price_composed, search
 from autopar.search_space import Candidate, SearchSpace
 from examples import scale
@@ -43,8 +44,8 @@ def _h100(gpus: int) -> Cluster:
 def _published() -> list[tuple[str, object, Cluster, SearchSpace, list[Candidate]]]:
     def llama(pp: int, dp: int, cp: int, micro: int) -> list[Candidate]:
         degrees = tuple((a, n) for a, n in (("pp", pp), ("dp", dp), ("cp", cp), ("tp", 8)) if n > 1)
-        return [Candidate(degrees, zero=1, sequence_parallel=True, schedule=s, microbatches=micro, virtual=v)
-                for s, v in (("1f1b", 1), ("interleaved_1f1b", 2))]
+        return [Candidate(degrees, zero=1, sequence_parallel=True, schedule=s, microbatches=micro, virtual=v,
+                          recompute=r) for s, v in (("1f1b", 1), ("interleaved_1f1b", 2)) for r in (None, "full")]
 
     deepseek = [Candidate((("pp", 16), ("dp", 2), ("ep", 64)), zero=1, schedule=s, microbatches=m, virtual=v)
                 for s, v in (("1f1b", 1), ("interleaved_1f1b", 2)) for m in (32, 64)]
@@ -61,21 +62,27 @@ def _case(title: str, build, cluster: Cluster, space: SearchSpace, published: li
     params = sum(p.numel() for p in model.parameters())
     print(f"\n## {title}\n{params / 1e9:.0f}B parameters on {cluster.label} ({cluster.world_size} GPUs)")
     start = time.perf_counter()
-    result = search(model, cluster, example_inputs=batch, space=space, method="blocks")
-    print(f"searched {len(result.outcomes)} candidates ({len(result.pruned)} pruned by the rules) in "
-          f"{time.perf_counter() - start:.1f} s\n")
-    print(result.table(top=top))
-    print()
-    print(result.explain())
-    best = result.best.estimate
+    try:
+        result = search(model, cluster, example_inputs=batch, space=space, method="blocks")
+    except PlanError as error:  # the planner's answer: no candidate fits (or none plans)
+        print(f"searched in {time.perf_counter() - start:.1f} s: {str(error).splitlines()[0]}")
+        best = None
+    else:
+        print(f"searched {len(result.outcomes)} candidates ({len(result.pruned)} pruned by the rules) in "
+              f"{time.perf_counter() - start:.1f} s\n")
+        print(result.table(top=top))
+        print()
+        print(result.explain())
+        best = result.best.estimate
     for candidate in published:
         outcome = price_composed(model, cluster, candidate, example_inputs=batch)
         if outcome.estimate is None:
             print(f"published {candidate.label}: refused: {outcome.refused}")
             continue
         e = outcome.estimate
-        print(f"published {candidate.label}: {e.seconds * 1e3:,.0f} ms ({e.seconds / best.seconds - 1:+.0%} against the "
-              f"choice), peak {e.peak_bytes / 1e9:.1f} GB{'' if e.fits else ' (does not fit)'}; parts "
+        against = f" ({e.seconds / best.seconds - 1:+.0%} against the choice)" if best is not None else ""
+        print(f"published {candidate.label}: {e.seconds * 1e3:,.0f} ms{against}, peak {e.peak_bytes / 1e9:.1f} GB"
+              f"{'' if e.fits else ' (does not fit)'}; parts "
               + ", ".join(f"{k} {v * 1e3:,.0f}" for k, v in e.parts.items()))
 
 

@@ -92,3 +92,17 @@ def test_a_model_without_repeated_blocks_is_refused_with_the_fix():
     with pytest.raises(PlanError, match="method='plans'"):
         search(model, Cluster.preset("h100x8"), example_inputs=(torch.randn(64, 8),), method="blocks",
                space=SearchSpace(axes=("dp",)))
+
+
+def test_plan_with_a_large_cluster_composes_the_search_and_plans_only_the_winner():
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=4, d_model=64, n_head=4, d_ff=256, seq_len=32)
+    model, batch = GPT(config), example_batch(config, batch=32)
+    cluster = Cluster(nodes=4, gpus_per_node=8, memory_gb=80, intra_gbps=100, inter_gbps=10, peak_tflops=10)
+    chosen = autopar.plan(model, cluster=cluster, example_inputs=batch,
+                          space=SearchSpace(axes=("pp", "dp", "tp"), zero_stages=(0, 1)))
+    winner = chosen.search.best
+    assert sum(o.plan is not None for o in chosen.search.outcomes) == 1, "only the winner is planned"
+    assert str(chosen.mesh) == str(cluster.mesh(winner.candidate.mesh_spec))
+    full = autopar.estimate(chosen, cluster)
+    assert abs(winner.estimate.peak_bytes / full.peak_bytes - 1) <= 0.01
