@@ -252,6 +252,9 @@ def _activation_peaks(candidate: Candidate, stages: list["_Stage"], pp: int, mic
     stage's activations until that stage's backward of the same micro-batch runs."""
     if pp == 1:
         return [stages[0].activation]
+    if candidate.virtual == 1 and candidate.schedule in ("1f1b", "gpipe"):  # what their action lists give
+        return [stages[r].activation * (micro if candidate.schedule == "gpipe" else min(micro, pp - r))
+                for r in range(pp)]
     from autopar import schedules
 
     orders = schedules.actions(candidate.schedule, degree=pp, virtual=candidate.virtual, microbatches=micro)

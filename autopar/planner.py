@@ -27,10 +27,9 @@ from typing import Any, Callable, Sequence
 import torch
 from tabulate import tabulate
 
-from autopar.block_ledgers import BlockLedgers, Layout, measure_layout
 from autopar.cluster import GB, Cluster
-from autopar.composed_cost import composed_estimate
 from autopar.errors import PlanError
+from autopar.layout_pricer import BlockPricer
 from autopar.trace import reusing_traces
 from autopar.search_space import Candidate, Enumeration, ModelFacts, Pruned, SearchSpace, candidates
 from autopar.step_cost import StepEstimate, estimate
@@ -141,13 +140,16 @@ def search(model: torch.nn.Module, cluster: Cluster, *, example_inputs: Sequence
         raise PlanError(f"unknown search method {method!r}; one of {', '.join(METHODS)}")
     start = time.perf_counter()
     space = space or SearchSpace()
-    facts = replace(ModelFacts.of(model), sequence=_sequence(example_inputs, example_kwargs))
+    tensors = [v for v in list(example_inputs) + list((example_kwargs or {}).values())
+               if isinstance(v, torch.Tensor) and v.dim() > 0]
+    facts = replace(ModelFacts.of(model), sequence=_sequence(example_inputs, example_kwargs),
+                    batch=int(tensors[0].shape[0]) if tensors else None)
     enumeration: Enumeration = candidates(cluster.world_size, cluster, space, facts)
     if not enumeration.candidates:
         raise PlanError(f"no layout of {cluster.world_size} ranks passes the rules: "
                         + "; ".join(sorted({p.reason for p in enumeration.pruned})))
     if method == "blocks" or (method == "auto" and cluster.world_size > PLANS_UP_TO):
-        price = _BlockPricer(model, cluster, example_inputs, example_kwargs)
+        price = BlockPricer(model, cluster, example_inputs, example_kwargs)
     else:
         def price(candidate: Candidate) -> Outcome:
             return _price(model, cluster, candidate, example_inputs, example_kwargs)
@@ -185,14 +187,6 @@ def _searched(candidate: Candidate, price: Callable[[Candidate], Outcome], space
     return best
 
 
-def global_batch(example_inputs: Sequence[Any], example_kwargs: dict | None = None) -> int:
-    """The batch: the first dimension of the first tensor input."""
-    for value in list(example_inputs) + list((example_kwargs or {}).values()):
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    raise PlanError("the planner needs a tensor input whose first dimension is the batch")
-
-
 def winner_plan(result: SearchResult, model: torch.nn.Module, *, example_inputs: Sequence[Any],
                 example_kwargs: dict | None = None) -> Any:
     """The winner's plan: kept by a search that planned it, planned now after a composed search."""
@@ -206,57 +200,12 @@ def winner_plan(result: SearchResult, model: torch.nn.Module, *, example_inputs:
     return best.plan
 
 
-def price_composed(model: torch.nn.Module, cluster: Cluster, candidate: Candidate, *, example_inputs: Sequence[Any],
-                   example_kwargs: dict | None = None) -> Outcome:
-    """One candidate priced as the composed search prices it, whether or not the search's rules
-    would enumerate it (a published configuration that puts expert parallelism across nodes)."""
-    with reusing_traces():
-        return _BlockPricer(model, cluster, example_inputs, example_kwargs)(candidate)
-
-
 def _sequence(example_inputs: Sequence[Any], example_kwargs: dict | None) -> int | None:
     """Tokens per sequence: the second dimension of the first tensor input of two or more."""
     for value in list(example_inputs) + list((example_kwargs or {}).values()):
         if isinstance(value, torch.Tensor) and value.dim() >= 2:
             return int(value.shape[1])
     return None
-
-
-class _BlockPricer:
-    """Candidates composed from one block's ledgers per in-node layout (`block_ledgers.py`,
-    `composed_cost.py`); each layout is measured once, the first time a candidate needs it."""
-
-    def __init__(self, model: torch.nn.Module, cluster: Cluster, example_inputs: Sequence[Any],
-                 example_kwargs: dict | None) -> None:
-        self.model, self.cluster, self.args, self.kwargs = model, cluster, example_inputs, example_kwargs
-        self.batch = global_batch(example_inputs, example_kwargs)
-        self.layouts: dict[Layout, "BlockLedgers | str"] = {}
-
-    def ledgers(self, layout: Layout) -> "BlockLedgers | str":
-        if layout not in self.layouts:
-            try:
-                self.layouts[layout] = measure_layout(self.model, layout, example_inputs=self.args,
-                                                      example_kwargs=self.kwargs)
-            except PlanError as error:
-                self.layouts[layout] = _first_line(error)
-            except RuntimeError as error:  # PyTorch failing on the layout's shapes (e.g. a view past 2^31
-                # elements on the meta device): that layout is out, the search goes on
-                self.layouts[layout] = f"{type(error).__name__} while planning {layout.mesh_spec}: {_first_line(error)}"
-        return self.layouts[layout]
-
-    def __call__(self, candidate: Candidate) -> Outcome:
-        start = time.perf_counter()
-        split = candidate.degree("dp") * candidate.degree("ep") * (candidate.microbatches or 1)
-        if self.batch % split:
-            return Outcome(candidate, refused=f"the batch of {self.batch} does not split into dp × ep × micro-batches "
-                                              f"= {split}", seconds=time.perf_counter() - start)
-        layout = Layout(tp=candidate.degree("tp"), cp=candidate.degree("cp"), ep=candidate.degree("ep"),
-                        sequence_parallel=candidate.sequence_parallel, recompute=candidate.recompute)
-        ledgers = self.ledgers(layout)
-        if isinstance(ledgers, str):
-            return Outcome(candidate, refused=ledgers, seconds=time.perf_counter() - start)
-        return Outcome(candidate, composed_estimate(ledgers, candidate, self.cluster, global_batch=self.batch),
-                       seconds=time.perf_counter() - start)
 
 
 def _rank_key(outcome: Outcome) -> tuple:

@@ -8,7 +8,8 @@ world into the space's axes (degree-1 axes left out of the mesh), then per axis 
 - dp: the ZeRO stage (0 is plain data parallelism; under a pipeline only 0 and 1 — a stage
   whose units were sharded would regather them every micro-batch);
 - tp: sequence parallelism on or off;
-- pp: each schedule, each micro-batch count (multiples of the degree), and with
+- pp: each schedule, each micro-batch count (multiples of the degree; with
+  `one_sequence_microbatches` also one sequence per micro-batch), and with
   `virtual_stages` > 1 the interleaved 1F1B schedule with that many stages per rank;
 - cp: the ring lowering (load-balanced), while each rank keeps `context_tokens` of a sequence;
 - ep: the experts split over the axis (only for a model with experts, `ModelFacts.experts`).
@@ -104,6 +105,7 @@ class SearchSpace:
     schedules: tuple[str, ...] = ("1f1b", "gpipe")
     microbatch_multiples: tuple[int, ...] = (1, 2)  # micro-batches = multiple × pp degree
     virtual_stages: tuple[int, ...] = (1,)  # > 1: interleaved_1f1b with that many stages per pp rank
+    one_sequence_microbatches: bool = False  # also m = the replica's sequences (1F1B/GPipe; needs ModelFacts.batch)
     recompute: tuple[str, ...] = ("full", "selective")  # tried, in order, on a candidate that does not fit
     cross_node_tp: bool = False
     context_tokens: int = 1024  # cp only while each rank keeps at least this many tokens of a sequence
@@ -116,6 +118,7 @@ class ModelFacts:
     experts: bool
     attention: bool
     sequence: int | None = None  # tokens per sequence (the inputs' second dimension), where known
+    batch: int | None = None  # sequences per step (the inputs' first dimension), where known
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelFacts":
@@ -151,7 +154,7 @@ def factorisations(world: int, axes: tuple[str, ...]) -> Iterator[tuple[tuple[st
             yield ((first, size),) + tail if size > 1 else tail
 
 
-def _options(degrees: tuple[tuple[str, int], ...], space: SearchSpace) -> Iterator[Candidate]:
+def _options(degrees: tuple[tuple[str, int], ...], space: SearchSpace, facts: ModelFacts) -> Iterator[Candidate]:
     sizes = dict(degrees)
     zeros = space.zero_stages if "dp" in sizes else (0,)
     if "pp" in sizes:
@@ -162,6 +165,10 @@ def _options(degrees: tuple[tuple[str, int], ...], space: SearchSpace) -> Iterat
         pipelines = [(s, m * sizes["pp"], 1) for s in space.schedules for m in space.microbatch_multiples]
         pipelines += [("interleaved_1f1b", m * sizes["pp"], v) for v in space.virtual_stages if v > 1
                       for m in space.microbatch_multiples]
+        replicas = sizes.get("dp", 1) * sizes.get("ep", 1)
+        finest = facts.batch // replicas if facts.batch and facts.batch % replicas == 0 else 0
+        if space.one_sequence_microbatches and finest >= sizes["pp"] and finest not in {m for _, m, _ in pipelines}:
+            pipelines += [(s, finest, 1) for s in space.schedules]
     for z in zeros:
         for sp in sps:
             for schedule, micro, virtual in pipelines:
@@ -176,7 +183,7 @@ def candidates(world: int, cluster: Cluster, space: SearchSpace, facts: ModelFac
     for degrees in factorisations(world, axes):
         sizes = dict(degrees)
         reason = _pruned(sizes, cluster, space, facts)
-        for candidate in _options(degrees, space):
+        for candidate in _options(degrees, space, facts):
             why = reason or (f"pp={sizes['pp']} × {candidate.virtual} virtual stages is more stages than the model's "
                              f"{facts.blocks} repeated blocks" if candidate.virtual * sizes.get("pp", 1) > facts.blocks
                              else None)

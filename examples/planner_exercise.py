@@ -21,15 +21,17 @@ import torch
 
 from autopar.cluster import Cluster
 from autopar.errors import PlanError
-from autopar.planner import price_composed, search
+from autopar.layout_pricer import price_composed
+from autopar.planner import search
 from autopar.search_space import Candidate, SearchSpace
 from examples import scale
 
-# SP always with TP (same bytes, less memory); up to 8 micro-batches per pipeline rank (the only
-# way autopar accumulates gradients is a pipeline's micro-batches); CP only while a rank keeps
+# SP always with TP (same bytes, less memory); up to 8 micro-batches per pipeline rank, or one
+# sequence per micro-batch (the only way autopar accumulates gradients is a pipeline's
+# micro-batches); CP only while a rank keeps
 # 8K tokens of a sequence (Llama 3's 128K over CP16)
 SPACE = SearchSpace(sequence_parallel=(True,), virtual_stages=(1, 2), microbatch_multiples=(1, 2, 4, 8),
-                    context_tokens=8192)
+                    context_tokens=8192, one_sequence_microbatches=True)
 SEED_CLUSTER = Cluster.preset("h100x64")
 SEED = [("70B dense, 8K tokens, 1024 sequences", scale.llama3_70b, SPACE),
         ("405B dense, 8K tokens, 2048 sequences", scale.llama3_405b, SPACE),
@@ -47,8 +49,9 @@ def _published() -> list[tuple[str, object, Cluster, SearchSpace, list[Candidate
         return [Candidate(degrees, zero=1, sequence_parallel=True, schedule=s, microbatches=micro, virtual=v,
                           recompute=r) for s, v in (("1f1b", 1), ("interleaved_1f1b", 2)) for r in (None, "full")]
 
-    deepseek = [Candidate((("pp", 16), ("dp", 2), ("ep", 64)), zero=1, schedule=s, microbatches=m, virtual=v)
-                for s, v in (("1f1b", 1), ("interleaved_1f1b", 2)) for m in (32, 64)]
+    # 15360 sequences over dp × ep = 128 replicas: 120 each, one per micro-batch
+    deepseek = [Candidate((("pp", 16), ("dp", 2), ("ep", 64)), zero=1, schedule="1f1b", microbatches=120, recompute=r)
+                for r in (None, "selective")]
     return [("Llama 3 405B, 8K tokens, 8192 GPUs (published: TP8 PP16 DP64)", scale.llama3_405b, _h100(8192), SPACE,
              llama(16, 64, 1, 32)),
             ("Llama 3 405B, 128K tokens, 8192 GPUs (published: TP8 CP16 PP16, DP fills)", scale.llama3_405b_128k,
