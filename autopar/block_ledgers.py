@@ -200,7 +200,8 @@ def plan_parameter_bytes(plan: Any) -> dict[str, int]:
         if info is None or info.kind != "parameter" or SPEC not in node.meta:
             continue
         meta = node.meta[SPEC].tensor_meta
-        result[info.target] = int(local_numel(meta.shape, node.meta[SPEC].placements, plan.mesh.shape)) * meta.dtype.itemsize
+        numel = int(local_numel(meta.shape, node.meta[SPEC].placements, plan.mesh.shape))
+        result[info.target] = numel * meta.dtype.itemsize
     return result
 
 

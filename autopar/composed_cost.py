@@ -14,7 +14,7 @@ implement for a planned model:
 - stages: the blocks cut as `passes/split_pipeline.py` cuts them (`balanced_starts` on forward
   FLOPs, the head and loss on the last stage; the embedding's parameters on the first); the
   stage of the largest peak is the candidate's peak;
-- memory (`ledger/memory.py`'s rules): fp32 gradients the size of the parameters; AdamW's two
+- memory (`ledger/memory.py`'s rules): gradients of the parameters' size and dtype; AdamW's two
   moments and a 4-byte step per tensor; ZeRO-1 shards the optimizer state (and keeps a full
   gradient buffer and a replicated compute copy), ZeRO-2 also the gradients, ZeRO-3 also the
   parameters, with their transients (units gathered at once, reduce-scatter inputs in flight, a
@@ -42,17 +42,16 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from functools import lru_cache
-from typing import Any
 
-from autopar.block_ledgers import BlockLedgers, CommUse, Part
+from autopar.block_ledgers import BlockLedgers, Part
 from autopar.cluster import Cluster
 from autopar.comm_kinds import KINDS
 from autopar.ledger.op_cost import OpTotals
-from autopar.search_space import AXIS_ORDER, Candidate
-from autopar.step_cost import OPTIMIZER_CALLS, OPTIMIZER_TRAFFIC, RUNTIME_COPY_TRAFFIC, StepEstimate, _exposed
+from autopar.search_space import Candidate
+from autopar.step_cost import OPTIMIZER_CALLS, OPTIMIZER_TRAFFIC, RUNTIME_COPY_TRAFFIC, StepEstimate, exposed_seconds
 
 LOSS_REDUCTION_BYTES = 8  # fp32 (sum, count of targets): how autopar reduces a mean loss over batch shards
-GRAD_BYTES_PER_PARAM_BYTE = 1  # fp32 gradients of fp32 parameters (mixed precision keeps fp32 masters)
+GRAD_BYTES_PER_PARAM_BYTE = 1  # a gradient has its parameter's size and dtype
 ADAM_MOMENTS = 2
 
 
@@ -97,7 +96,8 @@ class _Pricer:
             return 0.0
         key = (kind, axis, int(logical))
         if key not in self.seconds:
-            self.seconds[key] = self.cluster.collective_seconds(kind, group, int(logical), self.links.get(axis, "intra"))
+            link = self.links.get(axis, "intra")
+            self.seconds[key] = self.cluster.collective_seconds(kind, group, int(logical), link)
         seconds = self.seconds[key]
         self.by_kind[f"{axis} {kind}"] += calls * seconds
         if stage is not None:
@@ -234,16 +234,18 @@ def composed_estimate(ledgers: BlockLedgers, candidate: Candidate, cluster: Clus
         stage, tail = stages[0], ranks[0].tail
         compute = stage.compute_f + stage.compute_b
         exposed = (stage.blocking_f + stage.blocking_b
-                   + _exposed(stage.sends, compute, cluster.overlap, unhidden="first")
-                   + _exposed(tail.behind_forward, stage.compute_f, cluster.overlap, unhidden="first")
-                   + _exposed(tail.behind_backward, stage.compute_b, cluster.overlap, unhidden="last") + tail.after)
+                   + exposed_seconds(stage.sends, compute, cluster.overlap, unhidden="first")
+                   + exposed_seconds(tail.behind_forward, stage.compute_f, cluster.overlap, unhidden="first")
+                   + exposed_seconds(tail.behind_backward, stage.compute_b, cluster.overlap, unhidden="last")
+                   + tail.after)
         parts = {"compute": compute + tail.copies, "communication": exposed, "bubble": 0.0,
                  "optimizer": tail.optimizer}
     else:
         parts = _pipelined(stages, ranks, candidate, cluster, price, ledgers, scale, micro)
     peak = max(ranks, key=lambda r: sum(r.memory.values()))
     return StepEstimate(cluster=cluster, seconds=sum(parts.values()), parts=parts,
-                        comm_seconds=sum(price.by_kind.values()) / pp, wire_bytes=int(max(price.stage_wire.values(), default=0)),
+                        comm_seconds=sum(price.by_kind.values()) / pp,
+                        wire_bytes=int(max(price.stage_wire.values(), default=0)),
                         peak_bytes=sum(peak.memory.values()), memory=peak.memory, comm_by_kind=dict(price.by_kind))
 
 
@@ -358,7 +360,7 @@ def _pipelined(stages: list[_Stage], ranks: list[_Rank], candidate: Candidate, c
     for rank in ranks:
         tail = rank.tail
         last_backward = min(s.compute_b / max(s.blocks, 1) for s in rank.stages)
-        communication = (_exposed(tail.behind_backward, last_backward, cluster.overlap, unhidden="last")
+        communication = (exposed_seconds(tail.behind_backward, last_backward, cluster.overlap, unhidden="last")
                          + tail.after + sum(tail.behind_forward))
         ends.append((communication, tail.copies, tail.optimizer))
     communication, copies, optimizer = max(ends, key=sum)

@@ -98,7 +98,7 @@ def _kind(row: CommTimeRow) -> str:
     return "blocking"
 
 
-def _exposed(calls: list[float], compute: float, overlap: float, *, unhidden: str) -> float:
+def exposed_seconds(calls: list[float], compute: float, overlap: float, *, unhidden: str) -> float:
     """Seconds of asynchronous calls left exposed by `compute` seconds of work beside them; the
     `unhidden` end ('last' or 'first') call cannot hide."""
     if not calls:
@@ -163,9 +163,9 @@ def estimate(plan: Any, cluster: Cluster) -> StepEstimate:
         rank = parts[0]
         forward, backward = ops[0].forward.seconds(cluster), ops[0].backward.seconds(cluster)
         exposed = (rank.seconds("blocking") + rank.seconds("after")
-                   + _exposed(rank.calls("behind forward"), forward, overlap, unhidden="first")
-                   + _exposed(rank.calls("behind backward"), backward, overlap, unhidden="last")
-                   + _exposed(rank.calls("p2p"), forward + backward, overlap, unhidden="first"))
+                   + exposed_seconds(rank.calls("behind forward"), forward, overlap, unhidden="first")
+                   + exposed_seconds(rank.calls("behind backward"), backward, overlap, unhidden="last")
+                   + exposed_seconds(rank.calls("p2p"), forward + backward, overlap, unhidden="first"))
         split = {"compute": forward + backward + _runtime_copies(plan, rank.rows, cluster), "communication": exposed,
                  "bubble": 0.0, "optimizer": rank.optimizer}
     else:
@@ -224,7 +224,8 @@ def _pipelined(plan: Any, cluster: Cluster, ranks: list[int], parts: dict[int, _
     tails = []
     for rank in ranks:
         last_backward = min(backward[s.index] for s in plan.stages_of_rank(rank))
-        communication = (_exposed(parts[rank].calls("behind backward"), last_backward, cluster.overlap, unhidden="last")
+        behind = parts[rank].calls("behind backward")
+        communication = (exposed_seconds(behind, last_backward, cluster.overlap, unhidden="last")
                          + parts[rank].seconds("after") + parts[rank].seconds("behind forward"))
         tails.append((communication, _runtime_copies(plan, parts[rank].rows, cluster), parts[rank].optimizer))
     communication, copies, optimizer = max(tails, key=sum)
