@@ -7,13 +7,15 @@ ledger formulas already state — data parallelism's gradient collectives, ZeRO'
 pipeline's micro-batches and stage depth — while what a block costs under tensor, sequence,
 context and expert parallelism is the compiler's to say. So per in-node `Layout` (tp, sp, cp, ep,
 recompute) `measure_layout` plans the model cut to its first block and to its first two blocks
-(`repeated_blocks.truncated`; on the mesh of the layout's axes alone, one micro-batch of
-`batch` sequences) and takes, from the two plans' ledgers on rank 0:
+(`repeated_blocks.truncated`; on the mesh of the layout's axes alone, one sequence per rank of
+the batch-sharding axes, i.e. `ep` sequences; without the fake-tensor run check, as they are only
+measured) and takes, from the two plans' ledgers on rank 0:
 
 - `block` = two-block plan − one-block plan, `rest` = one-block plan − `block`: parameter,
   buffer, activation and transient bytes (memory ledger), parameter tensors, forward and
-  backward op totals (op ledger: calls, FLOPs, bytes), and the collectives (communication
-  ledger entries by phase, axis, kind and bytes per call, with their call counts);
+  backward op totals (op ledger: calls, FLOPs, bytes; matched as a multiset of calls), the
+  collectives (communication ledger entries by phase, axis, kind and bytes per call, with their
+  call counts) and the gradient synchronisation per axis in bytes (bucketed by size, not by block);
 - `first_params`: the rest's parameters that come before the blocks (the embedding; a
   pipeline's first stage holds them, the last stage the rest);
 - `boundary_bytes`: the value one block hands the next (a pipeline's send per micro-batch).
