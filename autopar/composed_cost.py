@@ -127,6 +127,11 @@ def _stage_blocks(blocks: int, stages: int, block_flops: int, tail_flops: int) -
     return tuple(starts[i + 1] - starts[i] for i in range(stages))
 
 
+def _rest_params(ledgers: BlockLedgers, first: bool, last: bool) -> int:
+    """The rest's parameter bytes a stage holds: the embedding on the first, the others on the last."""
+    return (ledgers.first_params if first else 0) + (ledgers.rest.param_bytes - ledgers.first_params if last else 0)
+
+
 def _rest_tensors(ledgers: BlockLedgers, first: bool, last: bool) -> int:
     return (ledgers.first_tensors if first else 0) + (ledgers.rest.param_tensors - ledgers.first_tensors if last else 0)
 
@@ -140,7 +145,7 @@ def _rank_memory(ledgers: BlockLedgers, candidate: Candidate, rank: "_Rank", act
     block, rest = ledgers.block, ledgers.rest
     blocks, first, last = rank.blocks, rank.first, rank.last
     dp, zero = candidate.degree("dp"), candidate.zero
-    rest_params = (ledgers.first_params if first else 0) + (rest.param_bytes - ledgers.first_params if last else 0)
+    rest_params = _rest_params(ledgers, first, last)
     params = blocks * block.param_bytes + rest_params
     tensors = blocks * block.param_tensors + _rest_tensors(ledgers, first, last)
     grads = params * GRAD_BYTES_PER_PARAM_BYTE
@@ -307,8 +312,7 @@ def _gradient_and_optimizer(ledgers: BlockLedgers, candidate: Candidate, cluster
     optimizer step, once per step."""
     tail, at = _Tail(), stage.index
     block, rest = ledgers.block, ledgers.rest
-    rest_params = ((ledgers.first_params if stage.first else 0)
-                   + (rest.param_bytes - ledgers.first_params if stage.last else 0))
+    rest_params = _rest_params(ledgers, stage.first, stage.last)
     full = stage.blocks * block.param_bytes + rest_params
     dp, zero = candidate.degree("dp"), candidate.zero
     units = [block.param_bytes] * stage.blocks + ([rest_params] if rest_params else [])

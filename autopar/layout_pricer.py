@@ -27,12 +27,21 @@ from autopar.search_space import Candidate
 from autopar.trace import reusing_traces
 
 
+def input_dim(example_inputs: Sequence[Any], example_kwargs: dict | None, dim: int) -> int | None:
+    """The size of dimension `dim` of the first tensor input that has it (0: the batch, 1: the
+    sequence of token inputs); None without one."""
+    for value in list(example_inputs) + list((example_kwargs or {}).values()):
+        if isinstance(value, torch.Tensor) and value.dim() > dim:
+            return int(value.shape[dim])
+    return None
+
+
 def global_batch(example_inputs: Sequence[Any], example_kwargs: dict | None = None) -> int:
     """The batch: the first dimension of the first tensor input."""
-    for value in list(example_inputs) + list((example_kwargs or {}).values()):
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    raise PlanError("the planner needs a tensor input whose first dimension is the batch")
+    batch = input_dim(example_inputs, example_kwargs, 0)
+    if batch is None:
+        raise PlanError("the planner needs a tensor input whose first dimension is the batch")
+    return batch
 
 
 def layout_of(candidate: Candidate) -> Layout:
@@ -40,7 +49,7 @@ def layout_of(candidate: Candidate) -> Layout:
                   sequence_parallel=candidate.sequence_parallel, recompute=candidate.recompute)
 
 
-def _first_line(error: Exception) -> str:
+def first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
@@ -55,10 +64,10 @@ class BlockPricer:
         try:
             return measure_layout(self.model, layout, example_inputs=self.args, example_kwargs=self.kwargs)
         except PlanError as error:
-            return _first_line(error)
+            return first_line(error)
         except RuntimeError as error:  # PyTorch failing on the layout's shapes (a view past 2^31 elements
             # on the meta device): that layout is out, the search goes on
-            return f"{type(error).__name__} while planning {layout.mesh_spec}: {_first_line(error)}"
+            return f"{type(error).__name__} while planning {layout.mesh_spec}: {first_line(error)}"
 
     def ledgers(self, layout: Layout) -> "BlockLedgers | str":
         if layout not in self.layouts:

@@ -29,7 +29,7 @@ from tabulate import tabulate
 
 from autopar.cluster import GB, Cluster
 from autopar.errors import PlanError
-from autopar.layout_pricer import BlockPricer
+from autopar.layout_pricer import BlockPricer, first_line, input_dim
 from autopar.trace import reusing_traces
 from autopar.search_space import Candidate, Enumeration, ModelFacts, Pruned, SearchSpace, candidates
 from autopar.step_cost import StepEstimate, estimate
@@ -108,10 +108,6 @@ class SearchResult:
         return "\n".join(lines)
 
 
-def _first_line(error: Exception) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-
-
 def _price(model: torch.nn.Module, cluster: Cluster, candidate: Candidate, args: Sequence[Any],
            kwargs: dict | None) -> Outcome:
     from autopar.plan import plan
@@ -121,7 +117,7 @@ def _price(model: torch.nn.Module, cluster: Cluster, candidate: Candidate, args:
         planned = plan(model, cluster.mesh(candidate.mesh_spec), strategies=candidate.strategies(),
                        example_inputs=args, example_kwargs=kwargs)
     except PlanError as error:
-        return Outcome(candidate, refused=_first_line(error), seconds=time.perf_counter() - start)
+        return Outcome(candidate, refused=first_line(error), seconds=time.perf_counter() - start)
     return Outcome(candidate, estimate(planned, cluster), plan=planned, seconds=time.perf_counter() - start)
 
 
@@ -140,10 +136,8 @@ def search(model: torch.nn.Module, cluster: Cluster, *, example_inputs: Sequence
         raise PlanError(f"unknown search method {method!r}; one of {', '.join(METHODS)}")
     start = time.perf_counter()
     space = space or SearchSpace()
-    tensors = [v for v in list(example_inputs) + list((example_kwargs or {}).values())
-               if isinstance(v, torch.Tensor) and v.dim() > 0]
-    facts = replace(ModelFacts.of(model), sequence=_sequence(example_inputs, example_kwargs),
-                    batch=int(tensors[0].shape[0]) if tensors else None)
+    facts = replace(ModelFacts.of(model), sequence=input_dim(example_inputs, example_kwargs, 1),
+                    batch=input_dim(example_inputs, example_kwargs, 0))
     enumeration: Enumeration = candidates(cluster.world_size, cluster, space, facts)
     if not enumeration.candidates:
         raise PlanError(f"no layout of {cluster.world_size} ranks passes the rules: "
@@ -198,14 +192,6 @@ def winner_plan(result: SearchResult, model: torch.nn.Module, *, example_inputs:
                          example_inputs=example_inputs, example_kwargs=example_kwargs)
     best.plan.search = result
     return best.plan
-
-
-def _sequence(example_inputs: Sequence[Any], example_kwargs: dict | None) -> int | None:
-    """Tokens per sequence: the second dimension of the first tensor input of two or more."""
-    for value in list(example_inputs) + list((example_kwargs or {}).values()):
-        if isinstance(value, torch.Tensor) and value.dim() >= 2:
-            return int(value.shape[1])
-    return None
 
 
 def _rank_key(outcome: Outcome) -> tuple:
