@@ -173,7 +173,7 @@ def measure_layout(model: torch.nn.Module, layout: Layout, *, example_inputs: Se
     for keep in (1, 2):
         with truncated(model, path, keep):
             planned = make_plan(model, layout.mesh_spec, strategies=candidate.strategies(), example_inputs=args,
-                                example_kwargs=kwargs, reuse_blocks=False, check=False)
+                                example_kwargs=kwargs, reuse_blocks=False, _measured_only=True)
             plans.append(planned)
             parts.append(_figures(planned))
     block, rest = _difference(parts[1], parts[0])

@@ -274,7 +274,7 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | None" = No
          strategies: Sequence[Any] | None = None, example_inputs: Sequence[Any], example_kwargs: dict | None = None,
          dynamic_dims: dict[str, int] | None = None, ranks_per_node: int | None = None, bucket_cap_mb: float = 25.0,
          explain: bool = False, reuse_blocks: bool = True, cluster: Any = None, space: Any = None,
-         check: bool = True) -> Plan:
+         _measured_only: bool = False) -> Plan:
     """Plan `model` for `mesh` in this process; no process group is needed. See module docstring.
 
     `explain=True` also records, for every op DTensor decided, the alternatives it weighed.
@@ -282,9 +282,10 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | None" = No
     (`autopar/repeated_blocks.py`; the plan is the same, only slower). With `cluster=` (an
     `autopar.Cluster` or a preset's name) and neither mesh nor strategies, the planner chooses
     them (`autopar/planner.py`; `space=` narrows its search) and the winner's plan is returned,
-    its `search` holding the ranking. `check=False` skips running every rank graph on fake
-    tensors (`check_rank_graphs`): for plans that are only measured, never run (the planner's
-    per-layout plans, `autopar/block_ledgers.py`)."""
+    its `search` holding the ranking. (`_measured_only`, internal: the planner's per-layout
+    plans, `autopar/block_ledgers.py`, are read for their ledgers and never run, so they skip
+    running every rank graph on fake tensors, `check_rank_graphs`; every plan a user gets is
+    checked.)"""
     if mesh is None and strategies is None:
         return _chosen_plan(model, cluster, example_inputs, example_kwargs, space)
     if mesh is None or strategies is None:
@@ -320,7 +321,7 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | None" = No
         comm = build_comm_ledger(program, mesh, traced.symbols, traced.symbol_values)
     planned = Plan(mesh=mesh, strategy=strategy, traced=traced, program=program, context=context,
                    pass_records=records, comm=comm, phase_seconds=seconds)
-    if check:
+    if not _measured_only:
         with _timed(seconds, "check_rank_graphs"):
             check_rank_graphs(planned)  # every accepted plan runs: forward and backward on fake tensors
     release_planning_caches()  # DTensor's caches would keep every planning mesh alive
