@@ -254,6 +254,15 @@ def composed_estimate(ledgers: BlockLedgers, candidate: Candidate, cluster: Clus
                         peak_bytes=sum(peak.memory.values()), memory=peak.memory, comm_by_kind=dict(price.by_kind))
 
 
+@lru_cache(maxsize=256)
+def _action_orders(schedule: str, pp: int, virtual: int, micro: int) -> tuple[tuple, ...]:
+    """The schedule's action lists, made once per shape: a search prices hundreds of candidates
+    that share a few (schedule, degree, virtual stages, micro-batches)."""
+    from autopar import schedules
+
+    return tuple(tuple(order) for order in schedules.actions(schedule, degree=pp, virtual=virtual, microbatches=micro))
+
+
 def _activation_peaks(candidate: Candidate, stages: list["_Stage"], pp: int, micro: int) -> list[float]:
     """Per pipeline rank, the most activation bytes its schedule keeps at once: a forward holds its
     stage's activations until that stage's backward of the same micro-batch runs."""
@@ -262,9 +271,7 @@ def _activation_peaks(candidate: Candidate, stages: list["_Stage"], pp: int, mic
     if candidate.virtual == 1 and candidate.schedule in ("1f1b", "gpipe"):  # what their action lists give
         return [stages[r].activation * (micro if candidate.schedule == "gpipe" else min(micro, pp - r))
                 for r in range(pp)]
-    from autopar import schedules
-
-    orders = schedules.actions(candidate.schedule, degree=pp, virtual=candidate.virtual, microbatches=micro)
+    orders = _action_orders(candidate.schedule, pp, candidate.virtual, micro)
     peaks = []
     for order in orders:
         held = most = 0.0

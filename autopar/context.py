@@ -1,7 +1,16 @@
-"""The compile context handed to every pass: mesh, strategy, and what each placeholder is."""
+"""The compile context handed to every pass: mesh, strategy, and what each placeholder is.
+
+`sharing_sharding_decisions()`: within it, every compile context made shares one store of
+DTensor's sharding decisions (`passes/propagate_placements.py`), so that the planner's measured-
+only plans of one model under many layouts (`autopar/block_ledgers.py`: one and two blocks, with
+and without recomputation, the same tensor-parallel degree) ask DTensor each question once. A
+decision is keyed by the op and its argument specs, mesh included (equal meshes, equal keys).
+"""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import sympy
 from torch.distributed.device_mesh import DeviceMesh
@@ -20,6 +29,25 @@ class PlaceholderInfo:
     requires_grad: bool = False
 
 
+_SHARED_DECISIONS: "dict | None" = None
+
+
+@contextlib.contextmanager
+def sharing_sharding_decisions(store: "dict | None" = None) -> Iterator[None]:
+    """One store of sharding decisions (`store`, or a new one) for every compile context made
+    within (module docstring)."""
+    global _SHARED_DECISIONS
+    outer, _SHARED_DECISIONS = _SHARED_DECISIONS, {} if store is None else store
+    try:
+        yield
+    finally:
+        _SHARED_DECISIONS = outer
+
+
+def _sharding_decisions() -> dict:
+    return {} if _SHARED_DECISIONS is None else _SHARED_DECISIONS
+
+
 @dataclass
 class CompileContext:
     mesh: Mesh
@@ -32,7 +60,7 @@ class CompileContext:
     explain: bool = False  # record the alternatives DTensor weighed for each op (autopar explain)
     # DTensor's decision per (op, argument specs and values): repeated layers ask the same question
     # (passes/propagate_placements.py, `_dtensor_decision`)
-    sharding_decisions: dict = field(default_factory=dict)
+    sharding_decisions: dict = field(default_factory=_sharding_decisions)
 
     def axis_size(self, axis_index: int) -> int:
         return self.mesh.shape[axis_index]

@@ -22,6 +22,7 @@ import torch
 from autopar.block_ledgers import BlockLedgers, Layout, measure_layout
 from autopar.cluster import Cluster
 from autopar.composed_cost import composed_estimate
+from autopar.context import sharing_sharding_decisions
 from autopar.errors import PlanError
 from autopar.search_space import Candidate
 from autopar.trace import reusing_traces
@@ -59,10 +60,12 @@ class BlockPricer:
         self.model, self.cluster, self.args, self.kwargs = model, cluster, example_inputs, example_kwargs
         self.batch = global_batch(example_inputs, example_kwargs)
         self.layouts: dict[Layout, "BlockLedgers | str"] = {}
+        self.decisions: dict = {}  # DTensor's sharding decisions, shared by every layout's plans
 
     def measure(self, layout: Layout) -> "BlockLedgers | str":
         try:
-            return measure_layout(self.model, layout, example_inputs=self.args, example_kwargs=self.kwargs)
+            with sharing_sharding_decisions(self.decisions):
+                return measure_layout(self.model, layout, example_inputs=self.args, example_kwargs=self.kwargs)
         except PlanError as error:
             return first_line(error)
         except RuntimeError as error:  # PyTorch failing on the layout's shapes (a view past 2^31 elements

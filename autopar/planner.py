@@ -6,7 +6,14 @@ that do not split, a batch that does not divide — is out, with the compiler's 
 prices the plan (`step_cost.estimate`: step time and peak memory per rank from the ledgers),
 and ranks them: those that fit the cluster's memory by predicted step time, then those that do
 not by peak memory. A candidate that does not fit is planned again with recomputation
-(`SearchSpace.recompute`) before it is given up, since memory is what recomputation buys.
+(`SearchSpace.recompute`, each policy in order until one fits) before it is given up, since
+memory is what recomputation buys — after every candidate has been priced without it, fastest
+first, and only while its time without recomputation is below the best that fits: recomputation
+only adds time (the forward again, its collectives again), so past that bound it cannot win
+(`SearchResult.pruned` names each candidate passed over, with both times). In a composed search
+that skips measuring most in-node layouts with recomputation (the 8B shape on 64 GPUs: 6 layouts
+measured instead of 12; `tests/test_composed_cost.py` checks the winner against pricing
+everything).
 
 `SearchResult.best` is the winner (its plan kept; the others' dropped as they are priced, so a
 search holds one plan at a time besides the best), `table(top=)` the ranking with each
@@ -100,10 +107,14 @@ class SearchResult:
             lines.append(f"{len(unfit)} candidate(s) do not fit in memory, e.g. {unfit[0].candidate.label}: "
                          f"{unfit[0].estimate.binding}")
         refused = [o for o in self.outcomes if o.refused is not None]
-        if refused or self.pruned:
-            lines.append(f"{len(refused)} refused by the compiler, {len(self.pruned)} pruned by the rules "
-                         f"(e.g. {(self.pruned or refused)[0].candidate.label}: "
-                         f"{self.pruned[0].reason if self.pruned else refused[0].refused})")
+        by_rules = [p for p in self.pruned if p.candidate.recompute is None]
+        if refused or by_rules:
+            lines.append(f"{len(refused)} refused by the compiler, {len(by_rules)} pruned by the rules "
+                         f"(e.g. {(by_rules or refused)[0].candidate.label}: "
+                         f"{by_rules[0].reason if by_rules else refused[0].refused})")
+        bounded = [p for p in self.pruned if p.candidate.recompute is not None]
+        if bounded:
+            lines.append(f"{len(bounded)} with recomputation not priced: slower than the winner already without it")
         lines.append(f"searched {len(self.outcomes)} candidates in {self.seconds:.1f} s")
         return "\n".join(lines)
 
@@ -148,27 +159,36 @@ def search(model: torch.nn.Module, cluster: Cluster, *, example_inputs: Sequence
         def price(candidate: Candidate) -> Outcome:
             return _price(model, cluster, candidate, example_inputs, example_kwargs)
     outcomes: list[Outcome] = []
+    pruned = list(enumeration.pruned)
     best: Outcome | None = None
     with reusing_traces():
         for candidate in enumeration.candidates:
-            best = _searched(candidate, price, space, outcomes, best, progress)
+            best = _recorded(price(candidate), outcomes, best, progress)
+        # recomputation, for the candidates that do not fit, fastest first: it only adds time (the
+        # forward again, its collectives again), so a candidate whose time without it is already no
+        # better than the best that fits cannot win with it and is not priced (its in-node layout
+        # with recomputation is then never measured: most of a composed search's cost)
+        unfit = sorted((o for o in outcomes if o.estimate is not None and not o.fits), key=lambda o: o.estimate.seconds)
+        for twin in unfit:
+            for policy in space.recompute:
+                variant = replace(twin.candidate, recompute=policy)
+                if best is not None and twin.estimate.seconds >= best.estimate.seconds:
+                    pruned.append(Pruned(variant, f"without recomputation it does not fit and already takes "
+                                                  f"{twin.estimate.seconds * 1e3:,.2f} ms, no less than the best that "
+                                                  f"fits ({best.candidate.label}, {best.estimate.seconds * 1e3:,.2f} ms)"))
+                    continue
+                outcome = price(variant)
+                best = _recorded(outcome, outcomes, best, progress)
+                if outcome.fits:
+                    break
     _fail_if_nothing_fits(outcomes, cluster)
     ranked = sorted(outcomes, key=_rank_key)
-    return SearchResult(cluster, ranked, enumeration.pruned, time.perf_counter() - start)
+    return SearchResult(cluster, ranked, pruned, time.perf_counter() - start)
 
 
-def _searched(candidate: Candidate, price: Callable[[Candidate], Outcome], space: SearchSpace,
-              outcomes: list[Outcome], best: "Outcome | None", progress: Callable[[Outcome], None] | None
-              ) -> "Outcome | None":
-    """Price one candidate (again with recomputation while it does not fit) and record it; returns
-    the best so far (the only outcome that keeps its plan)."""
-    outcome = price(candidate)
-    for policy in space.recompute if outcome.estimate is not None and not outcome.fits else ():
-        outcome.plan = None  # it does not fit: never the winner
-        outcomes.append(outcome)
-        outcome = price(replace(candidate, recompute=policy))
-        if outcome.fits:
-            break
+def _recorded(outcome: Outcome, outcomes: list[Outcome], best: "Outcome | None",
+              progress: Callable[[Outcome], None] | None) -> "Outcome | None":
+    """Record a priced candidate; returns the best so far (the only outcome that keeps its plan)."""
     outcomes.append(outcome)
     if outcome.fits and (best is None or outcome.estimate.seconds < best.estimate.seconds):
         if best is not None:

@@ -106,7 +106,10 @@ class SearchSpace:
     microbatch_multiples: tuple[int, ...] = (1, 2)  # micro-batches = multiple × pp degree
     virtual_stages: tuple[int, ...] = (1,)  # > 1: interleaved_1f1b with that many stages per pp rank
     one_sequence_microbatches: bool = False  # also m = the replica's sequences (1F1B/GPipe; needs ModelFacts.batch)
-    recompute: tuple[str, ...] = ("full", "selective")  # tried, in order, on a candidate that does not fit
+    # tried, in order, on a candidate that does not fit, until one fits: the cheaper first (selective
+    # recomputes the attention core, full the whole block: never faster in the cost model, and it
+    # saves more memory), so the first that fits is the fastest that fits
+    recompute: tuple[str, ...] = ("selective", "full")
     cross_node_tp: bool = False
     context_tokens: int = 1024  # cp only while each rank keeps at least this many tokens of a sequence
 

@@ -71,7 +71,8 @@ def _case(title: str, build, cluster: Cluster, space: SearchSpace, published: li
         print(f"searched in {time.perf_counter() - start:.1f} s: {str(error).splitlines()[0]}")
         best = None
     else:
-        print(f"searched {len(result.outcomes)} candidates ({len(result.pruned)} pruned by the rules) in "
+        rules = sum(1 for p in result.pruned if p.candidate.recompute is None)
+        print(f"searched {len(result.outcomes)} candidates ({rules} pruned by the rules) in "
               f"{time.perf_counter() - start:.1f} s\n")
         print(result.table(top=top))
         print()

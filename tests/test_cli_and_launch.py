@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from autopar.runtime.launch import launch
+from autopar.runtime.launch import RankKilled, launch
 from tests.cli_in_process import run_cli
 
 
@@ -68,6 +68,31 @@ def test_a_failed_rank_ends_the_job_with_its_message():
     with pytest.raises(RuntimeError, match="rank one is broken"):
         launch(fail_on_rank_one, 2, timeout_s=30)
     assert time.monotonic() - start < 60
+
+
+def abort_on_rank_one(rank: int, world: int) -> int:
+    print(f"rank {rank} was here", file=sys.stderr, flush=True)
+    if rank == 1:
+        os.abort()  # as a native library's std::terminate would: no Python exception, no error file
+    return rank
+
+
+def test_a_rank_killed_by_a_signal_is_reported_with_its_stderr_and_python_stack(capfd):
+    """SIGABRT in rank 1: the error names the signal and carries each rank's stderr, rank 1's with
+    faulthandler's stack of where Python was (this function); a clean job's stderr reaches the
+    caller's, each line marked with its rank."""
+    with pytest.raises(RankKilled) as crash:
+        launch(abort_on_rank_one, 2, timeout_s=30)
+    text = str(crash.value)
+    assert "SIGABRT" in text and "rank 0 was here" in text and "rank 1 was here" in text
+    assert "Fatal Python error: Aborted" in text and "in abort_on_rank_one" in text
+    assert launch(print_rank, 2, timeout_s=30) == [0, 1]
+    assert {"[rank 0] rank 0 prints", "[rank 1] rank 1 prints"} <= set(capfd.readouterr().err.splitlines())
+
+
+def print_rank(rank: int, world: int) -> int:
+    print(f"rank {rank} prints", file=sys.stderr, flush=True)
+    return rank
 
 
 def sleep_forever(rank: int, world: int, directory: str) -> None:

@@ -12,9 +12,16 @@ planner that plans every candidate (`step_cost.estimate` of real plans).
   correlation ≥ 0.95 (measured 0.995), and both pick the same winner.
 - The composed search of a 405B-parameter model (`examples/scale.py`) on 8192 accelerators
   finishes with a winner that fits, having planned two small plans per in-node layout only.
+- Recomputation is priced only where it can win: with a memory that a quarter of the candidates
+  fit, the search finds the winner that pricing every candidate with every recomputation policy
+  finds; each recomputed candidate it passes over (unpriced) is,
+  priced, no faster than that winner; and recomputation never makes a candidate faster
+  (the bound the search leans on).
 - A model without repeated blocks is refused with the fix named.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,8 +29,10 @@ import torch
 import autopar
 from autopar.cluster import Cluster
 from autopar.errors import PlanError
+from autopar.layout_pricer import BlockPricer
 from autopar.planner import search
-from autopar.search_space import SearchSpace
+from autopar.search_space import ModelFacts, SearchSpace, candidates
+from autopar.trace import reusing_traces
 from examples.gpt import GPT, GPTConfig, example_batch
 
 pytestmark = pytest.mark.timeout(600)
@@ -85,6 +94,48 @@ def test_a_405b_model_on_8192_accelerators_is_searched_from_two_plans_per_layout
     assert sum(p.numel() for p in model.parameters()) > 400e9
     assert len(result.outcomes) > 200
     assert "chosen:" in result.explain() and "binding constraint" in result.explain()
+
+
+def test_recomputation_is_priced_only_where_it_can_win():
+    space = SearchSpace(axes=("pp", "dp", "tp"), zero_stages=(0, 3), microbatch_multiples=(1,))
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=4, d_model=64, n_head=4, d_ff=256, seq_len=32)
+    model, batch = GPT(config), example_batch(config, batch=8)
+    roomy = search(model, NODE, example_inputs=batch, space=space, method="blocks")
+    peaks = sorted(o.estimate.peak_bytes for o in roomy.outcomes if o.estimate is not None)
+    tight = replace(NODE, memory_gb=peaks[len(peaks) // 4] / 1e9)
+    result = search(model, tight, example_inputs=batch, space=space, method="blocks")
+    # every candidate priced with every policy, as the search would take them without the bound:
+    # the candidate if it fits, else its first policy (in the space's order) that fits
+    facts = replace(ModelFacts.of(model), sequence=batch[0].shape[1], batch=batch[0].shape[0])
+    with reusing_traces():
+        price = BlockPricer(model, tight, batch)
+        everything = {}
+        for candidate in candidates(tight.world_size, tight, space, facts).candidates:
+            everything[candidate] = [price(replace(candidate, recompute=policy)) for policy in (None,) + space.recompute]
+    options = []
+    for candidate, priced in everything.items():
+        plain, variants = priced[0], priced[1:]
+        if plain.estimate is None:
+            continue
+        for variant in variants:
+            if variant.estimate is not None:
+                assert variant.estimate.seconds >= plain.estimate.seconds, (variant.candidate.label, variant.estimate.parts,
+                                                                            plain.estimate.parts)
+        chosen = plain if plain.fits else next((v for v in variants if v.fits), None)
+        if chosen is not None:
+            options.append(chosen)
+    exhaustive = min(options, key=lambda o: o.estimate.seconds)
+    assert result.best.candidate.label == exhaustive.candidate.label
+    assert result.best.estimate.seconds == exhaustive.estimate.seconds
+    passed_over = [p for p in result.pruned if p.candidate.recompute is not None]
+    assert passed_over, "the bound pruned nothing: the test's memory no longer exercises it"
+    by_candidate = {o.candidate: o for priced in everything.values() for o in priced}
+    for pruned in passed_over:
+        assert by_candidate[pruned.candidate].estimate is None or \
+            by_candidate[pruned.candidate].estimate.seconds >= result.best.estimate.seconds, pruned
+    assert "no less than the best that fits" in passed_over[0].reason
+    assert len(result.outcomes) + len(passed_over) <= sum(len(priced) for priced in everything.values())
 
 
 def test_a_model_without_repeated_blocks_is_refused_with_the_fix():

@@ -117,18 +117,21 @@ def test_the_search_ranks_every_candidate_and_plan_returns_the_winner():
 
 
 def test_recomputation_is_tried_where_memory_does_not_fit():
+    """Selective first (the cheaper), full where selective does not fit either (explicit attention:
+    the [b, h, s, s] scores are what selective recomputation drops)."""
     torch.manual_seed(0)
-    model, batch = GPT(dataclasses.replace(CONFIG, d_model=64, d_ff=256)), example_batch(CONFIG, batch=16)
+    config = dataclasses.replace(CONFIG, d_model=64, d_ff=256, explicit_attention=True)
+    model, batch = GPT(config), example_batch(config, batch=16)
     space = SearchSpace(axes=("dp",), zero_stages=(3,))
-    plain = estimate(autopar.plan(model, "dp=2", strategies=[autopar.zero(stage=3)], example_inputs=batch),
-                     _two_ranks())
-    full = estimate(autopar.plan(model, "dp=2", strategies=[autopar.zero(stage=3), autopar.recompute("full")],
-                                 example_inputs=batch), _two_ranks())
-    assert full.peak_bytes < plain.peak_bytes
-    between = (full.peak_bytes + plain.peak_bytes) / 2 / 10 ** 9
-    result = autopar.search(model, _two_ranks(memory_gb=between), example_inputs=batch, space=space)
-    assert result.best.candidate.label == "dp2 zero3 × recompute full"
-    assert [o.fits for o in result.outcomes] == [True, False]
+    peaks = {policy: estimate(autopar.plan(model, "dp=2", strategies=[autopar.zero(stage=3)] + (
+        [autopar.recompute(policy)] if policy else []), example_inputs=batch), _two_ranks()).peak_bytes
+        for policy in (None, "selective", "full")}
+    assert peaks["full"] < peaks["selective"] < peaks[None]
+    for low, high, chosen in (("selective", None, "selective"), ("full", "selective", "full")):
+        between = (peaks[low] + peaks[high]) / 2 / 10 ** 9
+        result = autopar.search(model, _two_ranks(memory_gb=between), example_inputs=batch, space=space)
+        assert result.best.candidate.label == f"dp2 zero3 × recompute {chosen}"
+        assert [o.fits for o in result.outcomes] == [True] + [False] * (2 if chosen == "full" else 1)
 
 
 def test_a_model_that_fits_nowhere_names_the_smallest_memory_it_needs():

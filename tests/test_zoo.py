@@ -21,13 +21,14 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import warnings
 from typing import Any
 
 import pytest
 import torch
 
 import autopar
-from autopar.runtime.launch import launch
+from autopar.runtime.launch import RankKilled, launch
 from tests.numerics import distributed_rank, single_device
 from tests.numerics_checks import assert_ledger_equals_measured, assert_matches, max_relative_error
 
@@ -127,7 +128,18 @@ def run_config(config: str, archs: tuple[str, ...], steps: int) -> dict[str, lis
     """arch -> per-rank results of one launch that runs every architecture under `config`."""
     mesh, strategies = CONFIGS[config]
     world = autopar.Mesh.parse(mesh).world_size
-    per_rank = launch(zoo_rank, world, list(archs), batches(steps), mesh, strategies, timeout_s=120 + 60 * len(archs))
+    job = (zoo_rank, world, list(archs), batches(steps), mesh, strategies)
+    try:
+        per_rank = launch(*job, timeout_s=120 + 60 * len(archs))
+    except RankKilled as crash:
+        # This launch is the suite's longest-lived job (every architecture, minutes in the same two
+        # processes). Once in CI (stop 22) rank 0 died of SIGABRT in it with no Python error and no
+        # stderr kept; the cause is not known. A rank killed by a signal (never an exception, a
+        # numerics mismatch or a timeout) gets one more launch, and the crash, with every rank's
+        # stderr and faulthandler's stacks (autopar/runtime/launch.py), is reported as a warning
+        # in the test summary; a second crash fails the test.
+        warnings.warn(f"zoo launch under {config}: a rank crashed; launched once more. {crash}")
+        per_rank = launch(*job, timeout_s=120 + 60 * len(archs))
     return {arch: [ranks[arch] for ranks in per_rank] for arch in archs}
 
 

@@ -19,6 +19,7 @@ would. `start_method="spawn"` is still accepted.
 """
 from __future__ import annotations
 
+import faulthandler
 import importlib.util
 import multiprocessing
 import os
@@ -65,6 +66,14 @@ def _prepare_forkserver() -> None:
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float, fn: Callable, args: tuple,
             environment: dict[str, str], directory: str) -> None:
+    # a forked rank writes to the fork server's stderr, which is whatever the first launch's caller
+    # had (under pytest: that test's capture file). Each rank's goes to a file of this job instead,
+    # shown by launch() when the rank dies, with faulthandler's Python stacks on a fatal signal
+    # (SIGABRT, SIGSEGV): a rank killed by a signal otherwise leaves no trace of where it was.
+    stderr_file = os.open(os.path.join(out_dir, f"rank{rank}.stderr"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(stderr_file, 2)
+    os.close(stderr_file)
+    faulthandler.enable(all_threads=True)
     # a forked rank has the fork server's environment and directory: take the caller's
     os.environ.clear()
     os.environ.update(environment)
@@ -92,12 +101,35 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: floa
     os._exit(0)
 
 
+class RankKilled(RuntimeError):
+    """A rank ended by a signal or a non-zero exit without raising a Python exception (a crash in
+    native code, an abort, the OOM killer); the message holds every rank's stderr tail."""
+
+
 def _kill(context: Any) -> None:
     for process in context.processes:
         if process.is_alive():
             process.kill()
     for process in context.processes:
         process.join(5)
+
+
+def _stderr_tails(out_dir: str, world_size: int, limit: int = 6000) -> str:
+    """The last `limit` characters each rank wrote to its stderr (faulthandler's stacks included)."""
+    tails = []
+    for rank in range(world_size):
+        path = os.path.join(out_dir, f"rank{rank}.stderr")
+        text = open(path, errors="replace").read() if os.path.exists(path) else "(no stderr file)"
+        tails.append(f"--- rank {rank} stderr (last {limit} characters) ---\n{text[-limit:]}")
+    return "\n".join(tails)
+
+
+def _forward_stderr(out_dir: str, world_size: int) -> None:
+    """A finished job's rank stderr (warnings, prints) on the caller's stderr, rank by rank."""
+    for rank in range(world_size):
+        path = os.path.join(out_dir, f"rank{rank}.stderr")
+        text = open(path, errors="replace").read() if os.path.exists(path) else ""
+        sys.stderr.writelines(f"[rank {rank}] {line}\n" for line in text.splitlines())
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
@@ -117,12 +149,14 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
             while not context.join(timeout=1.0):
                 if deadline_s is not None and time.monotonic() - started > deadline_s:
                     raise TimeoutError(f"the {world_size}-rank job of {getattr(fn, '__name__', fn)} ran past its "
-                                       f"deadline of {deadline_s:.0f} s; its ranks were killed")
+                                       f"deadline of {deadline_s:.0f} s; its ranks were killed\n"
+                                       f"{_stderr_tails(out_dir, world_size)}")
         except mp.ProcessRaisedException as error:
             details = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.endswith(".err")]
             raise RuntimeError("a rank failed:\n" + "\n".join(details)) from error
         except mp.ProcessExitedException as error:
-            raise RuntimeError(f"a rank exited abnormally: {error}") from error
+            raise RankKilled(f"a rank exited abnormally: {error}\n{_stderr_tails(out_dir, world_size)}") from error
         finally:
             _kill(context)
+        _forward_stderr(out_dir, world_size)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
