@@ -23,13 +23,16 @@ def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | Non
                 strategies: Sequence[Any] | None = None, example_inputs: Sequence[Any] | None = None,
                 example_kwargs: dict | None = None, dynamic_dims: dict[str, int] | None = None,
                 plan_file: "str | Path | None" = None, ranks_per_node: int | None = None,
-                bucket_cap_mb: float = 25.0) -> ParallelModule:
+                bucket_cap_mb: float = 25.0, cluster: Any = None, space: Any = None) -> ParallelModule:
     """Compile `model` for `mesh` and return this rank's module. `example_inputs` is a global batch.
 
     Rank 0 plans and the other ranks receive its plan (`autopar/plan_once.py`); `plan_file=` runs
     a runnable plan file (`autopar.save_runnable_plan`) without planning (mesh, strategies and
     inputs then come from the file; any given are checked against it). `dynamic_dims={"b": 0,
-    "s": 1}` lets those dimensions of every input differ from the example's at run time."""
+    "s": 1}` lets those dimensions of every input differ from the example's at run time.
+    `cluster=` (an `autopar.Cluster` or a preset name) instead of a mesh and strategies: rank 0's
+    planner chooses them (`autopar.plan(model, cluster=...)`, `space=` narrows its search) and
+    every rank runs the winner; the cluster must describe this job's world."""
     if not dist.is_initialized():
         raise RuntimeError("autopar.parallelize needs an initialised process group (run under torchrun, or call "
                            "torch.distributed.init_process_group first); use autopar.plan to plan without one")
@@ -37,6 +40,9 @@ def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | Non
         ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     parsed = Mesh.parse(mesh, ranks_per_node=ranks_per_node) if mesh is not None else None
     options = {"dynamic_dims": dynamic_dims, "bucket_cap_mb": bucket_cap_mb}
+    if cluster is not None:
+        return _parallelize_on(model, _job_cluster(cluster, parsed, strategies, plan_file, dynamic_dims), space,
+                               example_inputs, example_kwargs)
     local = fingerprint(model, world_size=dist.get_world_size(), mesh=parsed, strategies=strategies,
                         example_inputs=example_inputs, example_kwargs=example_kwargs,
                         options=options if plan_file is None else None)
@@ -52,6 +58,39 @@ def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | Non
             lambda: plan(model, parsed, strategies=strategies, example_inputs=example_inputs,
                          example_kwargs=example_kwargs, dynamic_dims=dynamic_dims, bucket_cap_mb=bucket_cap_mb),
             local, dynamic=bool(dynamic_dims))
+    return _module(the_plan, timing, model, dynamic_dims)
+
+
+def _job_cluster(cluster: Any, mesh: "Mesh | None", strategies: Sequence[Any] | None, plan_file: Any,
+                 dynamic_dims: dict | None) -> Any:
+    """`cluster=`'s cluster, refused with what to change where it cannot describe this job."""
+    from autopar.cluster import Cluster
+
+    if mesh is not None or strategies is not None or plan_file is not None or dynamic_dims:
+        raise PlanError("cluster= lets the planner choose the mesh and strategies; it takes no mesh, strategies, "
+                        "plan_file or dynamic_dims\n  fix: give either cluster= alone, or a mesh and strategies")
+    chosen = Cluster.preset(cluster) if isinstance(cluster, str) else cluster
+    if chosen.world_size != dist.get_world_size():
+        raise PlanError(f"cluster {chosen.label} has {chosen.world_size} ranks but this job has "
+                        f"{dist.get_world_size()}\n  fix: describe the job's machines (autopar.Cluster(nodes=, "
+                        f"gpus_per_node=, ...)), or launch {chosen.world_size} ranks")
+    return chosen
+
+
+def _parallelize_on(model: torch.nn.Module, cluster: Any, space: Any, example_inputs: Sequence[Any] | None,
+                    example_kwargs: dict | None) -> ParallelModule:
+    """The planner's choice for `cluster`, made on rank 0 (its search) and run on every rank."""
+    if example_inputs is None:
+        raise PlanError("parallelize(cluster=...) needs example_inputs (a global batch) to search with")
+    local = fingerprint(model, world_size=dist.get_world_size(), example_inputs=example_inputs,
+                        example_kwargs=example_kwargs, options={"cluster": repr(cluster), "space": repr(space)})
+    the_plan, timing = obtain_plan(lambda: plan(model, cluster=cluster, space=space, example_inputs=example_inputs,
+                                                example_kwargs=example_kwargs), local, dynamic=False)
+    return _module(the_plan, timing, model, None)
+
+
+def _module(the_plan: Plan, timing: Any, model: torch.nn.Module, dynamic_dims: dict | None) -> ParallelModule:
+    """This rank's module for a plan it made or received."""
     the_plan.mesh.check_world_size(dist.get_world_size())
     if dynamic_dims and the_plan.pipeline is not None:
         raise PlanError("dynamic_dims with pipeline parallelism is not supported yet: a stage receives activations "

@@ -1,5 +1,6 @@
 """The planner: the op ledger's FLOPs against PyTorch's own counter, the step estimate's arithmetic,
-the search's ranking, `autopar.plan(model, cluster=...)`, the CLI's `--auto`, and its refusals.
+the search's ranking, `autopar.plan(model, cluster=...)`, the CLI's `--auto`, and its refusals;
+`autopar.parallelize(model, cluster=...)` on two gloo ranks against one device.
 
 FLOPs are measured from outside: `torch.utils.flop_counter.FlopCounterMode` counts the single-device
 model's forward and backward on the whole batch; data parallelism over n ranks must give each rank
@@ -23,7 +24,10 @@ from autopar.cost import comm_time
 from autopar.ledger.op_cost import rank_ops
 from autopar.step_cost import estimate
 from examples.gpt import GPT, GPTConfig, example_batch
+from autopar.runtime.launch import launch
 from tests.cli_in_process import run_cli
+from tests.numerics import EPS, LR, single_device
+from tests.numerics_checks import max_relative_error
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32, d_ff=64)
 
@@ -174,3 +178,46 @@ def test_the_cli_prints_the_ranking_and_explains_the_winner(tmp_path):
     assert node.returncode == 0 and "module layers.0.mlp" in node.stdout
     missing = run_cli("plan", "examples.gpt:example", "--auto")
     assert missing.returncode == 2 and "need --cluster NAME" in missing.stderr
+
+
+PARALLELIZE_SPACE = SearchSpace(axes=("dp", "tp"), zero_stages=(0, 3))
+
+
+def _chosen_and_trained(rank: int, world: int, batches: list[tuple]) -> dict:
+    """parallelize(cluster=) on this rank: rank 0's planner chooses, every rank trains the winner;
+    then a cluster of another size, and a cluster with a mesh, are refused before anything is planned."""
+    torch.manual_seed(0)
+    module = autopar.parallelize(GPT(CONFIG), cluster=_two_ranks(), space=PARALLELIZE_SPACE, example_inputs=batches[0])
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for batch in batches:
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(module.train_step(*module.local_batch(*batch))))
+        optimizer.step()
+    refused = []
+    for wrong in (dict(cluster=_two_ranks(nodes=2)), dict(cluster=_two_ranks(), mesh="dp=2")):
+        try:
+            autopar.parallelize(GPT(CONFIG), example_inputs=batches[0], **wrong)
+            refused.append("")
+        except PlanError as error:
+            refused.append(str(error))
+    return {"mesh": str(module.plan.mesh), "losses": losses, "full": module.full_state_dict(), "refused": refused}
+
+
+@pytest.mark.timeout(300)
+def test_parallelize_with_a_cluster_trains_the_planners_choice_like_one_device():
+    """Two gloo ranks: the mesh they run is the search's winner for that cluster (searched here too),
+    and three AdamW steps give one device's losses and parameters (fp32, rel <= 1e-5)."""
+    batches = [example_batch(CONFIG, batch=4, seed=step) for step in range(3)]
+    expected = autopar.search(GPT(CONFIG), _two_ranks(), example_inputs=batches[0], space=PARALLELIZE_SPACE)
+    results = launch(_chosen_and_trained, 2, batches, timeout_s=240)
+    assert {r["mesh"] for r in results} == {str(_two_ranks().mesh(expected.best.candidate.mesh_spec))}
+    reference = single_device(lambda: GPT(CONFIG), batches)
+    for result in results:
+        assert max(abs(a / float(b) - 1) for a, b in zip(result["losses"], reference["losses"])) <= 1e-5
+        for name, value in reference["params"][-1].items():
+            assert max_relative_error(result["full"][name], value) <= 1e-5, name
+    for result in results:
+        too_big, both = result["refused"]
+        assert "cluster two has 4 ranks but this job has 2" in too_big and "fix:" in too_big
+        assert "it takes no mesh, strategies" in both and "fix:" in both
