@@ -18,12 +18,14 @@ from autopar.plan_once import (agree_on_plan_file, fingerprint, load_runnable_pl
                                state_from_model)
 from autopar.runtime.module import ParallelModule
 
+BUCKET_CAP_MB = 25.0  # parallelize's default gradient bucket size (what plan(cluster=) plans with)
+
 
 def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | None" = None, *,
                 strategies: Sequence[Any] | None = None, example_inputs: Sequence[Any] | None = None,
                 example_kwargs: dict | None = None, dynamic_dims: dict[str, int] | None = None,
                 plan_file: "str | Path | None" = None, ranks_per_node: int | None = None,
-                bucket_cap_mb: float = 25.0, cluster: Any = None, space: Any = None) -> ParallelModule:
+                bucket_cap_mb: float = BUCKET_CAP_MB, cluster: Any = None, space: Any = None) -> ParallelModule:
     """Compile `model` for `mesh` and return this rank's module. `example_inputs` is a global batch.
 
     Rank 0 plans and the other ranks receive its plan (`autopar/plan_once.py`); `plan_file=` runs
@@ -41,8 +43,8 @@ def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | Non
     parsed = Mesh.parse(mesh, ranks_per_node=ranks_per_node) if mesh is not None else None
     options = {"dynamic_dims": dynamic_dims, "bucket_cap_mb": bucket_cap_mb}
     if cluster is not None:
-        return _parallelize_on(model, _job_cluster(cluster, parsed, strategies, plan_file, dynamic_dims), space,
-                               example_inputs, example_kwargs)
+        return _parallelize_on(model, _job_cluster(cluster, parsed, strategies, plan_file, dynamic_dims, bucket_cap_mb),
+                               space, example_inputs, example_kwargs)
     local = fingerprint(model, world_size=dist.get_world_size(), mesh=parsed, strategies=strategies,
                         example_inputs=example_inputs, example_kwargs=example_kwargs,
                         options=options if plan_file is None else None)
@@ -62,13 +64,16 @@ def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | Non
 
 
 def _job_cluster(cluster: Any, mesh: "Mesh | None", strategies: Sequence[Any] | None, plan_file: Any,
-                 dynamic_dims: dict | None) -> Any:
-    """`cluster=`'s cluster, refused with what to change where it cannot describe this job."""
+                 dynamic_dims: dict | None, bucket_cap_mb: float) -> Any:
+    """`cluster=`'s cluster, refused with what to change where it cannot describe this job (the
+    planner plans with default options: one it would not honour is refused, not ignored)."""
     from autopar.cluster import Cluster
 
-    if mesh is not None or strategies is not None or plan_file is not None or dynamic_dims:
+    if mesh is not None or strategies is not None or plan_file is not None or dynamic_dims or \
+            bucket_cap_mb != BUCKET_CAP_MB:
         raise PlanError("cluster= lets the planner choose the mesh and strategies; it takes no mesh, strategies, "
-                        "plan_file or dynamic_dims\n  fix: give either cluster= alone, or a mesh and strategies")
+                        "plan_file, dynamic_dims or bucket_cap_mb\n  fix: give either cluster= alone, or a mesh and "
+                        "strategies")
     chosen = Cluster.preset(cluster) if isinstance(cluster, str) else cluster
     if chosen.world_size != dist.get_world_size():
         raise PlanError(f"cluster {chosen.label} has {chosen.world_size} ranks but this job has "

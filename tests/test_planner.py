@@ -185,7 +185,8 @@ PARALLELIZE_SPACE = SearchSpace(axes=("dp", "tp"), zero_stages=(0, 3))
 
 def _chosen_and_trained(rank: int, world: int, batches: list[tuple]) -> dict:
     """parallelize(cluster=) on this rank: rank 0's planner chooses, every rank trains the winner;
-    then a cluster of another size, and a cluster with a mesh, are refused before anything is planned."""
+    then a cluster of another size, a cluster with a mesh, and an option the planner would not honour
+    (bucket_cap_mb) are refused before anything is planned."""
     torch.manual_seed(0)
     module = autopar.parallelize(GPT(CONFIG), cluster=_two_ranks(), space=PARALLELIZE_SPACE, example_inputs=batches[0])
     optimizer = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
@@ -195,7 +196,8 @@ def _chosen_and_trained(rank: int, world: int, batches: list[tuple]) -> dict:
         losses.append(float(module.train_step(*module.local_batch(*batch))))
         optimizer.step()
     refused = []
-    for wrong in (dict(cluster=_two_ranks(nodes=2)), dict(cluster=_two_ranks(), mesh="dp=2")):
+    for wrong in (dict(cluster=_two_ranks(nodes=2)), dict(cluster=_two_ranks(), mesh="dp=2"),
+                  dict(cluster=_two_ranks(), bucket_cap_mb=1.0)):
         try:
             autopar.parallelize(GPT(CONFIG), example_inputs=batches[0], **wrong)
             refused.append("")
@@ -218,6 +220,7 @@ def test_parallelize_with_a_cluster_trains_the_planners_choice_like_one_device()
         for name, value in reference["params"][-1].items():
             assert max_relative_error(result["full"][name], value) <= 1e-5, name
     for result in results:
-        too_big, both = result["refused"]
+        too_big, both, ignored = result["refused"]
         assert "cluster two has 4 ranks but this job has 2" in too_big and "fix:" in too_big
         assert "it takes no mesh, strategies" in both and "fix:" in both
+        assert "bucket_cap_mb" in ignored and "fix:" in ignored
