@@ -18,7 +18,9 @@ measured) and takes, from the two plans' ledgers on rank 0:
   call counts) and the gradient synchronisation per axis in bytes (bucketed by size, not by block);
 - `first_params`: the rest's parameters that come before the blocks (the embedding; a
   pipeline's first stage holds them, the last stage the rest);
-- `boundary_bytes`: the value one block hands the next (a pipeline's send per micro-batch).
+- `boundary_bytes`: the value one block hands the next (a pipeline's send per micro-batch);
+- for the peak's moments (`ledger/peak.py`): the rest's backward working memory (the one-block
+  plan's, the loss's gradient over the vocabulary) and the largest parameter the optimizer updates.
 
 The cost of `search` therefore grows with the distinct layouts (two plans each), not with the
 layers or the ranks. The batch's first dimension of every tensor input is taken as the batch.
@@ -74,6 +76,9 @@ class Part:
     backward: OpTotals = field(default_factory=OpTotals)
     comm: Counter = field(default_factory=Counter)  # CommUse -> calls per micro-batch (not gradient sync)
     grad_sync: Counter = field(default_factory=Counter)  # axis -> bytes of gradients synchronised over it
+    working_bytes: int = 0  # backward's working memory beyond the saved activations (the rest: the loss's)
+    working_weights: int = 0  # of which a parameter's gradient, alive for a moment (does not scale with the batch)
+    largest_param: int = 0  # bytes of the largest parameter tensor the optimizer updates
 
 
 @dataclass
@@ -127,6 +132,8 @@ def _comm(plan: Any) -> tuple[Counter, Counter]:
 
 
 def _figures(plan: Any) -> Part:
+    from autopar.ledger.peak import largest_optimized
+
     memory = plan.memory(rank=0)
     categories = {name: int(value) for name, value in memory.by_category().items()}
     ops = rank_ops(plan, 0)
@@ -134,7 +141,9 @@ def _figures(plan: Any) -> Part:
     uses, synced = _comm(plan)
     return Part(param_bytes=categories["parameters"], param_tensors=tensors, buffer_bytes=categories["model buffers"],
                 activation_bytes=categories["activations"], transient_bytes=categories["transient"],
-                forward=ops.forward, backward=ops.backward, comm=uses, grad_sync=synced)
+                forward=ops.forward, backward=ops.backward, comm=uses, grad_sync=synced,
+                working_bytes=ops.working.bytes, working_weights=ops.working.weight_gradients,
+                largest_param=largest_optimized(plan, plan.stages_of_rank(0), "adamw"))
 
 
 def _difference(two: Part, one: Part) -> tuple[Part, Part]:
@@ -144,11 +153,11 @@ def _difference(two: Part, one: Part) -> tuple[Part, Part]:
     block = Part(two.param_bytes - one.param_bytes, two.param_tensors - one.param_tensors,
                  two.buffer_bytes - one.buffer_bytes, two.activation_bytes - one.activation_bytes,
                  max(two.transient_bytes - one.transient_bytes, 0), forward_block, backward_block, comm_block,
-                 synced_block)
+                 synced_block, 0, 0, two.largest_param)
     rest = Part(one.param_bytes - block.param_bytes, one.param_tensors - block.param_tensors,
                 one.buffer_bytes - block.buffer_bytes, one.activation_bytes - block.activation_bytes,
                 one.transient_bytes, forward_rest, backward_rest, one.comm - comm_block,
-                one.grad_sync - synced_block)
+                one.grad_sync - synced_block, one.working_bytes, one.working_weights, two.largest_param)
     return block, rest
 
 

@@ -20,7 +20,13 @@ implement for a planned model:
   parameters, with their transients (units gathered at once, reduce-scatter inputs in flight, a
   unit's gradients being laid out); a unit is a block, the rest of the model is the root unit;
   activations of the micro-batches in flight (1 without a pipeline; 1F1B: min(m, p − stage);
-  GPipe: m);
+  GPipe: m); the peak is the largest of `ledger/peak.py`'s moments over these categories (data-
+  parallel buckets and ZeRO-1's buffer kept, a parameter's own gradient and ZeRO-2/3's shards
+  made in backward, the loss's backward working memory from the one-block plan's fake run —
+  its batch-scaled part scaled, a weight gradient alive beside it not — ZeRO-3's blocks gathered
+  again, a block's hand-over, AdamW's temporary or ZeRO-1/2's re-gather); under a pipeline
+  the schedule's own peak (`schedules.peak_live`: micro-batches held, the last stage's working
+  memory, a block's hand-over per micro-batch under ZeRO, the sends so far);
 - communication on the candidate's mesh as the cluster lays it (an axis crosses nodes when its
   groups do): the layout's collectives per micro-batch, blocking; data-parallel gradient
   all-reduces in buckets of `bucket_cap_mb` behind backward (the last one exposed), ZeRO's
@@ -47,6 +53,7 @@ from autopar.block_ledgers import BlockLedgers, Part
 from autopar.cluster import Cluster
 from autopar.comm_kinds import KINDS
 from autopar.ledger.op_cost import OpTotals
+from autopar.ledger.peak import PeakTerms, moments
 from autopar.search_space import Candidate
 from autopar.step_cost import OPTIMIZER_CALLS, OPTIMIZER_TRAFFIC, RUNTIME_COPY_TRAFFIC, StepEstimate, exposed_seconds
 
@@ -247,11 +254,83 @@ def composed_estimate(ledgers: BlockLedgers, candidate: Candidate, cluster: Clus
                  "optimizer": tail.optimizer}
     else:
         parts = _pipelined(stages, ranks, candidate, cluster, price, ledgers, scale, micro)
-    peak = max(ranks, key=lambda r: sum(r.memory.values()))
+    for rank in ranks:
+        rank.moments = moments(_peak_terms(ledgers, candidate, rank, stages, in_flight[rank.index], scale, micro))
+    peak = max(ranks, key=lambda r: max(r.moments.values()))
     return StepEstimate(cluster=cluster, seconds=sum(parts.values()), parts=parts,
                         comm_seconds=sum(price.by_kind.values()) / pp,
                         wire_bytes=int(max(price.stage_wire.values(), default=0)),
-                        peak_bytes=sum(peak.memory.values()), memory=peak.memory, comm_by_kind=dict(price.by_kind))
+                        peak_bytes=max(peak.moments.values()), memory=peak.memory, moments=peak.moments,
+                        comm_by_kind=dict(price.by_kind), held_bytes=max(sum(r.memory.values()) for r in ranks))
+
+
+def _peak_terms(ledgers: BlockLedgers, candidate: Candidate, rank: "_Rank", stages: list["_Stage"],
+                in_flight: float, scale: float, micro: int) -> PeakTerms:
+    """`ledger/peak.py`'s terms for a composed rank: the memory categories split by when they live
+    (data-parallel buckets and ZeRO-1's buffer always; a parameter's own gradient or a ZeRO shard
+    from backward on), the loss's working memory on the last stage, ZeRO-3's units at backward, a
+    block's hand-over, the optimizer's transient; under a pipeline the schedule's own peak."""
+    memory, block, rest = rank.memory, ledgers.block, ledgers.rest
+    dp, pp, zero = candidate.degree("dp"), candidate.degree("pp"), candidate.zero
+    grads = memory["gradients"]
+    params = _rest_params(ledgers, rank.first, rank.last) + rank.blocks * block.param_bytes
+    if zero == 1:  # the full-gradient buffer (the parameters' size) stays; each unit's shard is the step's
+        persistent = grads - math.ceil(params / dp)
+    elif zero == 0 and dp > 1:  # data-parallel buckets stay
+        persistent = grads
+    else:  # the layout's own buckets (cp, SP's norms) stay; a parameter's own gradient, ZeRO-2/3's shards are the step's
+        synced = rank.blocks * max(block.grad_sync.values(), default=0) + max(rest.grad_sync.values(), default=0)
+        persistent = min(grads, synced) if zero == 0 else 0
+    steady = memory["parameters"] + memory["model buffers"] + memory["optimizer state"] + persistent
+    step_gradients = grads - persistent
+    # the loss's working memory grows with the batch; a weight gradient alive beside it does not
+    working = scale * (rest.working_bytes - rest.working_weights) + rest.working_weights if rank.last else 0.0
+    unit_bytes = block.param_bytes if rank.blocks else _rest_params(ledgers, rank.first, rank.last)
+    rest_kept = _rest_params(ledgers, rank.first, rank.last) if zero == 3 else 0
+    if pp > 1:
+        activations = _pipeline_live(candidate, rank, stages, ledgers, scale, working, step_gradients, micro)
+        working = 0.0
+    else:
+        activations = in_flight
+    regather = regather_acts = handover = handover_acts = 0
+    if zero == 3 and pp == 1 and rank.blocks:
+        regather = 2 * block.param_bytes + rest_kept
+        regather_acts = int(in_flight - scale * rest.activation_bytes)
+    if zero >= 1 and pp == 1:
+        handover = 2 * unit_bytes + (rest_kept + block.param_bytes if zero == 3 and rank.blocks else 0)
+        handover_acts = int(in_flight - scale * (rest.activation_bytes + (block.activation_bytes if rank.blocks else 0)))
+    largest = math.ceil(block.largest_param / dp) if zero else block.largest_param
+    regathered = params + math.ceil(params / dp) if zero in (1, 2) else 0
+    return PeakTerms(steady=int(steady), step_gradients=int(step_gradients), activations=int(activations),
+                     backward_working=int(working),
+                     gathered_at_backward=(rest_kept if pp == 1 else params) if zero == 3 else 0,
+                     recompute=0, regather=regather, regather_activations=max(regather_acts, 0),
+                     handover=handover, handover_activations=max(handover_acts, 0),
+                     optimizer_transient=max(largest, regathered))
+
+
+def _pipeline_live(candidate: Candidate, rank: "_Rank", stages: list["_Stage"], ledgers: BlockLedgers, scale: float,
+                   working: float, gradients: float, micro: int) -> float:
+    """`schedules.peak_live` of the rank's action list: its stages' activations per micro-batch,
+    the loss's working memory on the last stage, a send per boundary per micro-batch each way."""
+    from autopar import schedules
+
+    pp, chunks = candidate.degree("pp"), len(stages)
+    order = _action_orders(candidate.schedule, pp, candidate.virtual, micro)[rank.index]
+    mine = [s.index for s in rank.stages]
+    boundary = scale * ledgers.boundary_bytes
+    block, rest = ledgers.block, ledgers.rest
+    per_stage = {s: working if stages[s].last else 0.0 for s in mine}
+    if candidate.zero:  # each micro-batch's backward hands its last block's gradients over, laid out flat
+        for s in mine:
+            if stages[s].blocks:
+                freed = scale * (block.activation_bytes + (rest.activation_bytes if stages[s].last else 0))
+                per_stage[s] = max(per_stage[s], 2 * block.param_bytes - freed)
+    return schedules.peak_live(list(order), releases={s: "B" for s in mine},
+                               forward_bytes={s: stages[s].activation for s in mine},
+                               working=per_stage,
+                               sent_forward={s: boundary for s in mine if s < chunks - 1},
+                               sent_backward={s: boundary for s in mine if s > 0}, gradients=gradients)
 
 
 @lru_cache(maxsize=256)
@@ -303,6 +382,7 @@ class _Rank:
         self.blocks = sum(s.blocks for s in stages)
         self.first, self.last = any(s.first for s in stages), any(s.last for s in stages)
         self.memory: dict[str, int] = {}
+        self.moments: dict[str, int] = {}
         self.tail: "_Tail | None" = None
 
 

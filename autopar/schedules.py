@@ -231,3 +231,31 @@ def peak_held(order: list[Action], *, releases: dict[int, str], forward_bytes: d
         if total > best_total:
             best, best_total = {t: (forward[t], waiting[t]) for t in forward}, total
     return best
+
+
+def peak_live(order: list[Action], *, releases: dict[int, str], forward_bytes: dict[int, float],
+              after_input_bytes: dict[int, float] | None = None, working: dict[int, float] | None = None,
+              sent_forward: dict[int, float] | None = None, sent_backward: dict[int, float] | None = None,
+              gradients: float = 0.0) -> float:
+    """The most bytes one rank's schedule keeps alive at once beyond what it always holds: the
+    micro-batches held as in `peak_held`, a stage's backward working memory while its B runs
+    (`working[s]`), the sends the runtime holds (`sent_forward[s]`: a micro-batch's forward send
+    from its F until its B receives the gradient; `sent_backward[s]`: each B's gradient send,
+    until the step ends), and the step's gradients once the rank's first backward has made them."""
+    after, working = after_input_bytes or {}, working or {}
+    sent_forward, sent_backward = sent_forward or {}, sent_backward or {}
+    total, most, grads_counted = 0.0, 0.0, False  # running: held micro-batches, sends, gradients
+    for action in order:
+        s = action.stage
+        if action.kind == "F":
+            total += forward_bytes[s] + sent_forward.get(s, 0)
+        elif action.kind == "B":
+            most = max(most, total + working.get(s, 0))  # its working memory beside what it releases
+            total += sent_backward.get(s, 0) - sent_forward.get(s, 0)
+            total += (after.get(s, 0) if releases[s] == "W" else 0) - forward_bytes[s]
+            if not grads_counted:
+                total, grads_counted = total + gradients, True
+        elif action.kind == "W":
+            total -= after.get(s, 0)
+        most = max(most, total)
+    return most

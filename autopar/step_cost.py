@@ -21,7 +21,9 @@ rank per pipeline coordinate, the others' coordinates 0 — ranks of one stage r
 - the pipeline: each stage's forward and backward per micro-batch (compute plus its blocking
   collectives) run through the schedule's own action lists (`schedules.simulate`, a send's α-β
   time as the latency between stages): the step's span, whose idle part is the bubble;
-- memory: the memory ledger's categories, the transient ones included: the predicted peak.
+- memory: the largest of the step's moments (`ledger/peak.py`: backward starting, the first ZeRO
+  unit's gradients handed over, the optimizer step), each the memory ledger's categories that
+  live then: the predicted peak.
 
 `StepEstimate.parts` splits the predicted step into compute, exposed communication, bubble and
 optimizer; `binding` names what bounds the plan (memory that does not fit, else the largest
@@ -38,6 +40,7 @@ from autopar import schedules
 from autopar.cluster import GB, Cluster
 from autopar.cost import CommTimeRow, comm_time
 from autopar.ledger.op_cost import RankOps, rank_ops
+from autopar.ledger.peak import moments, peak_terms
 
 OPTIMIZER_CALLS = 12  # torch.optim.AdamW (foreach=False) per parameter tensor: lerp_, mul_, addcmul_, sqrt, ...
 OPTIMIZER_TRAFFIC = 7  # bytes moved per byte of parameter (read p, g, m, v; write p, m, v)
@@ -53,6 +56,8 @@ class StepEstimate:
     wire_bytes: int  # per step, on the busiest rank
     peak_bytes: int  # the largest over the ranks
     memory: dict[str, int] = field(default_factory=dict)  # categories on the rank of the largest peak
+    moments: dict[str, int] = field(default_factory=dict)  # bytes alive at each moment on that rank (ledger/peak.py)
+    held_bytes: int = 0  # every memory category at once, the largest over the ranks (the ledger's sum)
     comm_by_kind: dict[str, float] = field(default_factory=dict)  # "axis kind" -> seconds (exposed or not)
 
     @property
@@ -62,7 +67,8 @@ class StepEstimate:
     @property
     def binding(self) -> str:
         if not self.fits:
-            return (f"memory: {self.peak_bytes / GB:.3g} GB per rank at the peak, {self.cluster.memory_gb:g} GB "
+            when = f" ({max(self.moments, key=self.moments.get)})" if self.moments else ""
+            return (f"memory: {self.peak_bytes / GB:.3g} GB per rank at the peak{when}, {self.cluster.memory_gb:g} GB "
                     f"available")
         part, seconds = max(self.parts.items(), key=lambda item: item[1])
         share = seconds / self.seconds if self.seconds else 0.0
@@ -137,6 +143,7 @@ class _RankParts:
     rows: list[CommTimeRow]
     memory: dict[str, int]
     optimizer: float
+    moments: dict[str, int] = field(default_factory=dict)
 
     def calls(self, kind: str, stage: int | None = None, phase: str | None = None) -> list[float]:
         return [row.per_call for row in self.rows for _ in range(row.calls) if _kind(row) == kind
@@ -153,11 +160,10 @@ def estimate(plan: Any, cluster: Cluster) -> StepEstimate:
     ops: dict[int, RankOps] = {}
     for rank in ranks:
         ledger = plan.memory(rank=rank)
-        memory = ledger.by_category()
-        parts[rank] = _RankParts(list(comm_time(plan, cluster, rank=rank).rows), memory,
-                                 _optimizer_seconds(ledger, cluster))
         for stage in plan.stages_of_rank(rank):
             ops[stage.index] = rank_ops(plan, rank, stage=stage.index)
+        parts[rank] = _RankParts(list(comm_time(plan, cluster, rank=rank).rows), ledger.by_category(),
+                                 _optimizer_seconds(ledger, cluster), moments(peak_terms(plan, ledger, rank=rank, ops=ops)))
     overlap = cluster.overlap
     if plan.pipeline is None:
         rank = parts[0]
@@ -171,7 +177,7 @@ def estimate(plan: Any, cluster: Cluster) -> StepEstimate:
     else:
         split = _pipelined(plan, cluster, ranks, parts, ops)
     busiest = max(ranks, key=lambda r: sum(row.seconds for row in parts[r].rows))
-    peak_rank = max(ranks, key=lambda r: sum(parts[r].memory.values()))
+    peak_rank = max(ranks, key=lambda r: max(parts[r].moments.values()))
     by_kind: dict[str, float] = defaultdict(float)
     for row in parts[busiest].rows:
         by_kind[f"{row.axis} {row.kind}"] += row.seconds
@@ -179,8 +185,9 @@ def estimate(plan: Any, cluster: Cluster) -> StepEstimate:
     wire = sum(int(ledger.number(e.wire_bytes)) * e.times for e in ledger.for_rank(busiest))
     return StepEstimate(cluster=cluster, seconds=sum(split.values()), parts=split,
                         comm_seconds=sum(row.seconds for row in parts[busiest].rows), wire_bytes=wire,
-                        peak_bytes=sum(parts[peak_rank].memory.values()), memory=parts[peak_rank].memory,
-                        comm_by_kind=dict(by_kind))
+                        peak_bytes=max(parts[peak_rank].moments.values()), memory=parts[peak_rank].memory,
+                        moments=parts[peak_rank].moments, comm_by_kind=dict(by_kind),
+                        held_bytes=max(sum(parts[r].memory.values()) for r in ranks))
 
 
 def _pipelined(plan: Any, cluster: Cluster, ranks: list[int], parts: dict[int, _RankParts],

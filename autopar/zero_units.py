@@ -96,6 +96,21 @@ def gather_layout(unit: ShardUnit, gathered: torch.Tensor) -> list[torch.Tensor]
     return fulls
 
 
+def copy_gathered(unit: ShardUnit, gathered: torch.Tensor, fulls: list[torch.Tensor]) -> None:
+    """`gather_layout` into existing parameters (ZeRO-1/2's compute copies): each block copied
+    straight from the gathered buffer, no fresh tensor in between (uneven rows: the padding cut off)."""
+    by_rank = gathered.view(unit.group_size, unit.shard_numel)
+    for param, offset, full in zip(unit.params, unit.offsets(), fulls):
+        block = by_rank[:, offset:offset + param.shard_numel].view(unit.group_size, param.rows, *param.shape[1:])
+        if full.shape[0] == unit.group_size * param.rows and full.is_contiguous():
+            full.view(block.shape).copy_(block)
+        else:  # uneven (or strided) parameter: each owner's real rows
+            for owner in range(-(-param.shape[0] // param.rows)):  # the ranks that own real rows
+                start = owner * param.rows
+                count = min(param.rows, param.shape[0] - start)
+                full[start:start + count].copy_(block[owner, :count])
+
+
 def grad_layout(unit: ShardUnit, grads: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
     """The reduce-scatter input: full gradients padded and laid out like `gather_layout` reads them."""
     flat = torch.zeros(unit.group_size, unit.shard_numel, dtype=dtype, device=_device(grads))

@@ -3,9 +3,13 @@ planner that plans every candidate (`step_cost.estimate` of real plans).
 
 - On the example GPT (4 blocks) and a 4-accelerator node, every candidate over pp, dp, cp and
   tp with ZeRO 0/1/3, SP, GPipe, 1F1B and interleaved 1F1B (v = 2) is priced both ways (51
-  that plan): the composed peak memory per rank equals the planned one within 1% (measured
-  −0.2% … +0.2%); the step time within 12% (measured −9.8% … +1.8%, the worst an interleaved
-  pipeline under ZeRO-1: op bytes scaled with the micro-batch from a one-sequence plan, weights
+  that plan): the composed memory categories per rank (all held at once, the ledger's upper
+  bound) equal the planned ones within 1% (measured −0.2% … +0.2%); the composed peak (the
+  largest moment, `ledger/peak.py`) the planned peak within 8% (measured −6.8% … +1.1%, the
+  worst pipelines: a stage's backward working memory is composed for the last stage only — the
+  loss's gradient over the vocabulary, the batch-scaled part scaled — while the planned peak
+  also has a middle stage's, 0.1–0.4 MB on this model); the step time within 12% (measured
+  −9.8% … +1.8%, the worst an interleaved pipeline under ZeRO-1: op bytes scaled with the micro-batch from a one-sequence plan, weights
   included, and the pipeline span by formula instead of `schedules.simulate`); the busiest
   rank's wire bytes within 25% (measured 0 … +19%: the rest of the model's collectives counted
   on the last stage, ZeRO's gradient sync over cp as an all-reduce); the ranking's Spearman
@@ -74,7 +78,8 @@ def test_composed_candidates_equal_planned_ones():
             continue
         full, part = outcome.estimate, mine.estimate
         label = outcome.candidate.label
-        assert abs(part.peak_bytes / full.peak_bytes - 1) <= 0.01, (label, part.memory, full.memory)
+        assert abs(part.held_bytes / full.held_bytes - 1) <= 0.01, (label, part.memory, full.memory)
+        assert abs(part.peak_bytes / full.peak_bytes - 1) <= 0.08, (label, part.moments, full.moments)
         assert abs(part.seconds / full.seconds - 1) <= 0.12, (label, part.parts, full.parts)
         assert abs(part.wire_bytes / full.wire_bytes - 1) <= 0.25, (label, part.wire_bytes, full.wire_bytes)
         times.append((full.seconds, part.seconds))
@@ -156,4 +161,5 @@ def test_plan_with_a_large_cluster_composes_the_search_and_plans_only_the_winner
     assert sum(o.plan is not None for o in chosen.search.outcomes) == 1, "only the winner is planned"
     assert str(chosen.mesh) == str(cluster.mesh(winner.candidate.mesh_spec))
     full = autopar.estimate(chosen, cluster)
-    assert abs(winner.estimate.peak_bytes / full.peak_bytes - 1) <= 0.01
+    assert abs(winner.estimate.held_bytes / full.held_bytes - 1) <= 0.01
+    assert abs(winner.estimate.peak_bytes / full.peak_bytes - 1) <= 0.08

@@ -14,6 +14,8 @@ Categories (bytes per rank, sympy expressions in the traced symbols and numbers)
   plus one resharded block, two with prefetching) and reduce-scatter inputs in flight (at most
   two: the one being laid out and the one landing), and under `autopar.recompute` the largest
   recomputed region's activations while its backward runs. An upper bound, not measured exactly.
+The categories never all live at once: the step's peak is the largest of a few moments, each
+the categories alive then (`ledger/peak.py`, what `autopar.estimate` reports).
 The tests compare these categories with bytes measured from outside the runtime
 (`autopar.measure.memory`, `autopar.measure.activations`).
 
@@ -210,19 +212,12 @@ def _activation_entries(plan: Any, rank: int, stages: list) -> list[MemoryEntry]
         return [MemoryEntry("activations", "saved for backward", saved_activations(plan, rank=rank).total)]
     from autopar import schedules
 
-    layout = plan.pipeline
-    split = layout.schedule in schedules.SPLIT_BACKWARD
-    ledgers = {s.index: saved_activations(plan, rank=rank, stage=s.index) for s in stages}
-    # the runtime runs a stage's whole backward at B when it receives nothing (no input gradient to split)
-    releases = {s.index: "W" if split and s.receives else "B" for s in stages}
-    waiting = {s.index: split_backward_hold(plan, s, ledgers[s.index]) for s in stages if releases[s.index] == "W"}
-    order = schedules.actions(layout.schedule, degree=layout.degree, virtual=layout.virtual,
-                              microbatches=layout.microbatches)[plan.mesh.coordinate(rank, layout.axis)]
+    order, releases, ledgers, waiting = _schedule_inputs(plan, rank, stages)
     held = schedules.peak_held(order, releases=releases,
                                forward_bytes={s: plan.comm.number(ledger.total) for s, ledger in ledgers.items()},
                                after_input_bytes={s: plan.comm.number(sum(b)) for s, b in waiting.items()})
     entries = [MemoryEntry("activations", f"stage {s}: {count} micro-batch(es) before their backward at the peak "
-                                          f"({layout.schedule})", count * ledgers[s].total)
+                                          f"({plan.pipeline.schedule})", count * ledgers[s].total)
                for s, (count, _) in held.items() if count]
     for s, (_, count) in held.items():
         if count:
@@ -232,6 +227,23 @@ def _activation_entries(plan: Any, rank: int, stages: list) -> list[MemoryEntry]
             entries.append(MemoryEntry("activations", f"stage {s}: {count} micro-batch(es) between B and W at the "
                                                       f"peak: gradients the weight pass starts from", count * gradients))
     return entries
+
+
+def _schedule_inputs(plan: Any, rank: int, stages: list) -> tuple[list, dict, dict, dict]:
+    """The rank's action list, when each stage's micro-batch lets its activations go ("B", or "W"
+    with a split backward), each stage's activation ledger, and what a split backward keeps from B to W."""
+    from autopar import schedules
+    from autopar.ledger.activations import saved_activations
+
+    layout = plan.pipeline
+    split = layout.schedule in schedules.SPLIT_BACKWARD
+    ledgers = {s.index: saved_activations(plan, rank=rank, stage=s.index) for s in stages}
+    # the runtime runs a stage's whole backward at B when it receives nothing (no input gradient to split)
+    releases = {s.index: "W" if split and s.receives else "B" for s in stages}
+    waiting = {s.index: split_backward_hold(plan, s, ledgers[s.index]) for s in stages if releases[s.index] == "W"}
+    order = schedules.actions(layout.schedule, degree=layout.degree, virtual=layout.virtual,
+                              microbatches=layout.microbatches)[plan.mesh.coordinate(rank, layout.axis)]
+    return order, releases, ledgers, waiting
 
 
 def _weight_meets_input(plan: Any, stage: Any) -> list[Any]:
@@ -291,3 +303,4 @@ def largest_model(*, devices: int, memory_bytes: float, stage: int,
     per_param = sum(b / devices if category in ZERO_SHARDED[stage] else b
                     for category, b in zip(("parameters", "gradients", "optimizer state"), bytes_per_param))
     return memory_bytes / per_param
+

@@ -7,7 +7,10 @@ mode that records each ATen call: its floating-point operations (PyTorch's own f
 `torch.utils.flop_counter.flop_registry`: 2·m·n·k per matrix product, attention's products) and
 the bytes it touches (its tensor inputs and outputs). Views move no bytes; collectives are not
 compute (the communication ledger has them, exactly). Backward is what autograd runs for the
-graph's outputs, so a recomputed region's forward appears again in it.
+graph's outputs, so a recomputed region's forward appears again in it. The same run follows the
+storages backward allocates (`ledger/working_memory.py`): `RankOps.working`, the memory peak's
+backward working memory. Parameter gradients are taken as soon as they are accumulated (as the
+runtime takes them); ZeRO-3's gathered parameters are not followed.
 
 `OpTotals.seconds(cluster)` prices the calls with a roofline per call — the larger of FLOPs /
 peak and bytes / memory bandwidth — plus the cluster's fixed cost per call; that is the compute
@@ -26,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from autopar.ledger.activations import fake_inputs, kernel_device, on_device
+from autopar.ledger.working_memory import LiveFakeStorages, Working, gather_free_runner, taking_weight_gradients
 
 if TYPE_CHECKING:
     from autopar.cluster import Cluster
@@ -59,6 +63,7 @@ class RankOps:
     stage: int
     forward: OpTotals
     backward: OpTotals
+    working: "Working | None" = None  # what backward allocates beyond what was alive when it started
 
 
 def _nbytes(values: Any) -> int:
@@ -100,11 +105,15 @@ def rank_ops(plan: "Plan", rank: int, *, stage: int | None = None) -> RankOps:
         gm = on_device(plan.rank_graph(rank, stage=chosen.index), device)
         mode = _traced_mode(plan)
         inputs = fake_inputs(plan, chosen.graph_module.graph, mode, device)
-        recorder = _OpRecorder()
-        with mode, torch.enable_grad(), recorder:
-            outputs = gm(*inputs)
+        recorder, tracker = _OpRecorder(), LiveFakeStorages()
+        taking_weight_gradients(inputs, tracker)
+        with mode, torch.enable_grad(), recorder, tracker:
+            outputs = gather_free_runner(gm, tracker)(*inputs)
             roots = [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
+            grads = [torch.ones_like(o) for o in roots]
+            del outputs
             recorder.phase = "backward"
+            tracker.backward_starts()
             if roots:
-                torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
-    return RankOps(rank, chosen.index, recorder.totals["forward"], recorder.totals["backward"])
+                torch.autograd.backward(roots, grads)
+    return RankOps(rank, chosen.index, recorder.totals["forward"], recorder.totals["backward"], tracker.working())

@@ -12,8 +12,10 @@ the gradients in. A receiving stage has one `token` input (a 0-d tensor that req
 so autograd reaches every receive when it computes gradients back to that token — which is also
 how a zero-bubble schedule asks for "input gradients only" (`stage_backward_input`).
 
-Sends are asynchronous (`dist.isend`; gloo and NCCL make progress without the sender waiting)
-and waited at the end of the step (`Exchange.finish`); receives block until their tensor is
+Sends are asynchronous (`dist.isend`; gloo and NCCL make progress without the sender waiting).
+A forward send is waited, and its buffer let go, when the gradient of that value for that
+micro-batch arrives (the peer has long received it); the other sends (gradients) are waited at
+the end of the step (`Exchange.finish`); receives block until their tensor is
 there. Messages are matched by tag: (boundary value, micro-batch, direction), so the order in
 which a schedule posts them does not matter. The micro-batch comes from the `Exchange` the stage
 runner makes current (`Exchange.microbatch`). A peer that is this rank itself (two virtual
@@ -43,7 +45,7 @@ class Exchange:
 
     rank: int
     microbatch: int = 0
-    pending: list[Any] = field(default_factory=list)
+    pending: dict[int, tuple[Any, torch.Tensor]] = field(default_factory=dict)  # tag -> send in flight
     mailbox: dict[int, torch.Tensor] = field(default_factory=dict)
     waited: float = 0.0  # seconds blocked in receives (the measured timeline subtracts them)
 
@@ -53,7 +55,7 @@ class Exchange:
             return
         tensor = tensor.contiguous()
         work = dist.isend(tensor, dst=peer, group=_group(group), tag=tag)
-        self.pending.append((work, tensor))  # the buffer must outlive the send
+        self.pending[tag] = (work, tensor)  # the buffer must outlive the send
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, peer: int, group: str, tag: int) -> torch.Tensor:
         if peer == self.rank:
@@ -62,11 +64,17 @@ class Exchange:
         start = time.perf_counter()
         dist.irecv(buffer, src=peer, group=_group(group), tag=tag).wait()
         self.waited += time.perf_counter() - start
+        if tag % 2 == _BACKWARD and tag - 1 in self.pending:
+            # the gradient of what this rank sent forward is here: the peer received that send long
+            # ago, so it is complete and its buffer can go (gloo's sends report completion only
+            # when waited), instead of every forward send being held until the step ends
+            work, _ = self.pending.pop(tag - 1)
+            work.wait()
         return buffer
 
     def finish(self) -> None:
         """Wait for every send of the step (their buffers are released then)."""
-        for work, _ in self.pending:
+        for work, _ in self.pending.values():
             work.wait()
         self.pending.clear()
         if self.mailbox:

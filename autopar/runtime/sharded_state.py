@@ -30,7 +30,7 @@ import torch.fx
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from autopar.errors import PlanError
-from autopar.zero_units import ShardUnit, gather_layout, grad_layout, shard_views
+from autopar.zero_units import ShardUnit, copy_gathered, gather_layout, grad_layout, shard_views
 
 _c10d = torch.ops._c10d_functional
 
@@ -325,5 +325,4 @@ class ShardedState(UnitCalls):
             self._launch(index)
         with torch.no_grad():
             for index in indices:
-                for full, new in zip(self.full[index], self._finish(index)):
-                    full.copy_(new)
+                copy_gathered(self.units[index], _c10d.wait_tensor(self._pending.pop(index)), self.full[index])

@@ -1,0 +1,212 @@
+"""A rank's peak memory as the largest of a few moments of the step, not the sum of every category.
+
+The memory ledger's categories (`ledger/memory.py`) never all live at once: activations are gone
+before the optimizer steps, ZeRO-1/2's re-gathered parameters arrive after backward, a ZeRO unit's
+gradients are handed over when most activations are freed. Measured from outside on 4 gloo ranks
+(`benchmarks/planner_vs_measured.py`), the step's peak sits at one of these moments:
+
+- **backward starts**: what the rank always holds (`steady`: parameters, buffers, optimizer state,
+  persistent gradient buffers — data-parallel buckets, ZeRO-1's full-gradient buffer), every saved
+  activation, what the first backward ops allocate beyond them (`backward_working`, from a fake run:
+  the loss's gradient over the vocabulary), ZeRO-3 units gathered then, a recomputed region's
+  activations. Under a pipeline "activations" is the schedule's own peak (`schedules.peak_live`):
+  the micro-batches held, a stage's working memory during its backward, the step's sends so far
+  and, after the rank's first backward, the gradients accumulating over the micro-batches;
+- **the last ZeRO-3 block gathered again for its backward** (resharded blocks are not gathered
+  when backward starts): the activations saved up to that block's end, it and the block before
+  (prefetched), the units kept gathered;
+- **the first ZeRO unit's gradients handed over**: the activations saved before that unit's first
+  use (the later ones are freed by then), its whole gradients as autograd hands them over, laid out
+  flat for their collective, and ZeRO-3 units gathered at that moment;
+- **the optimizer step**: steady, the step's gradients (a parameter's own `.grad`, ZeRO's gradient
+  shards), and the larger of AdamW's temporary (one tensor of the largest parameter it updates,
+  `exp_avg_sq.sqrt()`) and ZeRO-1/2's re-gather of the parameters (every unit's all-gather is
+  launched at once: each unit's send and gathered buffer).
+
+`PeakTerms` is what the memory ledger reads off a plan and the composed cost model composes from a
+block's ledgers (`composed_cost.py`); `moments` is the one rule both apply.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import sympy
+
+from autopar.ir import SPEC, local_numel
+from autopar.ledger.memory import OPTIMIZER_STATE, MemoryLedger, _rank_placeholders, _schedule_inputs
+
+
+@dataclass(frozen=True)
+class PeakTerms:
+    steady: int  # parameters, buffers, optimizer state, persistent gradient buffers
+    step_gradients: int  # made in backward, kept for the optimizer
+    activations: int  # saved for backward, at the schedule's peak
+    backward_working: int = 0  # what backward allocates beyond them at its start
+    gathered_at_backward: int = 0  # ZeRO-3 units gathered when backward starts
+    recompute: int = 0  # a recomputed region's activations during its backward
+    regather: int = 0  # ZeRO-3: the last resharded block gathered again for its backward, the one before
+    # prefetched, the kept units (0 without resharded units)
+    regather_activations: int = 0  # activations still saved then (the head's are freed)
+    handover: int = 0  # a unit's gradients as handed over and laid out, and the units gathered then
+    handover_activations: int = 0  # activations still saved at that moment
+    optimizer_transient: int = 0  # the larger of AdamW's temporary and ZeRO-1/2's re-gather
+
+
+def moments(terms: PeakTerms) -> dict[str, int]:
+    """Bytes alive at each moment of the step (module docstring); the peak is the largest."""
+    t = terms
+    result = {"backward starts": t.steady + t.activations + t.backward_working + t.gathered_at_backward
+              + t.recompute,
+              "optimizer step": t.steady + t.step_gradients + t.optimizer_transient}
+    if t.regather:
+        result["last ZeRO-3 block gathered again"] = t.steady + t.regather_activations + t.regather
+    if t.handover:
+        result["first unit's gradients handed over"] = t.steady + t.handover_activations + t.handover
+    return result
+
+
+PERSISTENT_GRADIENTS = ("bucket buffers (gradients are views)", "ZeRO-1 full-gradient buffer")
+GATHERED_AT_BACKWARD = ("ZeRO-3 units kept gathered forward to backward", "ZeRO-3 units gathered for the whole pipeline step")
+
+
+def peak_terms(plan: Any, ledger: MemoryLedger, *, rank: int = 0, optimizer: str = "adamw",
+               ops: dict[int, Any] | None = None) -> PeakTerms:
+    """What the moments read off `rank`'s memory ledger and plan: the categories split by when
+    they live, the backward's working memory (the op ledger's fake run, `ledger/working_memory.py`;
+    `ops`: the rank's `rank_ops` by stage, when the caller has them), the first ZeRO unit's
+    hand-over and the optimizer's transient."""
+    from autopar.ledger.activations import saved_activations
+    from autopar.ledger.working_memory import backward_working
+
+    activations_of = functools.lru_cache(maxsize=None)(  # one fake run per stage (None: no pipeline)
+        lambda stage: saved_activations(plan, rank=rank, stage=stage))
+    number = ledger.number
+    by_what: dict[str, int] = defaultdict(int)
+    for entry in ledger.entries:
+        by_what[entry.what] += number(entry.bytes)
+    totals = ledger.by_category()
+    persistent = sum(by_what[w] for w in PERSISTENT_GRADIENTS)
+    stages = plan.stages_of_rank(rank)
+    units = [u for stage in stages for u in stage.units]
+    gathered_at_backward = sum(by_what[w] for w in GATHERED_AT_BACKWARD)  # resharded blocks come back later
+    resharded = sum(n for w, n in by_what.items() if w.startswith("ZeRO-3 resharded blocks gathered at once"))
+    recompute = sum(n for w, n in by_what.items() if w.startswith("a recomputed region's activations"))
+    step_gradients = totals["gradients"] - persistent
+    working = {s.index: (ops[s.index].working if ops and s.index in ops else
+                         backward_working(plan, rank=rank, stage=s.index)).bytes for s in stages}
+    activations, backward_working = totals["activations"], max(working.values())
+    if plan.pipeline is not None:  # the schedule's own moments: held micro-batches, sends, gradients
+        for stage in stages:  # every micro-batch's backward hands a ZeRO unit's gradients over
+            if stage.units:
+                working[stage.index] = max(working[stage.index], _micro_batch_handover(plan, stage, activations_of))
+        activations, backward_working = _pipeline_live(plan, rank, stages, working, step_gradients), 0
+    return PeakTerms(
+        steady=totals["parameters"] + totals["model buffers"] + totals["optimizer state"] + persistent,
+        step_gradients=step_gradients, activations=activations, backward_working=backward_working,
+        gathered_at_backward=gathered_at_backward, recompute=recompute,
+        regather=resharded and resharded + by_what["ZeRO-3 units kept gathered forward to backward"],
+        regather_activations=resharded and _activations_before(plan, _last_resharded(plan, units), activations_of,
+                                                               end=True),
+        handover=_handover(plan, units),
+        handover_activations=_activations_before(plan, _first_handed(plan, units), activations_of,
+                                                 end=False) if units else 0,
+        optimizer_transient=max(largest_optimized(plan, stages, optimizer), _regather(units)))
+
+
+def _pipeline_live(plan: Any, rank: int, stages: list, working: dict[int, int], gradients: int) -> int:
+    """`schedules.peak_live` for the rank: activations per micro-batch from the stage ledgers, each
+    stage's sends per micro-batch from the communication ledger (activations in F, gradients in B)."""
+    from autopar import schedules
+
+    order, releases, ledgers, waiting = _schedule_inputs(plan, rank, stages)
+    sent = {"forward": defaultdict(float), "backward": defaultdict(float)}
+    for entry in plan.comm.for_rank(rank):
+        if entry.kind == "send" and entry.axis == plan.pipeline.axis and entry.stage is not None and entry.phase in sent:
+            sent[entry.phase][entry.stage] += plan.comm.number(entry.logical_bytes)
+    return int(schedules.peak_live(order, releases=releases,
+                                   forward_bytes={s: plan.comm.number(ledger.total) for s, ledger in ledgers.items()},
+                                   after_input_bytes={s: plan.comm.number(sum(b)) for s, b in waiting.items()},
+                                   working=working, sent_forward=sent["forward"], sent_backward=sent["backward"],
+                                   gradients=gradients))
+
+
+def _micro_batch_handover(plan: Any, stage: Any, activations_of: Callable) -> int:
+    """Under a pipeline, what a micro-batch's backward adds when it hands the stage's first unit
+    over (its gradients whole and laid out flat), less that micro-batch's activations freed by then."""
+    unit = _first_handed(plan, list(stage.units))
+    handed = sum(math.prod(p.shape) for p in unit.params) * unit.dtype.itemsize
+    micro_batch = activations_of(stage.index).number()
+    freed = micro_batch - _activations_before(plan, unit, activations_of, end=False)
+    return max(0, handed + unit.gathered_numel * unit.reduce_dtype.itemsize - freed)
+
+
+def _handover(plan: Any, units: list) -> int:
+    """The first unit's gradients whole as handed over, laid out flat, and the ZeRO-3 units gathered
+    then (kept ones, the block before it prefetched; under a pipeline every stage-3 unit)."""
+    if not units:
+        return 0
+    unit = _first_handed(plan, units)
+    handed = sum(math.prod(p.shape) for p in unit.params) * unit.dtype.itemsize
+    laid_out = unit.gathered_numel * unit.reduce_dtype.itemsize
+    full = {u.index: u.gathered_numel * u.dtype.itemsize for u in units if u.stage == 3}
+    if plan.pipeline is not None:
+        gathered = sum(full.values())
+    else:
+        gathered = sum(full[u.index] for u in units if u.stage == 3 and not u.reshard)
+        if unit.reshard and unit.backward_prefetch:
+            gathered += max((full[u.index] for u in units if u.reshard and u is not unit), default=0)
+    return handed + laid_out + gathered
+
+
+def _unit_positions(plan: Any, unit: Any) -> tuple[dict[str, int], list[int]]:
+    stage = plan.stages[unit.pipeline_stage]
+    position = {node.name: i for i, node in enumerate(stage.graph_module.graph.nodes)}
+    marked = [i for i, n in enumerate(stage.graph_module.graph.nodes) if n.meta.get("autopar_zero_unit") == unit.index]
+    return position, marked
+
+
+def _first_handed(plan: Any, units: list) -> Any:
+    """The unit whose gradients backward completes first: the one whose first use in forward comes last."""
+    return max(units, key=lambda u: (u.pipeline_stage, min(_unit_positions(plan, u)[1])))
+
+
+def _last_resharded(plan: Any, units: list) -> Any:
+    """The resharded ZeRO-3 block whose backward comes first: the one whose last node comes last."""
+    return max((u for u in units if u.reshard), key=lambda u: (u.pipeline_stage, max(_unit_positions(plan, u)[1])))
+
+
+def _activations_before(plan: Any, unit: Any, activations_of: Callable, *, end: bool) -> int:
+    """Activations saved by nodes before `unit`'s first (`end`: last) node in its stage graph: the
+    later ones are freed when backward reaches it (under a pipeline: one micro-batch of its stage,
+    the step's last backward)."""
+    position, marked = _unit_positions(plan, unit)
+    limit = max(marked) if end else min(marked)
+    ledger = activations_of(unit.pipeline_stage if plan.pipeline is not None else None)
+    return sum(e.number for e in ledger.entries if position.get(e.node, len(position)) < limit)
+
+
+def largest_optimized(plan: Any, stages: list, optimizer: str) -> int:
+    """AdamW's temporary (`exp_avg_sq.sqrt()`): one tensor of the largest parameter it updates."""
+    if not OPTIMIZER_STATE[optimizer][0]:
+        return 0
+    zero = {p.fqn: p.shard_numel * u.master_dtype.itemsize for stage in stages for u in stage.units for p in u.params}
+    largest = 0
+    for node in _rank_placeholders(plan, stages):
+        info = plan.context.placeholders.get(node.name)
+        if info.kind != "parameter" or not info.requires_grad:
+            continue
+        meta = node.meta[SPEC].tensor_meta
+        local = int(sympy.sympify(local_numel(meta.shape, node.meta[SPEC].placements, plan.mesh.shape))
+                    .subs(plan.comm.symbol_values)) * meta.dtype.itemsize
+        largest = max(largest, zero.get(info.target, local))
+    return largest
+
+
+def _regather(units: list) -> int:
+    """ZeRO-1/2 after the optimizer: every unit's all-gather launched at once (its send and its
+    gathered buffer), copied into the compute parameters as each lands."""
+    return sum((u.shard_numel + u.gathered_numel) * u.dtype.itemsize for u in units if u.stage < 3)

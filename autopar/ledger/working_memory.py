@@ -1,0 +1,160 @@
+"""The backward's working memory: what it allocates beyond the saved activations, from a fake run.
+
+The memory ledger's peak is a moment, not a sum (`ledger/memory.py`): when backward starts, a
+rank holds every saved activation plus what the first backward ops allocate before anything is
+freed — the loss's gradient over the vocabulary ([tokens, vocab] for the log-probabilities, then
+again for the logits), a pipeline stage's received output gradient and the one it sends back.
+The op ledger's fake run of the rank's emitted graph, forward and backward (`ledger/op_cost.py`:
+local shapes at the traced hints, the activation ledger's inputs) carries `LiveFakeStorages`,
+which follows every storage the run allocates while it is alive (weak references on the
+storages, as `autopar.measure.storages.LiveStorages` does for real ones); `Working` is the most
+bytes alive during backward beyond those alive when backward started, and how many of them were
+a weight gradient at that moment (a fixed size, where the rest grows with the batch).
+`backward_working(plan, rank=, stage=)` reads it off `rank_ops`.
+
+Backward starts from the graph's outputs with gradients of ones (the loss; an earlier pipeline
+stage's send tokens: the planning stand-in of a send hands its input a gradient of the input's
+size, as a real receive would). Parameter gradients are taken as soon as they are accumulated: where they live (bucket
+buffers, a parameter's own `.grad`, a ZeRO unit's hand-over) is the memory ledger's business, and
+ZeRO-3's gathered parameters (the planning stand-in's fresh tensors) are not followed at all:
+the runtime gathers and frees them, the ledger counts them.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+import torch.fx
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.runtime.sharded_state import unit_call
+
+if TYPE_CHECKING:
+    from autopar.plan import Plan
+
+
+class LiveFakeStorages(TorchDispatchMode):
+    """The storages ops allocate, as a list of events (storage, ±bytes); `paused` while a node's
+    outputs are not to be followed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: dict[int, int] = {}
+        self.events: list[tuple[int, int]] = []
+        self.live = 0
+        self.paused = False
+        self.weight_gradients: set[int] = set()
+        self.start = 0
+
+    def backward_starts(self) -> None:
+        self.start = len(self.events)
+
+    def working(self) -> "Working":
+        """Most bytes alive beyond those at `backward_starts`, and the weight gradients among them."""
+        live = grads_live = most = most_grads = 0
+        for key, change in self.events[self.start:]:
+            live += change
+            grads_live += change if key in self.weight_gradients else 0
+            if live > most:
+                most, most_grads = live, grads_live
+        return Working(bytes=most, weight_gradients=max(0, most_grads))
+
+    def _freed(self, key: int) -> None:
+        nbytes = self.sizes.pop(key, 0)
+        self.live -= nbytes
+        self.events.append((key, -nbytes))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
+        inputs = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
+        for value in _tensors(out):
+            storage = value.untyped_storage()
+            key = storage._cdata
+            if key in inputs or key in self.sizes:  # a view, an in-place or out= op: nothing allocated
+                continue
+            self.sizes[key] = storage.nbytes()
+            self.live += storage.nbytes()
+            self.events.append((key, storage.nbytes()))
+            weakref.finalize(storage, self._freed, key)
+        return out
+
+
+def _tensors(values: Any) -> Iterator[torch.Tensor]:
+    """The tensors in nested lists, tuples and dicts (a lean pytree walk: it runs for every op)."""
+    if isinstance(values, torch.Tensor):
+        yield values
+    elif isinstance(values, (list, tuple)):
+        for value in values:
+            yield from _tensors(value)
+    elif isinstance(values, dict):
+        for value in values.values():
+            yield from _tensors(value)
+
+
+@dataclass(frozen=True)
+class Working:
+    """Backward's most bytes beyond what was alive when it started, and how many of them were a
+    parameter's gradient (alive for a moment, until the runtime takes it: it does not grow with
+    the batch, the rest does)."""
+
+    bytes: int
+    weight_gradients: int
+
+
+class _Runner(torch.fx.Interpreter):
+    """Runs the rank graph; ZeRO-3's gathered parameters are neither followed nor given gradients."""
+
+    def __init__(self, gm: torch.fx.GraphModule, tracker: LiveFakeStorages) -> None:
+        super().__init__(gm)
+        self.tracker = tracker
+
+    def run_node(self, node: torch.fx.Node) -> Any:
+        if node.op == "call_function" and unit_call(node.target) == "gather_unit":
+            self.tracker.paused = True
+            try:
+                result = super().run_node(node)
+            finally:
+                self.tracker.paused = False
+            for full in result:
+                if full.requires_grad:
+                    full.register_post_accumulate_grad_hook(_drop_grad)
+            return result
+        return super().run_node(node)
+
+
+def _drop_grad(tensor: torch.Tensor) -> None:
+    tensor.grad = None
+
+
+def gather_free_runner(gm: torch.fx.GraphModule, tracker: "LiveFakeStorages") -> Callable[..., Any]:
+    """`gm` as a callable whose ZeRO-3 gathered parameters `tracker` does not follow (an
+    interpreter where the graph gathers units; its generated code elsewhere)."""
+    if any(n.op == "call_function" and unit_call(n.target) == "gather_unit" for n in gm.graph.nodes):
+        return _Runner(gm, tracker).run
+    return gm
+
+
+def taking_weight_gradients(inputs: list, tracker: "LiveFakeStorages") -> None:
+    """Hooks that take each trainable input's gradient as soon as it is accumulated, as the runtime
+    does (into a bucket, a ZeRO unit), remembering its storage as a weight gradient."""
+    def taken(tensor: torch.Tensor) -> None:
+        if tensor.grad is not None:
+            tracker.weight_gradients.add(tensor.grad.untyped_storage()._cdata)
+            tensor.grad = None
+
+    for value in inputs:
+        if isinstance(value, torch.Tensor) and value.requires_grad and value.is_leaf:
+            value.register_post_accumulate_grad_hook(taken)
+
+
+def backward_working(plan: "Plan", *, rank: int = 0, stage: int | None = None) -> Working:
+    """Most bytes backward allocates beyond what is alive when it starts, on `rank` for one forward
+    of `stage` (default: the rank's first stage), at the traced hint sizes (module docstring): the
+    op ledger's fake run (`ledger/op_cost.rank_ops`) follows them."""
+    from autopar.ledger.op_cost import rank_ops
+
+    return rank_ops(plan, rank, stage=stage).working
