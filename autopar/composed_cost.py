@@ -304,7 +304,8 @@ def _peak_terms(ledgers: BlockLedgers, candidate: Candidate, rank: "_Rank", stag
     return PeakTerms(steady=int(steady), step_gradients=int(step_gradients), activations=int(activations),
                      backward_working=int(working),
                      gathered_at_backward=(rest_kept if pp == 1 else params) if zero == 3 else 0,
-                     recompute=0, regather=regather, regather_activations=max(regather_acts, 0),
+                     recompute=int(scale * max(block.transient_bytes, rest.transient_bytes)),  # a recomputed region
+                     regather=regather, regather_activations=max(regather_acts, 0),
                      handover=handover, handover_activations=max(handover_acts, 0),
                      optimizer_transient=max(largest, regathered))
 
