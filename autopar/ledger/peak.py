@@ -138,10 +138,9 @@ def _micro_batch_handover(plan: Any, stage: Any, activations_of: Callable) -> in
     """Under a pipeline, what a micro-batch's backward adds when it hands the stage's first unit
     over (its gradients whole and laid out flat), less that micro-batch's activations freed by then."""
     unit = _first_handed(plan, list(stage.units))
-    handed = sum(math.prod(p.shape) for p in unit.params) * unit.dtype.itemsize
     micro_batch = activations_of(stage.index).number()
     freed = micro_batch - _activations_before(plan, unit, activations_of, end=False)
-    return max(0, handed + unit.gathered_numel * unit.reduce_dtype.itemsize - freed)
+    return max(0, _handed_and_laid_out(unit) - freed)
 
 
 def _handover(plan: Any, units: list) -> int:
@@ -150,8 +149,6 @@ def _handover(plan: Any, units: list) -> int:
     if not units:
         return 0
     unit = _first_handed(plan, units)
-    handed = sum(math.prod(p.shape) for p in unit.params) * unit.dtype.itemsize
-    laid_out = unit.gathered_numel * unit.reduce_dtype.itemsize
     full = {u.index: u.gathered_numel * u.dtype.itemsize for u in units if u.stage == 3}
     if plan.pipeline is not None:
         gathered = sum(full.values())
@@ -159,7 +156,13 @@ def _handover(plan: Any, units: list) -> int:
         gathered = sum(full[u.index] for u in units if u.stage == 3 and not u.reshard)
         if unit.reshard and unit.backward_prefetch:
             gathered += max((full[u.index] for u in units if u.reshard and u is not unit), default=0)
-    return handed + laid_out + gathered
+    return _handed_and_laid_out(unit) + gathered
+
+
+def _handed_and_laid_out(unit: Any) -> int:
+    """A unit's gradients whole, as autograd hands them over, and laid out flat for its collective."""
+    return sum(math.prod(p.shape) for p in unit.params) * unit.dtype.itemsize + \
+        unit.gathered_numel * unit.reduce_dtype.itemsize
 
 
 def _unit_positions(plan: Any, unit: Any) -> tuple[dict[str, int], list[int]]:

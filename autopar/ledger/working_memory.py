@@ -70,8 +70,8 @@ class LiveFakeStorages(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.paused:
             return out
-        inputs = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
-        for value in _tensors(out):
+        inputs = {t.untyped_storage()._cdata for t in tensors_in((args, kwargs))}
+        for value in tensors_in(out):
             storage = value.untyped_storage()
             key = storage._cdata
             if key in inputs or key in self.sizes:  # a view, an in-place or out= op: nothing allocated
@@ -83,16 +83,18 @@ class LiveFakeStorages(TorchDispatchMode):
         return out
 
 
-def _tensors(values: Any) -> Iterator[torch.Tensor]:
-    """The tensors in nested lists, tuples and dicts (a lean pytree walk: it runs for every op)."""
+def tensors_in(values: Any) -> Iterator[torch.Tensor]:
+    """The tensors in nested lists, tuples and dicts (a lean pytree walk: it runs for every op).
+    `autopar.measure.storages` has its own copy on purpose: the measuring tools import nothing of
+    autopar (`tests/test_measure.py`), so that what they measure does not ask the code under test."""
     if isinstance(values, torch.Tensor):
         yield values
     elif isinstance(values, (list, tuple)):
         for value in values:
-            yield from _tensors(value)
+            yield from tensors_in(value)
     elif isinstance(values, dict):
         for value in values.values():
-            yield from _tensors(value)
+            yield from tensors_in(value)
 
 
 @dataclass(frozen=True)
