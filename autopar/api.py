@@ -17,6 +17,7 @@ from autopar.plan import Plan, plan
 from autopar.plan_once import (agree_on_plan_file, fingerprint, load_runnable_plan, obtain_plan, save_runnable_plan,
                                state_from_model)
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.compiled import compile_options as _compile_options, refuse_uncompilable
 
 BUCKET_CAP_MB = 25.0  # parallelize's default gradient bucket size (what plan(cluster=) plans with)
 
@@ -25,7 +26,8 @@ def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | Non
                 strategies: Sequence[Any] | None = None, example_inputs: Sequence[Any] | None = None,
                 example_kwargs: dict | None = None, dynamic_dims: dict[str, int] | None = None,
                 plan_file: "str | Path | None" = None, ranks_per_node: int | None = None,
-                bucket_cap_mb: float = BUCKET_CAP_MB, cluster: Any = None, space: Any = None) -> ParallelModule:
+                bucket_cap_mb: float = BUCKET_CAP_MB, cluster: Any = None, space: Any = None,
+                compile: "bool | dict" = False) -> ParallelModule:
     """Compile `model` for `mesh` and return this rank's module. `example_inputs` is a global batch.
 
     Rank 0 plans and the other ranks receive its plan (`autopar/plan_once.py`); `plan_file=` runs
@@ -34,17 +36,20 @@ def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | Non
     "s": 1}` lets those dimensions of every input differ from the example's at run time.
     `cluster=` (an `autopar.Cluster` or a preset name) instead of a mesh and strategies: rank 0's
     planner chooses them (`autopar.plan(model, cluster=...)`, `space=` narrows its search) and
-    every rank runs the winner; the cluster must describe this job's world."""
+    every rank runs the winner; the cluster must describe this job's world. `compile=True` runs each
+    rank graph through `torch.compile` (inductor; a dict is passed to `torch.compile` as its
+    options), collectives included (`runtime/compiled.py`)."""
     if not dist.is_initialized():
         raise RuntimeError("autopar.parallelize needs an initialised process group (run under torchrun, or call "
                            "torch.distributed.init_process_group first); use autopar.plan to plan without one")
     if ranks_per_node is None and "LOCAL_WORLD_SIZE" in os.environ:  # torchrun knows the node size
         ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    compile_options = _compile_options(compile, dynamic=bool(dynamic_dims))
     parsed = Mesh.parse(mesh, ranks_per_node=ranks_per_node) if mesh is not None else None
     options = {"dynamic_dims": dynamic_dims, "bucket_cap_mb": bucket_cap_mb}
     if cluster is not None:
         return _parallelize_on(model, _job_cluster(cluster, parsed, strategies, plan_file, dynamic_dims, bucket_cap_mb),
-                               space, example_inputs, example_kwargs)
+                               space, example_inputs, example_kwargs, compile_options)
     local = fingerprint(model, world_size=dist.get_world_size(), mesh=parsed, strategies=strategies,
                         example_inputs=example_inputs, example_kwargs=example_kwargs,
                         options=options if plan_file is None else None)
@@ -60,7 +65,7 @@ def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | Non
             lambda: plan(model, parsed, strategies=strategies, example_inputs=example_inputs,
                          example_kwargs=example_kwargs, dynamic_dims=dynamic_dims, bucket_cap_mb=bucket_cap_mb),
             local, dynamic=bool(dynamic_dims))
-    return _module(the_plan, timing, model, dynamic_dims)
+    return _module(the_plan, timing, model, dynamic_dims, compile_options)
 
 
 def _job_cluster(cluster: Any, mesh: "Mesh | None", strategies: Sequence[Any] | None, plan_file: Any,
@@ -83,7 +88,7 @@ def _job_cluster(cluster: Any, mesh: "Mesh | None", strategies: Sequence[Any] | 
 
 
 def _parallelize_on(model: torch.nn.Module, cluster: Any, space: Any, example_inputs: Sequence[Any] | None,
-                    example_kwargs: dict | None) -> ParallelModule:
+                    example_kwargs: dict | None, compile_options: dict | None) -> ParallelModule:
     """The planner's choice for `cluster`, made on rank 0 (its search) and run on every rank."""
     if example_inputs is None:
         raise PlanError("parallelize(cluster=...) needs example_inputs (a global batch) to search with")
@@ -91,21 +96,24 @@ def _parallelize_on(model: torch.nn.Module, cluster: Any, space: Any, example_in
                         example_kwargs=example_kwargs, options={"cluster": repr(cluster), "space": repr(space)})
     the_plan, timing = obtain_plan(lambda: plan(model, cluster=cluster, space=space, example_inputs=example_inputs,
                                                 example_kwargs=example_kwargs), local, dynamic=False)
-    return _module(the_plan, timing, model, None)
+    return _module(the_plan, timing, model, None, compile_options)
 
 
-def _module(the_plan: Plan, timing: Any, model: torch.nn.Module, dynamic_dims: dict | None) -> ParallelModule:
+def _module(the_plan: Plan, timing: Any, model: torch.nn.Module, dynamic_dims: dict | None,
+            compile_options: dict | None) -> ParallelModule:
     """This rank's module for a plan it made or received."""
     the_plan.mesh.check_world_size(dist.get_world_size())
     if dynamic_dims and the_plan.pipeline is not None:
         raise PlanError("dynamic_dims with pipeline parallelism is not supported yet: a stage receives activations "
                         "into buffers of the traced micro-batch's shape (runtime/p2p.py)\n  fix: leave dynamic_dims "
                         "out (every batch then has the example's shape)")
+    if compile_options is not None:
+        refuse_uncompilable(the_plan)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device_mesh = the_plan.mesh.device_mesh(device_type=device_type)
     groups = {axis: device_mesh.get_group(axis).group_name for axis in the_plan.mesh.names}
     state = the_plan.traced.state if timing.source in ("planned", "local") else state_from_model(the_plan, model)
-    module = ParallelModule(the_plan, rank=dist.get_rank(), groups=groups, state=state)
+    module = ParallelModule(the_plan, rank=dist.get_rank(), groups=groups, state=state, compile_options=compile_options)
     module.plan_timing = timing
     # the module holds its shards now; the plan must not keep the full weights alive (ZeRO's point)
     the_plan.traced.state = {}

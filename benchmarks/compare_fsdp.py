@@ -43,7 +43,12 @@ backward and an AdamW step (lr 1e-3); steps alternate between the two programs (
 - Loss: the first-step loss of both (PyTorch's local losses averaged over ranks) and the
   largest relative gap over all steps.
 
-Run: python benchmarks/compare_fsdp.py [--quick] [--rows zero3,zero1] [--steps N] [--warmup N]
+`--compile`: both sides through torch.compile with inductor (autopar `compile=True`; FSDP2's,
+DDP's model compiled whole). The counted and the memory steps come after the timed ones and run
+eagerly (dynamo compiles nothing under a dispatch mode): under `--compile` the memory columns are
+the eager programs'.
+
+Run: python benchmarks/compare_fsdp.py [--quick] [--compile] [--rows zero3,zero1] [--steps N] [--warmup N]
 (`--help` lists the model flags, the same as compare_step_time.py's).
 """
 from __future__ import annotations
@@ -75,8 +80,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples`, `ben
 import autopar  # noqa: E402
 from autopar.measure.comm_counter import CommCounter  # noqa: E402
 from benchmarks.compare_step_time import (KINDS, QUICK_DEFAULTS, WORLD_SIZE, CollectiveBytes,  # noqa: E402
-                                          alternate_steps, as_float, batch_slice, build_model, median_step_ms,
-                                          mib, run_rows)
+                                          alternate_steps, as_float, batch_slice, build_model, compiled,
+                                          graphs_compiled, median_step_ms, mib, run_rows)
 from examples.gpt import GPTConfig, example_batch  # noqa: E402
 
 TOTAL = "Total"  # MemTracker's key for the sum over categories
@@ -91,6 +96,7 @@ class Settings:
     warmup: int
     steps: int
     lr: float = 1e-3
+    compile: bool = False  # both sides through torch.compile (inductor)
 
 
 @dataclass
@@ -120,16 +126,17 @@ def pytorch_fsdp2(settings: Settings, global_batch: tuple, rank: int) -> Program
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    model = compiled(model, settings)
     return Program(model, adamw(model.parameters(), settings), batch_slice(global_batch, index=rank, parts=WORLD_SIZE))
 
 
 def pytorch_ddp(settings: Settings, global_batch: tuple, rank: int) -> Program:
-    model = DistributedDataParallel(build_model(settings))
+    model = compiled(DistributedDataParallel(build_model(settings)), settings)
     return Program(model, adamw(model.parameters(), settings), batch_slice(global_batch, index=rank, parts=WORLD_SIZE))
 
 
 def pytorch_ddp_zero1(settings: Settings, global_batch: tuple, rank: int) -> Program:
-    model = DistributedDataParallel(build_model(settings))
+    model = compiled(DistributedDataParallel(build_model(settings)), settings)
     optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=settings.lr)
     return Program(model, optimizer, batch_slice(global_batch, index=rank, parts=WORLD_SIZE))
 
@@ -152,7 +159,8 @@ ROWS = {
 def autopar_side(row: Row, settings: Settings, global_batch: tuple) -> tuple[Program, int]:
     """autopar's program for this rank and the plan's static ledger total (bytes per step per rank)."""
     module = autopar.parallelize(build_model(settings), f"dp={WORLD_SIZE}",
-                                 strategies=[autopar.zero(stage=row.stage)], example_inputs=global_batch)
+                                 strategies=[autopar.zero(stage=row.stage)], example_inputs=global_batch,
+                                 compile=settings.compile)
     ledger = module.plan.comm
     program = Program(module, adamw(module.parameters(), settings), module.local_batch(*global_batch))
     return program, ledger.number(ledger.total())
@@ -230,14 +238,24 @@ def first_step(program: Program, *, is_autopar: bool) -> dict[str, Any]:
 
 
 def measure(programs: dict[str, Program], settings: Settings) -> dict[str, dict[str, Any]]:
-    """Alternate the two programs: step 0 counted, step 1 memory, further warm-up, timed steps."""
+    """Alternate the two programs: step 0 counted, step 1 memory, further warm-up, timed steps.
+    Compiled (`--compile`): warm-up and timed steps first, then the counted and the memory steps
+    (see compare_step_time.measure_compiled: dynamo runs a frame it skipped under a dispatch mode
+    eagerly from then on), which therefore measure the programs run eagerly."""
+    steps = {name: program.step for name, program in programs.items()}
+    timed = {name: {"losses": [], "times": []} for name in programs}
+    if settings.compile:
+        alternate_steps(steps, timed, first=0, warmup=settings.warmup, timed=settings.steps)
     results = {name: first_step(program, is_autopar=name == "autopar") for name, program in programs.items()}
     for name, program in programs.items():
         dist.barrier()
         loss, results[name]["memory"] = memory_step(program)
         results[name]["losses"].append(as_float(loss))
-    alternate_steps({name: program.step for name, program in programs.items()}, results, first=2,
-                    warmup=settings.warmup, timed=settings.steps)
+    if settings.compile:
+        for name, side in results.items():
+            side["losses"], side["times"] = timed[name]["losses"] + side["losses"], timed[name]["times"]
+    else:
+        alternate_steps(steps, results, first=2, warmup=settings.warmup, timed=settings.steps)
     return results
 
 
@@ -246,8 +264,13 @@ def run_row(rank: int, world_size: int, row_name: str, settings: Settings) -> di
     global_batch = example_batch(settings.model, batch=settings.batch)
     autopar_program, ledger_bytes = autopar_side(row, settings, global_batch)
     programs = {"autopar": autopar_program, "pytorch": row.pytorch(settings, global_batch, rank)}
+    graphs: dict[str, int] = {}
+    for name, program in programs.items():
+        program.step = graphs_compiled(program.step, graphs, name)
     results = measure(programs, settings)
     results["autopar"]["ledger_bytes"] = ledger_bytes
+    if settings.compile:
+        results["autopar"]["graphs"] = graphs
     return results
 
 
@@ -276,6 +299,9 @@ def summarize_row(row_name: str, ranks: list[dict[str, Any]]) -> tuple[list[Any]
         notes.append(f"{row_name}: autopar's peak includes {mib(plan_state)} MiB of tensors held by module.plan "
                      f"(the traced model's state); without them autopar/PyTorch peak would be "
                      f"{ratio(autopar_peak - plan_state, pytorch_peak)}")
+    if "graphs" in autopar[0]:
+        notes.append(f"{row_name}: graphs dynamo compiled on rank 0: "
+                     + ", ".join(f"{name} {n}" for name, n in autopar[0]["graphs"].items()))
     pytorch_losses = [statistics.fmean(step) for step in zip(*(side["losses"] for side in pytorch))]
     gaps = [abs(a - p) / abs(p) for a, p in zip(autopar[0]["losses"], pytorch_losses)]
     main = [row_name, f"{autopar_ms:.0f}", f"{pytorch_ms:.0f}", ratio(autopar_ms, pytorch_ms),
@@ -337,6 +363,9 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, list[str], 
                         help="untimed steps (>= 2; the first is counted, the second measures memory)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck row is abandoned")
+    parser.add_argument("--compile", action="store_true",
+                        help="both sides through torch.compile (inductor); the counted and the memory steps "
+                             "come last and run eagerly (dynamo compiles nothing under a dispatch mode)")
     if parser.parse_known_args(argv)[0].quick:
         parser.set_defaults(**{**QUICK_DEFAULTS, "warmup": 2})  # flags given explicitly still win
     args = parser.parse_args(argv)
@@ -346,7 +375,8 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, list[str], 
         parser.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
     model = GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads,
                       d_model=args.d_model, d_ff=args.d_ff)
-    settings = Settings(model=model, batch=args.batch, warmup=max(args.warmup, 2), steps=args.steps)
+    settings = Settings(model=model, batch=args.batch, warmup=max(args.warmup, 2),
+                        steps=args.steps, compile=args.compile)
     return settings, rows, args.timeout
 
 

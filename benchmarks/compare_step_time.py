@@ -27,7 +27,11 @@ global batch; their steps alternate, so machine drift hits both alike (`measure`
 - Loss: the first-step loss of both programs (PyTorch's local losses averaged over ranks, which
   is the global-batch mean when the batch is split evenly), and the largest relative gap over all steps.
 
-Run: python benchmarks/compare_step_time.py [--quick] [--rows dp4,tp4] [--steps N] [--warmup N]
+`--compile`: both sides through torch.compile with inductor (autopar `compile=True`; PyTorch's
+DDP- or DTensor-wrapped model compiled whole); the step counted by `CollectiveBytes` comes after
+the timed steps (`measure_compiled`).
+
+Run: python benchmarks/compare_step_time.py [--quick] [--compile] [--rows dp4,tp4] [--steps N] [--warmup N]
 (`--help` lists the model flags). `--no-loss-parallel` gives PyTorch an lm_head that all-gathers
 the logits instead of PyTorch's loss_parallel.
 """
@@ -139,6 +143,7 @@ class Settings:
     steps: int
     loss_parallel: bool
     lr: float = 1e-3
+    compile: bool = False  # both sides through torch.compile (inductor)
 
 
 StepFn = Callable[[], torch.Tensor]
@@ -196,8 +201,14 @@ def tensor_parallel_plan(*, sequence_parallel: bool, loss_parallel: bool) -> dic
     return plan
 
 
+def compiled(model: torch.nn.Module, settings: Settings) -> torch.nn.Module:
+    """PyTorch's side under `--compile`: the whole (wrapped) model through torch.compile, as PyTorch's
+    docs do it (DDP: dynamo's DDPOptimizer splits the graph at the buckets; DTensor: traced as is)."""
+    return torch.compile(model) if settings.compile else model
+
+
 def pytorch_ddp(settings: Settings, global_batch: tuple, rank: int) -> StepFn:
-    model = DistributedDataParallel(build_model(settings))
+    model = compiled(DistributedDataParallel(build_model(settings)), settings)
     local = batch_slice(global_batch, index=rank, parts=WORLD_SIZE)
     return make_step(model, local, lr=settings.lr)
 
@@ -215,7 +226,7 @@ def pytorch_tp(settings: Settings, global_batch: tuple, rank: int, *, sequence_p
         model = DistributedDataParallel(model, device_mesh=mesh["dp"])
         inputs = batch_slice(global_batch, index=mesh.get_local_rank("dp"), parts=dp)
     context = loss_parallel if settings.loss_parallel else contextlib.nullcontext
-    return make_step(model, inputs, lr=settings.lr, loss_context=context)
+    return make_step(compiled(model, settings), inputs, lr=settings.lr, loss_context=context)
 
 
 @dataclass(frozen=True)
@@ -240,7 +251,7 @@ ROWS = {
 def autopar_side(row: Row, settings: Settings, global_batch: tuple) -> tuple[StepFn, int]:
     """autopar's step for this rank and the plan's static ledger total (bytes per step per rank)."""
     module = autopar.parallelize(build_model(settings), row.mesh, strategies=row.strategies(),
-                                 example_inputs=global_batch)
+                                 example_inputs=global_batch, compile=settings.compile)
     ledger = module.plan.comm
     return make_step(module, module.local_batch(*global_batch), lr=settings.lr), ledger.number(ledger.total())
 
@@ -265,6 +276,8 @@ def counted_step(step: StepFn, *, with_comm_counter: bool) -> dict[str, Any]:
 def measure(steps: dict[str, StepFn], settings: Settings, notes: list[str]) -> dict[str, dict[str, Any]]:
     """Alternate the contenders' steps: the first one counted, then warm-up, then timed steps.
     A PyTorch program whose first step raises (the same way on every rank) is dropped with a note."""
+    if settings.compile:
+        return measure_compiled(steps, settings, notes)
     results = {"autopar": counted_step(steps["autopar"], with_comm_counter=True)}
     if "pytorch" in steps:
         try:
@@ -273,6 +286,28 @@ def measure(steps: dict[str, StepFn], settings: Settings, notes: list[str]) -> d
             notes.append(f"PyTorch step failed: {type(error).__name__}: {str(error).splitlines()[0]}")
             steps = {"autopar": steps["autopar"]}
     alternate_steps(steps, results, first=1, warmup=settings.warmup, timed=settings.steps)
+    return results
+
+
+def measure_compiled(steps: dict[str, StepFn], settings: Settings, notes: list[str]) -> dict[str, dict[str, Any]]:
+    """`measure` for compiled programs: the counted step comes last. Dynamo does not compile a frame
+    while a (non-infra) dispatch mode is active, and once it has skipped a frame it runs that frame
+    eagerly from then on: a first step under `CollectiveBytes` would leave both programs uncompiled."""
+    first = {}
+    for name, step in list(steps.items()):
+        try:
+            # compiles; a program that fails in its second compiled step (PyTorch's DDP over DTensor) is left out
+            first[name] = [as_float(step()), as_float(step())]
+        except Exception as error:
+            if name != "pytorch":
+                raise
+            notes.append(f"PyTorch step failed: {type(error).__name__}: {str(error).splitlines()[0]}")
+            del steps[name]
+    results = {name: {"losses": losses, "times": []} for name, losses in first.items()}
+    alternate_steps(steps, results, first=2, warmup=settings.warmup, timed=settings.steps)
+    for name, step in steps.items():
+        counted = counted_step(step, with_comm_counter=name == "autopar")
+        results[name].update({key: value for key, value in counted.items() if key not in ("losses", "times")})
     return results
 
 
@@ -301,9 +336,26 @@ def run_row(rank: int, world_size: int, row_name: str, settings: Settings) -> di
         steps["pytorch"] = row.pytorch(settings, global_batch, rank)
     except Exception as error:  # the same on every rank: this side is left out of the row, not the run
         notes.append(f"PyTorch side failed to build: {type(error).__name__}: {error}")
-    results = measure(steps, settings, notes)
+    graphs: dict[str, int] = {}
+    results = measure({name: graphs_compiled(step, graphs, name) for name, step in steps.items()}, settings, notes)
     results["autopar"]["ledger_bytes"] = ledger_bytes
+    if settings.compile:
+        notes.append("graphs dynamo compiled on rank 0: " + ", ".join(f"{name} {n}" for name, n in graphs.items()))
     return {"sides": results, "notes": notes}
+
+
+def graphs_compiled(step: StepFn, tally: dict[str, int], name: str) -> StepFn:
+    """`step`, adding the graphs dynamo compiles while it runs to `tally[name]`."""
+    from torch._dynamo.utils import counters
+
+    def counted() -> torch.Tensor:
+        before = counters["stats"]["unique_graphs"]
+        try:
+            return step()
+        finally:
+            tally[name] = tally.get(name, 0) + counters["stats"]["unique_graphs"] - before
+
+    return counted
 
 
 def median_step_ms(per_rank: list[dict[str, Any]]) -> float:
@@ -416,6 +468,9 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, list[str], 
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--no-loss-parallel", action="store_true", help="PyTorch lm_head gathers the logits")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck row is abandoned")
+    parser.add_argument("--compile", action="store_true",
+                        help="both sides through torch.compile (inductor): autopar compile=True, PyTorch's model "
+                             "compiled; collectives are counted after the timed steps")
     if parser.parse_known_args(argv)[0].quick:
         parser.set_defaults(**QUICK_DEFAULTS)  # flags given explicitly still win
     args = parser.parse_args(argv)
@@ -425,8 +480,8 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, list[str], 
         parser.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
     model = GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads,
                       d_model=args.d_model, d_ff=args.d_ff)
-    settings = Settings(model=model, batch=args.batch, warmup=max(args.warmup, 1), steps=args.steps,
-                        loss_parallel=not args.no_loss_parallel)
+    settings = Settings(model=model, batch=args.batch, warmup=max(args.warmup, 1),
+                        steps=args.steps, loss_parallel=not args.no_loss_parallel, compile=args.compile)
     return settings, rows, args.timeout
 
 

@@ -59,10 +59,13 @@ def reference_trainer(build: Callable[[], torch.nn.Module], *, eps: float = EPS
 
 
 def parallel_trainer(build: Callable[[], torch.nn.Module], example_inputs: Any, mesh: str,
-                     strategies: list, *, eps: float = EPS) -> tuple[Any, torch.optim.Optimizer]:
-    """This rank's ParallelModule of the same seeded model, and AdamW over its parameters (shards)."""
+                     strategies: list, *, eps: float = EPS, options: dict | None = None
+                     ) -> tuple[Any, torch.optim.Optimizer]:
+    """This rank's ParallelModule of the same seeded model, and AdamW over its parameters (shards).
+    `options`: more keyword arguments of `parallelize` (e.g. compile=True)."""
     torch.manual_seed(0)
-    module = autopar.parallelize(build(), mesh, strategies=strategies, example_inputs=example_inputs)
+    module = autopar.parallelize(build(), mesh, strategies=strategies, example_inputs=example_inputs,
+                                 **(options or {}))
     return module, torch.optim.AdamW(module.parameters(), lr=LR, eps=eps)
 
 
@@ -277,15 +280,17 @@ def rank_summary(module: Any, rank: int, world: int, setup: CommCounter, *, memo
 def distributed_rank(rank: int, world: int, build: Callable[[], torch.nn.Module], batches: list[tuple], mesh: str,
                      strategies: list, step: Callable[[Any, list], torch.Tensor] = train_step,
                      clip_norm: float | None = None, eps: float = EPS,
-                     after: Callable[[Any, int], dict] | None = None, memory: bool = True) -> dict[str, Any]:
+                     after: Callable[[Any, int], dict] | None = None, memory: bool = True,
+                     options: dict | None = None) -> dict[str, Any]:
     """Train one step per batch; per step: loss, whole gradients and parameters, collectives by
     phase, bytes held after the step (by category), the step's peak, activations left by the
     forward. `after(module, rank)` (module-level, so that it pickles) adds its own entries once
     training is done (e.g. a state dict loaded into a fresh model). `memory=False`: no memory
-    ledger in the result (`rank_summary`), for callers that check numerics and communication only."""
+    ledger in the result (`rank_summary`), for callers that check numerics and communication only.
+    `options`: more keyword arguments of `parallelize`."""
     instruments = Instruments()
     with instruments.phase("setup"):
-        module, optimizer = parallel_trainer(build, batches[0], mesh, strategies, eps=eps)
+        module, optimizer = parallel_trainer(build, batches[0], mesh, strategies, eps=eps, options=options)
     setup = instruments.next_counter()
     meshes = settle_garbage()
     check = comparison_mesh(module)

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autopar.measure import comm_counter
+from autopar.measure import comm_counter, profiled_collectives
 from autopar.measure.activations import measure_saved_activations
 from autopar.measure.comm_counter import CommCounter, MeasuredCollective, UnknownCollective
 from autopar.measure.memory import held_bytes
@@ -176,3 +176,41 @@ def test_the_measuring_tools_import_nothing_of_autopar_but_themselves():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             for name in names:
                 assert not name.startswith("autopar") or name.startswith("autopar.measure"), (path.name, name)
+
+
+def _profiled_and_counted(rank: int, world: int) -> tuple[dict, dict]:
+    """The same collectives once under the profiler, once under CommCounter (not both at once: under
+    a dispatch mode the profiler records each op twice, as the mode dispatches it again)."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fc, group = torch.ops._c10d_functional, dist.group.WORLD.group_name
+    x, wide = torch.randn(4, 6), torch.randn(3, 2, dtype=torch.float64)
+
+    def communicate() -> None:
+        fc.wait_tensor(fc.all_reduce(x, "sum", group))
+        fc.wait_tensor(fc.all_reduce(wide, "sum", group))
+        fc.wait_tensor(fc.all_gather_into_tensor(x, world, group))
+        fc.wait_tensor(fc.reduce_scatter_tensor(x, "sum", world, group))
+        fc.wait_tensor(fc.all_to_all_single(x, [2, 2], [2, 2], group))
+        fc.wait_tensor(fc.broadcast(x, 0, group))
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        communicate()
+    with CommCounter() as counter:
+        communicate()
+    counted: dict = defaultdict(lambda: (0, 0))
+    for call in counter.calls:
+        calls, nbytes = counted[call.kind]
+        counted[call.kind] = (calls + 1, nbytes + call.logical_bytes)
+    return profiled_collectives.collectives(prof), dict(counted)
+
+
+@pytest.mark.timeout(120)
+def test_the_profiled_count_of_collectives_equals_the_dispatch_count():
+    """The profiler-based counter (for compiled graphs, which no dispatch mode sees) totals each kind
+    as CommCounter does, dtypes and the all-gather's group size included."""
+    for profiled, counted in launch(_profiled_and_counted, 2):
+        assert profiled == counted
+        assert set(profiled) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}

@@ -5,6 +5,8 @@ sees, so that "measured" never means "asked the runtime".
 
 - `comm_counter`: every collective and point-to-point op handed to torch.distributed, by phase
   (kind, group, logical bytes, peer); an unknown communication op raises.
+- `profiled_collectives`: the collectives of a compiled step, from PyTorch's profiler (no dispatch
+  mode watches compiled code), totalled per kind.
 - `storages`: every live tensor storage (a dispatch mode with weak references), its peak.
 - `memory`: those live bytes split by PyTorch's public interfaces (parameters, gradients,
   optimizer state, buffers, other).

@@ -179,7 +179,18 @@ def reduce_scatter(x: torch.Tensor, *, group: str, size: int, dim: int) -> torch
 def all_gather(x: torch.Tensor, *, group: str, size: int, index: int, dim: int, grad_partial: bool,
                regather: bool = False, layout: str = CONTIGUOUS, blocks: int = 1) -> torch.Tensor:
     """`layout`, `blocks`: which positions of `dim` each rank holds (`autopar.runtime.sequence_chunks`)."""
+    if regather:
+        return _regathering_all_gather(x, group, size, index, dim, grad_partial, layout, blocks)
     return _AllGather.apply(x, group, size, index, dim, grad_partial, regather, layout, blocks)
+
+
+# Under `parallelize(compile=True)` this runs eagerly between compiled pieces: which storage to swap
+# for its shard is recorded when it runs (`_remember_shard`), every step, where dynamo would trace
+# that bookkeeping once; the compiled piece after it saves the gathered tensor through the
+# saved-tensor hooks, which swap it as they do eagerly.
+@torch._dynamo.disable
+def _regathering_all_gather(x, group, size, index, dim, grad_partial, layout, blocks) -> torch.Tensor:
+    return _AllGather.apply(x, group, size, index, dim, grad_partial, True, layout, blocks)
 
 
 # Megatron's sequence-parallel memory saving (`regather=True`): autograd keeps the shard an

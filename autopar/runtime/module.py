@@ -88,7 +88,8 @@ def _original_names(weights: dict[str, torch.Tensor], traced: Any) -> dict[str, 
 
 
 class ParallelModule(torch.nn.Module):
-    def __init__(self, plan: Plan, *, rank: int, groups: dict[str, str], state: dict[str, torch.Tensor]) -> None:
+    def __init__(self, plan: Plan, *, rank: int, groups: dict[str, str], state: dict[str, torch.Tensor],
+                 compile_options: dict | None = None) -> None:
         super().__init__()
         self.plan = plan
         self.rank = rank
@@ -101,7 +102,7 @@ class ParallelModule(torch.nn.Module):
         self._unit_of = {p.fqn: (u, p) for stage in stages for u in stage.units for p in u.params}
         parameters, buffers, shards, fulls = self._register(plan, stages, state)
         self.stages = [StageRunner(plan, stage, rank=rank, groups=self.groups, parameters=parameters, state=buffers,
-                                   shards=shards, fulls=fulls) for stage in stages]
+                                   shards=shards, fulls=fulls, compile_options=compile_options) for stage in stages]
         self.pipeline = None
         if plan.pipeline is not None:
             self.pipeline = PipelineExecutor(plan, rank=rank, runners=self.stages, groups=self.groups)

@@ -4,7 +4,9 @@ It binds the stage's emitted rank graph (`Plan.rank_graph(rank, stage=...)`) to 
 parameter shards and buffers, owns the stage's gradient synchronisation (`GradSynchronizer` over
 the stage's buckets) and ZeRO state (`ShardedState` over the stage's units), and the saved-tensor
 policy its forward runs under: an all-gather output that sequence parallelism regathers is kept
-as its shard, a gathered ZeRO parameter as a handle, anything else as it is.
+as its shard, a gathered ZeRO parameter as a handle, anything else as it is. With
+`compile_options` (`parallelize(compile=...)`) the graph runs through torch.compile
+(`runtime/compiled.py`).
 
 Gradient accumulation over micro-batches (`ParallelModule.no_sync`, every pipeline step):
 `hold()` keeps gathered ZeRO units gathered and lets gradients add up locally; `release()`
@@ -20,6 +22,7 @@ import torch
 
 from autopar.program import Stage
 from autopar.runtime import collectives, sharded_state
+from autopar.runtime.compiled import compiled
 from autopar.runtime.grad_sync import GradSynchronizer
 
 
@@ -31,7 +34,8 @@ class _Regathered:
 class StageRunner:
     def __init__(self, plan: Any, stage: Stage, *, rank: int, groups: dict[str, str],
                  parameters: dict[str, torch.nn.Parameter], state: dict[str, torch.Tensor],
-                 shards: dict[int, list[torch.nn.Parameter]], fulls: dict[int, list[torch.Tensor]]) -> None:
+                 shards: dict[int, list[torch.nn.Parameter]], fulls: dict[int, list[torch.Tensor]],
+                 compile_options: dict | None = None) -> None:
         self.stage = stage
         self.graph = plan.rank_graph(rank, groups, stage=stage.index)
         self.is_last = plan.pipeline is None or stage.index == plan.pipeline.stages - 1
@@ -54,6 +58,7 @@ class StageRunner:
         self.grad_sync = GradSynchronizer(self.parameters, stage.buckets, groups)
         self.sharded = self._bind_sharded_state(stage, shards, fulls, groups) if stage.units else None
         self._regathers = any(n.kwargs.get("regather") for n in self.graph.graph.nodes if n.op == "call_function")
+        self._forward = self.graph if compile_options is None else compiled(self.graph, compile_options)
 
     def _bind_sharded_state(self, stage: Stage, shards: dict, fulls: dict,
                             groups: dict[str, str]) -> "sharded_state.ShardedState":
@@ -90,9 +95,9 @@ class StageRunner:
         args = [inputs[where] if kind == "input" else token if kind == "token" else where
                 for kind, where in self.slots]
         if self.sharded is None and not self._regathers:
-            return tuple(self.graph(*args))
+            return tuple(self._forward(*args))
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            outputs = tuple(self.graph(*args))
+            outputs = tuple(self._forward(*args))
         if self.sharded is not None and not torch.is_grad_enabled():  # no backward will come to free them
             self.sharded.release_all()
         return outputs
