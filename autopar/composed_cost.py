@@ -287,8 +287,9 @@ def _peak_terms(ledgers: BlockLedgers, candidate: Candidate, rank: "_Rank", stag
     working = scale * (rest.working_bytes - rest.working_weights) + rest.working_weights if rank.last else 0.0
     unit_bytes = block.param_bytes if rank.blocks else _rest_params(ledgers, rank.first, rank.last)
     rest_kept = _rest_params(ledgers, rank.first, rank.last) if zero == 3 else 0
-    if pp > 1:
-        activations = _pipeline_live(candidate, rank, stages, ledgers, scale, working, step_gradients, micro)
+    if pp > 1:  # ZeRO shards land when the step's last backward ends (as in ledger/peak.py)
+        during = 0 if zero else step_gradients
+        activations = _pipeline_live(candidate, rank, stages, ledgers, scale, working, during, micro)
         working = 0.0
     else:
         activations = in_flight

@@ -40,6 +40,8 @@ ZERO_SHARDED = {0: (), 1: ("optimizer state",), 2: ("optimizer state", "gradient
 OPTIMIZER_STATE = {"adamw": (2, 1), "adam": (2, 1), "sgd": (0, 0), "sgd_momentum": (1, 0)}
 CATEGORIES = ("parameters", "model buffers", "gradients", "optimizer state", "activations", "transient")
 
+ZERO_GRADIENT_SHARDS = "ZeRO gradient shards"  # the entry of a ZeRO unit's `.grad` shards
+
 
 @dataclass(frozen=True)
 class MemoryEntry:
@@ -126,7 +128,7 @@ def _parameter_entries(plan: Any, optimizer: str, stages: list) -> list[MemoryEn
             continue
         if grad:
             entries.append(MemoryEntry("gradients", "parameter gradients" if info.target not in zero
-                                       else "ZeRO gradient shards", grad))
+                                       else ZERO_GRADIENT_SHARDS, grad))
         entries.append(MemoryEntry("optimizer state", f"{optimizer}", per_param * kept + scalars * 4))
     for bucket in buckets:
         entries.append(MemoryEntry("gradients", "bucket buffers (gradients are views)",

@@ -11,7 +11,9 @@ gradients are handed over when most activations are freed. Measured from outside
   the loss's gradient over the vocabulary), ZeRO-3 units gathered then, a recomputed region's
   activations. Under a pipeline "activations" is the schedule's own peak (`schedules.peak_live`):
   the micro-batches held, a stage's working memory during its backward, the step's sends so far
-  and, after the rank's first backward, the gradients accumulating over the micro-batches;
+  and, after the rank's first backward, the gradients accumulating over the micro-batches (a
+  parameter's own `.grad`; ZeRO's gradient shards land only when the step's last backward ends —
+  the micro-batches accumulate into ZeRO-1's full-gradient buffer, already in `steady`);
 - **the last ZeRO-3 block gathered again for its backward** (resharded blocks are not gathered
   when backward starts): the activations saved up to that block's end, it and the block before
   (prefetched), the units kept gathered;
@@ -37,7 +39,8 @@ from typing import Any, Callable
 import sympy
 
 from autopar.ir import SPEC, local_numel
-from autopar.ledger.memory import OPTIMIZER_STATE, MemoryLedger, _rank_placeholders, _schedule_inputs
+from autopar.ledger.memory import (OPTIMIZER_STATE, ZERO_GRADIENT_SHARDS, MemoryLedger, _rank_placeholders,
+                                   _schedule_inputs)
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,10 @@ def peak_terms(plan: Any, ledger: MemoryLedger, *, rank: int = 0, optimizer: str
         for stage in stages:  # every micro-batch's backward hands a ZeRO unit's gradients over
             if stage.units:
                 working[stage.index] = max(working[stage.index], _micro_batch_handover(plan, stage, activations_of))
-        activations, backward_working = _pipeline_live(plan, rank, stages, working, step_gradients), 0
+        # a ZeRO unit's gradient shards land when the step's synchronising backward ends (until then
+        # the micro-batches accumulate into full gradients: ZeRO-1's persistent buffer, in `steady`)
+        during = step_gradients - by_what[ZERO_GRADIENT_SHARDS]
+        activations, backward_working = _pipeline_live(plan, rank, stages, working, during), 0
     return PeakTerms(
         steady=totals["parameters"] + totals["model buffers"] + totals["optimizer state"] + persistent,
         step_gradients=step_gradients, activations=activations, backward_working=backward_working,
