@@ -16,8 +16,8 @@ from autopar.mesh import Mesh
 from autopar.plan import Plan, plan
 from autopar.plan_once import (agree_on_plan_file, fingerprint, load_runnable_plan, obtain_plan, save_runnable_plan,
                                state_from_model)
-from autopar.runtime.module import ParallelModule
 from autopar.runtime.compiled import compile_options as _compile_options, refuse_uncompilable
+from autopar.runtime.module import ParallelModule
 
 BUCKET_CAP_MB = 25.0  # parallelize's default gradient bucket size (what plan(cluster=) plans with)
 
