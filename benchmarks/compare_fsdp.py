@@ -246,7 +246,9 @@ def measure(programs: dict[str, Program], settings: Settings) -> dict[str, dict[
     timed = {name: {"losses": [], "times": []} for name in programs}
     if settings.compile:
         alternate_steps(steps, timed, first=0, warmup=settings.warmup, timed=settings.steps)
-    results = {name: first_step(program, is_autopar=name == "autopar") for name, program in programs.items()}
+    with warnings.catch_warnings():  # autopar's warning that a compiled program now runs eagerly: meant here
+        warnings.filterwarnings("ignore", message=r"parallelize\(compile=True\)")
+        results = {name: first_step(program, is_autopar=name == "autopar") for name, program in programs.items()}
     for name, program in programs.items():
         dist.barrier()
         loss, results[name]["memory"] = memory_step(program)

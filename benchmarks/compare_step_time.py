@@ -44,6 +44,7 @@ import re
 import statistics
 import sys
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -306,7 +307,9 @@ def measure_compiled(steps: dict[str, StepFn], settings: Settings, notes: list[s
     results = {name: {"losses": losses, "times": []} for name, losses in first.items()}
     alternate_steps(steps, results, first=2, warmup=settings.warmup, timed=settings.steps)
     for name, step in steps.items():
-        counted = counted_step(step, with_comm_counter=name == "autopar")
+        with warnings.catch_warnings():  # autopar's warning that this step runs eagerly: it is meant to
+            warnings.filterwarnings("ignore", message=r"parallelize\(compile=True\)")
+            counted = counted_step(step, with_comm_counter=name == "autopar")
         results[name].update({key: value for key, value in counted.items() if key not in ("losses", "times")})
     return results
 

@@ -106,3 +106,25 @@ def test_compile_takes_true_or_torch_compile_options():
     assert compile_options({"backend": "aot_eager"}, dynamic=True) == {"dynamic": None, "backend": "aot_eager"}
     with pytest.raises(PlanError, match="compile='inductor': give True"):
         compile_options("inductor", dynamic=False)
+
+
+def test_a_compiled_graph_called_under_a_dispatch_mode_warns_once(monkeypatch):
+    import warnings
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.runtime import compiled
+
+    class Watching(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(compiled, "_warned", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled.warn_if_watched()  # no mode: nothing to say
+    with pytest.warns(UserWarning, match="dynamo runs it eagerly now and from then on"), Watching():
+        compiled.warn_if_watched()
+    with warnings.catch_warnings(), Watching():
+        warnings.simplefilter("error")
+        compiled.warn_if_watched()  # once only

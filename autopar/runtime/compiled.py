@@ -2,7 +2,8 @@
 
 `compile_options` turns the argument into torch.compile's options (None: eager graphs);
 `refuse_uncompilable` refuses, before anything runs, the plans whose compiled graphs would not
-run as planned; `compiled` is what a `StageRunner` calls instead of its GraphModule.
+run as planned; `compiled` is what a `StageRunner` calls instead of its GraphModule, and
+`warn_if_watched` what it checks before each call.
 
 What is captured: dynamo traces a rank graph's generated code. The redistribution steps
 (`runtime/collectives.py`) are autograd functions that call functional collectives, so they are
@@ -15,9 +16,11 @@ runs frames eagerly under a non-infra dispatch mode), so the ledgers are checked
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from autopar.errors import PlanError
 from autopar.ir import module_path, source_line
@@ -60,3 +63,19 @@ def refuse_uncompilable(plan: Any) -> None:
                                 f"(module {module_path(node) or '?'}, {source_line(node) or 'no source line'}) "
                                 f"routes tokens whose count per expert changes every step, and dynamo recompiles "
                                 f"its graph for every new count\n  fix: leave compile out for this model")
+
+
+_warned = False
+
+
+def warn_if_watched() -> None:
+    """Warn once when a compiled rank graph is called under a (non-infra) dispatch mode — a memory
+    tracker, a collective counter: dynamo then runs the frame eagerly, and keeps running it eagerly
+    afterwards (found in `benchmarks/compare_step_time.py`, whose counted first step left both
+    programs uncompiled), so the user trains an eager program without being told."""
+    global _warned
+    if not _warned and is_in_torch_dispatch_mode(include_infra_modes=False):
+        _warned = True
+        warnings.warn("parallelize(compile=True): a rank graph is called under a TorchDispatchMode; dynamo runs it "
+                      "eagerly now and from then on. Measure with a dispatch mode only after the compiled steps "
+                      "you want, or measure without one (torch.profiler)", stacklevel=3)

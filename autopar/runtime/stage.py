@@ -22,7 +22,7 @@ import torch
 
 from autopar.program import Stage
 from autopar.runtime import collectives, sharded_state
-from autopar.runtime.compiled import compiled
+from autopar.runtime.compiled import compiled, warn_if_watched
 from autopar.runtime.grad_sync import GradSynchronizer
 
 
@@ -94,6 +94,8 @@ class StageRunner:
         """The stage's graph on one (micro-)batch: the user's inputs in traced order."""
         args = [inputs[where] if kind == "input" else token if kind == "token" else where
                 for kind, where in self.slots]
+        if self._forward is not self.graph:
+            warn_if_watched()
         if self.sharded is None and not self._regathers:
             return tuple(self._forward(*args))
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
