@@ -9,7 +9,9 @@ context and expert parallelism is the compiler's to say. So per in-node `Layout`
 recompute) `measure_layout` plans the model cut to its first block and to its first two blocks
 (`repeated_blocks.truncated`; on the mesh of the layout's axes alone, one sequence per rank of
 the batch-sharding axes, i.e. `ep` sequences; without the fake-tensor run check, as they are only
-measured) and takes, from the two plans' ledgers on rank 0:
+measured; the one-block model's trace is the two-block one's less its last block,
+`trace.reuse_shortened`: one export per search, not two) and takes, from the two
+plans' ledgers on rank 0:
 
 - `block` = two-block plan − one-block plan, `rest` = one-block plan − `block`: parameter,
   buffer, activation and transient bytes (memory ledger), parameter tensors, forward and
@@ -36,6 +38,7 @@ import torch
 from autopar.errors import PlanError
 from autopar.ledger.op_cost import OpTotals, rank_ops
 from autopar.repeated_blocks import truncated
+from autopar.trace import reuse_shortened, reused_trace
 
 
 @dataclass(frozen=True)
@@ -179,12 +182,16 @@ def measure_layout(model: torch.nn.Module, layout: Layout, *, example_inputs: Se
     kwargs = dict(zip(example_kwargs, _sliced(tuple(example_kwargs.values()), batch))) if example_kwargs else None
     candidate = Candidate(layout.degrees, sequence_parallel=layout.sequence_parallel, recompute=layout.recompute)
     parts, plans = [], []
-    for keep in (1, 2):
+    longer = None
+    for keep in (2, 1):  # the one-block model's trace: the two-block one's, its last block dropped
         with truncated(model, path, keep):
+            if longer is not None:
+                reuse_shortened(model, args, kwargs, longer, path=path, count=2, reuse_blocks=False)
             planned = make_plan(model, layout.mesh_spec, strategies=candidate.strategies(), example_inputs=args,
                                 example_kwargs=kwargs, reuse_blocks=False, _measured_only=True)
-            plans.append(planned)
-            parts.append(_figures(planned))
+            longer = reused_trace(model, args, kwargs, reuse_blocks=False)
+            plans.insert(0, planned)
+            parts.insert(0, _figures(planned))
     block, rest = _difference(parts[1], parts[0])
     with truncated(model, path, 1):
         first = _before_blocks(model, path, plans[0])

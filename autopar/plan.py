@@ -76,6 +76,9 @@ class Plan:
     # wall seconds of each planning phase (trace, layout search, each pass, ledger, check), in order
     phase_seconds: dict[str, float] = field(default_factory=dict, compare=False)
     _document: "PlanDocument | None" = field(default=None, repr=False, compare=False)
+    # the fake runs the activation and op ledgers read, per (rank, stage, device, recompute)
+    # (autopar/ledger/fake_run.py); never encoded
+    _fake_runs: dict = field(default_factory=dict, repr=False, compare=False)
     # the planner's ranking when the plan was chosen by `plan(model, cluster=...)` (autopar/planner.py)
     search: Any = field(default=None, repr=False, compare=False)
 

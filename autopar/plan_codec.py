@@ -158,7 +158,7 @@ def _without_weights(plan: Any) -> Any:
     """A shallow copy whose traced state holds only the lifted constants (no parameters or buffers)."""
     constants = {info.target for info in plan.context.placeholders.values() if info.kind == "constant"}
     traced = dataclasses.replace(plan.traced, state={k: v for k, v in plan.traced.state.items() if k in constants})
-    return dataclasses.replace(plan, traced=traced, _document=None)
+    return dataclasses.replace(plan, traced=traced, _document=None, _fake_runs={})
 
 
 def encode_plan(plan: Any) -> bytes:

@@ -262,3 +262,67 @@ def _renumber(gm: torch.fx.GraphModule, placeholders: dict[str, PlaceholderInfo]
     ordered.update((target, tensor) for target, tensor in state.items() if target not in ordered)
     state.clear()
     state.update(ordered)
+
+
+def drop_last_block(gm: torch.fx.GraphModule, placeholders: dict[str, PlaceholderInfo], state: dict, path: str,
+                    count: int) -> bool:
+    """The traced graph of a model whose list at `path` holds `count` (2 or 3) blocks turned into
+    the graph of the same model with `count - 1`: the last block's nodes, parameters and buffers
+    removed and what came after it (the final norm, the head, the output) reading the block
+    before at the same position. The planner at scale plans each layout's model cut to one and to
+    two blocks (`autopar/block_ledgers.py`): one export instead of two. Checked as `replicate_blocks`
+    checks its template — the two last blocks the same graph node for node, the last one's reads
+    of the one before in place of what that one read, their own parameters named alike, and
+    nothing but the last block reading the one before — False, and the graph untouched, where not."""
+    if count not in (2, TRACED):
+        return False
+    blocks = _blocks(gm, path)
+    kept, dropped = blocks[count - 2], blocks[count - 1]
+    own_kept, own_dropped = (_own_placeholders(gm, placeholders, f"{path}.{i}.") for i in (count - 2, count - 1))
+    relative = [{node: placeholders[node.name].target.removeprefix(f"{path}.{i}.") for node in nodes}
+                for i, nodes in ((count - 2, own_kept), (count - 1, own_dropped))]
+    if not kept or len(kept) != len(dropped) or sorted(relative[0].values()) != sorted(relative[1].values()):
+        return False
+    position = [{node: i for i, node in enumerate(block)} for block in (kept, dropped)]
+    inside = set(kept) | set(dropped)
+    if any(user not in inside for node in kept for user in node.users):
+        return False
+    if any(user not in set(dropped) for node in own_dropped for user in node.users):
+        return False
+    pattern = re.compile(rf"^{re.escape(path)}\.{count - 2}(?=\.|$)")
+
+    def same_argument(earlier: Any, later: Any) -> bool:
+        if not isinstance(later, torch.fx.Node):
+            return not isinstance(earlier, torch.fx.Node) and type(earlier) is type(later) and earlier == later
+        if not isinstance(earlier, torch.fx.Node):
+            return False
+        if later in position[1]:
+            return position[0].get(earlier) == position[1][later]
+        if later in position[0]:  # carried from the block before: that one read its own predecessor there
+            return earlier not in inside and isinstance(later.meta.get("val"), torch.Tensor)
+        if later in relative[1]:
+            return relative[0].get(earlier) == relative[1][later]
+        return earlier is later
+
+    for a, b in zip(kept, dropped):
+        if (a.op, a.target) != (b.op, b.target) or _value_key(a.meta.get("val")) != _value_key(b.meta.get("val")):
+            return False
+        if [pattern.sub(f"{path}.{count - 1}", p) for p in module_stack(a)] != module_stack(b):
+            return False
+        a_leaves, a_spec = pytree.tree_flatten((a.args, a.kwargs))
+        b_leaves, b_spec = pytree.tree_flatten((b.args, b.kwargs))
+        if a_spec != b_spec or not all(same_argument(x, y) for x, y in zip(a_leaves, b_leaves)):
+            return False
+    for node, counterpart in zip(dropped, kept):
+        for user in list(node.users):
+            if user not in position[1]:
+                user.replace_input_with(node, counterpart)
+    for node in reversed(dropped):
+        gm.graph.erase_node(node)
+    for node in own_dropped:
+        state.pop(placeholders.pop(node.name).target, None)
+        gm.graph.erase_node(node)
+    _renumber(gm, placeholders, state)
+    gm.graph.lint()
+    gm.recompile()
+    return True

@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from autopar.context import PlaceholderInfo
 from autopar.errors import PlanError
 from autopar.ir import lazy_graph_module, sym_size
-from autopar.repeated_blocks import TRACED, find_repeated_blocks, replicate_blocks, truncated
+from autopar.repeated_blocks import TRACED, drop_last_block, find_repeated_blocks, replicate_blocks, truncated
 
 
 @dataclass
@@ -146,6 +146,36 @@ def _copy_of(traced: TracedProgram) -> TracedProgram:
     return dataclasses.replace(traced, graph_module=lazy_graph_module(traced.graph_module, graph),
                                placeholders=dict(traced.placeholders), state=dict(traced.state),
                                seconds={"export (reused)": 0.0})
+
+
+def reused_trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
+                 dynamic_dims: dict[str, int] | None = None, reuse_blocks: bool = True) -> "TracedProgram | None":
+    """Under `reusing_traces()`, the trace of `model` (as it is now) made before, if any."""
+    if _REUSED is None:
+        return None
+    return _REUSED.get(_reuse_key(model, tuple(args), kwargs or {}, dynamic_dims, reuse_blocks))
+
+
+def reuse_shortened(model: torch.nn.Module, args: tuple, kwargs: dict | None, longer: TracedProgram, *, path: str,
+                    count: int, dynamic_dims: dict[str, int] | None = None, reuse_blocks: bool = True) -> bool:
+    """Under `reusing_traces()`, with `model`'s list at `path` now holding `count - 1` blocks:
+    `longer`, its trace with `count` blocks, less its last block (`repeated_blocks.drop_last_block`),
+    is this model's trace from now on — the planner at scale's one-block plans cost no export of
+    their own. False where the blocks are not the same graph (the model is then exported)."""
+    if _REUSED is None:
+        return False
+    key = _reuse_key(model, tuple(args), kwargs or {}, dynamic_dims, reuse_blocks)
+    if key in _REUSED:
+        return True
+    gm = lazy_graph_module(longer.graph_module, copy.deepcopy(longer.graph_module.graph))
+    placeholders, state = dict(longer.placeholders), dict(longer.state)
+    if not drop_last_block(gm, placeholders, state, path, count):
+        return False
+    _REUSED[key] = dataclasses.replace(longer, graph_module=gm, placeholders=placeholders, state=state,
+                                       original_code=gm.code, seconds={"export (last block dropped)": 0.0},
+                                       state_keys=tuple(model.state_dict(keep_vars=True)),
+                                       aliases=_tied_aliases(model, gm, placeholders), copied_blocks="")
+    return True
 
 
 def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,

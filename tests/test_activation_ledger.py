@@ -188,3 +188,29 @@ def test_korthikanti_sequence_parallel_regathering_like_megatron(plans, t, devic
     gathers = [e for e in plan.comm.entries if e.phase == "forward" and e.kind == "all_gather"]
     assert len(regathers) == len(gathers) == 2 * STANDARD.n_layer  # attention and MLP inputs of each block
     assert all(r.kind == "all_gather" and r.logical_bytes == g.logical_bytes for r, g in zip(regathers, gathers))
+
+
+def test_backward_working_memory_does_not_inherit_a_freed_gradients_address():
+    """`LiveFakeStorages` numbers allocations: a storage given the address of a freed weight
+    gradient is not a weight gradient (by address, the split of backward's working memory into
+    weight gradients and the rest, and the composed peak that scales the rest with the batch,
+    changed from run to run)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autopar.ledger.working_memory import LiveFakeStorages
+
+    tracker = LiveFakeStorages()
+    with FakeTensorMode(), tracker:
+        tracker.backward_starts()
+        gradient = torch.ones(1024)
+        tracker.mark_weight_gradient(gradient)
+        address = gradient.untyped_storage()._cdata
+        del gradient
+        kept = []
+        while not kept or kept[-1].untyped_storage()._cdata != address:  # until one lands at that address
+            kept.append(torch.ones(1024))
+            assert len(kept) < 100, "no storage was given the freed gradient's address"
+        kept.append(torch.ones(1024))  # the most alive at once: now, with no weight gradient among it
+        working = tracker.working()
+    assert working.bytes == 4096 * len(kept) > 4096
+    assert working.weight_gradients == 0

@@ -30,11 +30,39 @@ from tests.numerics import STEPS, comparison_mesh, parallel_trainer, single_devi
 from tests.numerics_checks import assert_matches
 
 CONFIG = GPTConfig(vocab_size=128, seq_len=16, n_layer=2, n_head=4, d_model=32, d_ff=64)
+DEEP = GPTConfig(vocab_size=128, seq_len=16, n_layer=4, n_head=4, d_model=32, d_ff=64)  # interleaving: 2 x 2 stages
+
+
+def _gpt(config: GPTConfig):
+    return functools.partial(GPT, config), [example_batch(config, batch=8, seed=step) for step in range(STEPS)]
+
+
+def _llama():
+    from examples.hf_models import tiny_llama, token_batch
+
+    return tiny_llama, [token_batch(batch=8, seed=step) for step in range(STEPS)]
+
+
+def _pipeline(schedule: str, **options):
+    return [autopar.pipeline_parallel(schedule=schedule, microbatches=2, **options)]
+
+
 CASES = {
-    # (mesh, strategies, compiled graphs per rank, graph breaks per rank)
-    "dp2_tp2_sp": ("dp=2,tp=2", [autopar.data_parallel(), autopar.sequence_parallel()], 1, 0),
-    "zero3_dp2": ("dp=2", [autopar.zero(stage=3)], None, None),
-    "tp2_sp_regather": ("tp=2", [autopar.sequence_parallel(regather_in_backward=True)], None, None),
+    # (model, mesh, strategies, micro-batches of the reference, compiled graphs per rank, graph breaks per rank)
+    "dp2_tp2_sp": (CONFIG, "dp=2,tp=2", [autopar.data_parallel(), autopar.sequence_parallel()], 1, 1, 0),
+    "zero3_dp2": (CONFIG, "dp=2", [autopar.zero(stage=3)], 1, None, None),
+    "tp2_sp_regather": (CONFIG, "tp=2", [autopar.sequence_parallel(regather_in_backward=True)], 1, None, None),
+    # pipelines: the sends and receives are graph breaks (runtime/p2p.py), the stage graph between them
+    # compiled; ring and all-gather context attention: eager between two compiled pieces per layer
+    # (runtime/context_attention._blockwise), Ulysses compiled with the graph
+    "pp2_1f1b": (CONFIG, "pp=2", _pipeline("1f1b"), 2, None, None),
+    "pp2_gpipe": (CONFIG, "pp=2", _pipeline("gpipe"), 2, None, None),
+    "pp2_interleaved": (DEEP, "pp=2", _pipeline("interleaved_1f1b", virtual_stages=2), 2, None, None),
+    "cp2_ring": (CONFIG, "cp=2", [autopar.context_parallel()], 1, 3, 3),
+    "cp2_allgather": (CONFIG, "cp=2", [autopar.context_parallel(method="allgather")], 1, 3, 3),
+    "cp2_alltoall": (CONFIG, "cp=2", [autopar.context_parallel(method="alltoall")], 1, 1, 0),
+    "hsdp_2x2": (CONFIG, "dp_rep=2,dp_shard=2", list(autopar.hsdp()), 1, None, None),
+    "llama_tp2": ("llama", "tp=2", [autopar.tensor_parallel()], 1, 1, 0),
 }
 # Inductor fuses and reorders reductions (layer norm, softmax, the loss) differently from eager
 # ATen. Measured worst relative errors against one device over the 3 steps, every rank (2026-12-03):
@@ -72,12 +100,11 @@ def compiled_rank(rank: int, world: int, build, batches: list[tuple], mesh: str,
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", list(CASES))
 def test_compiled_rank_graphs_train_like_one_device(case):
-    mesh, strategies, graphs, breaks = CASES[case]
-    build = functools.partial(GPT, CONFIG)
-    batches = [example_batch(CONFIG, batch=8, seed=step) for step in range(STEPS)]
+    model, mesh, strategies, microbatches, graphs, breaks = CASES[case]
+    build, batches = _llama() if model == "llama" else _gpt(model)
     world = autopar.Mesh.parse(mesh).world_size
     results = launch(compiled_rank, world, build, batches, mesh, strategies, timeout_s=300)
-    assert_matches(single_device(build, batches), results, tolerance=TOLERANCE)
+    assert_matches(single_device(build, batches, microbatches=microbatches), results, tolerance=TOLERANCE)
     for result in results:
         assert result["profiled"] == result["ledger"], "collectives of a compiled step (profiler) != the comm ledger"
         assert result["graphs"] >= 1, "nothing was compiled"

@@ -195,6 +195,11 @@ def _profiled_and_counted(rank: int, world: int) -> tuple[dict, dict]:
         fc.wait_tensor(fc.reduce_scatter_tensor(x, "sum", world, group))
         fc.wait_tensor(fc.all_to_all_single(x, [2, 2], [2, 2], group))
         fc.wait_tensor(fc.broadcast(x, 0, group))
+        dist.broadcast(wide, src=0)  # classic ops: a pipeline's loss broadcast, its sends and receives
+        if rank == 0:
+            dist.isend(wide, dst=1, tag=7).wait()
+        else:
+            dist.irecv(torch.empty_like(wide), src=0, tag=7).wait()
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         communicate()
@@ -210,7 +215,9 @@ def _profiled_and_counted(rank: int, world: int) -> tuple[dict, dict]:
 @pytest.mark.timeout(120)
 def test_the_profiled_count_of_collectives_equals_the_dispatch_count():
     """The profiler-based counter (for compiled graphs, which no dispatch mode sees) totals each kind
-    as CommCounter does, dtypes and the all-gather's group size included."""
-    for profiled, counted in launch(_profiled_and_counted, 2):
+    as CommCounter does, dtypes and the all-gather's group size included, functional and classic
+    broadcasts alike, and each rank's side of a point-to-point transfer."""
+    for rank, (profiled, counted) in enumerate(launch(_profiled_and_counted, 2)):
         assert profiled == counted
-        assert set(profiled) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}
+        assert set(profiled) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
+                                 "send" if rank == 0 else "recv"}

@@ -117,3 +117,58 @@ def test_hf_gpt2_tp_is_the_full_plan(transformers, kind):
     torch.manual_seed(0)
     full, reused = _both(tiny_gpt2(layers=4), "tp=2", [autopar.tensor_parallel()], token_batch())
     assert_same_plan(full, reused)
+
+
+def _dropped_and_exported(model: torch.nn.Module, path: str, mesh: str, strategies: list, inputs: tuple) -> tuple:
+    """The one-block plan twice: its trace the two-block trace less its last block (what the planner at
+    scale does, `block_ledgers.measure_layout`), and exported."""
+    from autopar.repeated_blocks import truncated
+    from autopar.trace import reuse_shortened, reused_trace, reusing_traces
+
+    def one_block() -> autopar.Plan:
+        return autopar.plan(model, mesh, strategies=strategies, example_inputs=inputs, reuse_blocks=False)
+
+    with reusing_traces():
+        with truncated(model, path, 2):
+            one_block()
+            longer = reused_trace(model, inputs, reuse_blocks=False)
+        with truncated(model, path, 1):
+            if not reuse_shortened(model, inputs, None, longer, path=path, count=2, reuse_blocks=False):
+                return None, None
+            assert reused_trace(model, inputs, reuse_blocks=False).seconds == {"export (last block dropped)": 0.0}
+            dropped = one_block()
+    with truncated(model, path, 1):
+        exported = one_block()
+    return exported, dropped
+
+
+@pytest.mark.parametrize("case", ["gpt_dp_sp", "llama_tp", "moe_ep"])
+def test_a_block_dropped_from_a_trace_is_the_shorter_models_plan(case, transformers):
+    """The planner at scale's one-block plans read the two-block trace less its last block; where
+    the blocks are not a chain (the MoE's auxiliary loss, after the blocks, reads every block's
+    router statistics) the block is not dropped and the one-block model is exported."""
+    from examples.gpt import GPT, GPTConfig, example_batch
+    from examples.hf_models import tiny_llama, token_batch
+    from examples.moe import MoEConfig, MoEGPT
+
+    torch.manual_seed(0)
+    if case == "gpt_dp_sp":
+        config = GPTConfig(n_layer=4)
+        model, path, mesh, strategies, inputs = (GPT(config), "layers", "dp=2,tp=2",
+                                                 [autopar.data_parallel(), autopar.sequence_parallel()],
+                                                 example_batch(config))
+    elif case == "llama_tp":
+        model, path, mesh, strategies, inputs = (tiny_llama(layers=4, kv_heads=2), "model.model.layers", "tp=2",
+                                                 [autopar.tensor_parallel()], token_batch())
+    else:
+        config = MoEConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=4, d_model=32, n_experts=4, top_k=2, d_expert=32)
+        model, path, mesh, strategies, inputs = (MoEGPT(config), "layers", "ep=2", [autopar.expert_parallel()],
+                                                 example_batch(config, batch=4))
+    exported, dropped = _dropped_and_exported(model, path, mesh, strategies, inputs)
+    if case == "moe_ep":
+        assert dropped is None
+        return
+    assert_same_plan(exported, dropped)
+    assert exported.traced.state_keys == dropped.traced.state_keys
+    assert exported.traced.aliases == dropped.traced.aliases
+    assert exported.memory(rank=0).by_category() == dropped.memory(rank=0).by_category()

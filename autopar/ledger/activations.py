@@ -1,11 +1,11 @@
 """The activation ledger: what autograd keeps for backward on one rank, per step.
 
-`saved_activations(plan, rank=r)` runs rank r's emitted graph (`Plan.rank_graph`) on fake tensors
-of the rank's local shapes at the traced hint sizes, node by node (`_SavedTensorRecorder`), under
-`torch.autograd.graph.saved_tensors_hooks`. Every tensor a node outputs registers its storage
-with the first node that produced it (a view shares its base's storage, so views map back to
-the op that allocated); the pack hook records every storage autograd saves. The ledger is the
-set of unique saved storages (`_saved_storages`), minus parameters, buffers and constants and
+`saved_activations(plan, rank=r)` reads a fake forward of rank r's emitted graph (`Plan.rank_graph`;
+`ledger/fake_run.saving_run`: fake tensors of the rank's local shapes at the traced hint sizes, node by
+node, under `torch.autograd.graph.saved_tensors_hooks`). Every tensor a node outputs registers
+its storage with the first node that produced it (a view shares its base's storage, so views map
+back to the op that allocated); the pack hook records every storage autograd saves. The ledger is
+the set of unique saved storages (`_saved_storages`), minus parameters, buffers and constants and
 the gathered ZeRO-3 parameters (nodes with `node.meta["autopar_zero_unit"]`). Saved user inputs
 (token ids an embedding keeps) are activations.
 
@@ -32,21 +32,20 @@ moved there too). CUDA's fused attention saves other internals (e.g. RNG state) 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import sympy
 import torch
 import torch.fx
 from tabulate import tabulate
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar.ir import PLANNED_NAME, SPEC, hint, local_numel, local_shape, module_path
 from autopar.passes.recompute import is_region_call
-from autopar.runtime.collectives import regathered_source
 from autopar.runtime.p2p import PLANNING_STAND_INS
 
 if TYPE_CHECKING:
+    from autopar.ledger.fake_run import SavedStorage
     from autopar.plan import Plan
 
 # gathered ZeRO-3 parameters (passes/shard_parameters.py); its `unit_boundary` nodes carry the key too,
@@ -102,60 +101,6 @@ class ActivationLedger:
         return tabulate(rows, headers=["module", "node", "op", "local shape", "dtype", "bytes", "S", ""])
 
 
-@dataclass
-class _Saved:
-    """A saved storage: who produced it (None: allocated inside a kernel) and what was running."""
-
-    storage: torch.UntypedStorage
-    tensor: torch.Tensor
-    producer: tuple[torch.fx.Node, int, torch.Tensor] | None
-    running: torch.fx.Node
-    savers: list[torch.fx.Node] = field(default_factory=list)  # every node whose forward saved it
-
-
-class _SavedTensorRecorder(torch.fx.Interpreter):
-    """Runs a graph node by node, mapping each output storage to its first producer and
-    recording every storage autograd saves (in first-saved order)."""
-
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
-        super().__init__(gm, garbage_collect_values=False)  # live values keep storage identities unique
-        self.producers: dict[StorageWeakRef, tuple[torch.fx.Node, int, torch.Tensor]] = {}
-        self.saved: dict[StorageWeakRef, _Saved] = {}
-        self.running: torch.fx.Node | None = None
-        self.position = {node: index for index, node in enumerate(gm.graph.nodes)}
-
-    def run_node(self, node: torch.fx.Node) -> Any:
-        self.running = node
-        result = super().run_node(node)
-        if is_region_call(node):  # its items register the storages, under the planned nodes' names
-            return result
-        outputs = result if isinstance(result, (tuple, list)) else (result,)
-        for index, value in enumerate(outputs):
-            if isinstance(value, torch.Tensor):
-                self.producers.setdefault(StorageWeakRef(value.untyped_storage()), (node, index, value))
-        return result
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        # an op that saves its own output (softmax, dropout's mask, layer norm's statistics) does so
-        # before run_node registers it: producers are looked up once the whole graph has run
-        source = regathered_source(tensor)  # Megatron SP: the shard is kept, gathered again in backward
-        tensor = source if source is not None else tensor
-        key = StorageWeakRef(tensor.untyped_storage())
-        if key not in self.saved:
-            self.saved[key] = _Saved(tensor.untyped_storage(), tensor, None, self.running)
-        if self.running not in self.saved[key].savers:
-            self.saved[key].savers.append(self.running)
-        return tensor
-
-    def resolved(self) -> list[_Saved]:
-        for key, item in self.saved.items():
-            producer = self.producers.get(key)
-            # a node running after the save that outputs (a view of) the storage did not allocate it
-            if producer is not None and self.position[producer[0]] <= self.position[item.running]:
-                item.producer = producer
-        return list(self.saved.values())
-
-
 def fake_inputs(plan: "Plan", graph: torch.fx.Graph, mode: Any, device: torch.device) -> list[torch.Tensor | Any]:
     """One fake tensor per placeholder of a stage graph: local shape at the hints; trainable
     parameters (and a receiving stage's gradient token) require grad."""
@@ -203,16 +148,11 @@ def on_device(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphM
 
 
 def _saved_storages(plan: "Plan", rank: int, device: torch.device, stage: int | None, *,
-                    recompute: bool = True) -> tuple[torch.fx.GraphModule, list[_Saved]]:
-    chosen = plan.stages[stage] if stage is not None else plan.stages_of_rank(rank)[0]
-    gm = on_device(plan.rank_graph(rank, stage=chosen.index, recompute=recompute), device)
-    values = [n.meta["val"] for n in plan.graph_module.graph.nodes if n.op == "placeholder"]
-    mode = torch._guards.detect_fake_mode(values) or torch._subclasses.FakeTensorMode()
-    recorder = _SavedTensorRecorder(gm)
-    inputs = fake_inputs(plan, chosen.graph_module.graph, mode, device)
-    with mode, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
-        recorder.run(*inputs)
-    return gm, recorder.resolved()
+                    recompute: bool = True) -> tuple[torch.fx.GraphModule, list["SavedStorage"]]:
+    from autopar.ledger.fake_run import saving_run
+
+    run = saving_run(plan, rank, stage=stage, device=device, recompute=recompute)
+    return run.graph_module, run.saved
 
 
 def _is_state(node: torch.fx.Node, plan: "Plan", planned: dict[str, torch.fx.Node]) -> bool:
@@ -245,18 +185,19 @@ def _op_name(node: torch.fx.Node) -> str:
     return str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
 
 
-def _entry(plan: "Plan", saved: _Saved, planned: dict[str, torch.fx.Node]) -> ActivationEntry:
-    nbytes = saved.storage.nbytes()
-    node, output, tensor = saved.producer if saved.producer is not None else (saved.running, 0, saved.tensor)
+def _entry(plan: "Plan", saved: "SavedStorage", planned: dict[str, torch.fx.Node]) -> ActivationEntry:
+    produced = saved.producer
+    node, output = (produced.node, produced.output) if produced is not None else (saved.running, 0)
+    shape, dtype = (produced.shape, produced.dtype) if produced is not None else (saved.shape, saved.dtype)
     expr = None
     name = node.meta.get(PLANNED_NAME, node.name)  # a recomputed region's item stands for a planned node
-    if saved.producer is not None:
-        expr = _symbolic_bytes(plan, planned.get(name), output, tensor.dtype.itemsize)
-    internal = expr is None or sympy.sympify(expr.subs(plan.traced.symbol_values)) != nbytes
+    if produced is not None:
+        expr = _symbolic_bytes(plan, planned.get(name), output, dtype.itemsize)
+    internal = expr is None or sympy.sympify(expr.subs(plan.traced.symbol_values)) != saved.nbytes
     if internal:  # allocated inside a kernel: what was saved, at its concrete size
-        tensor, expr = saved.tensor, sympy.Integer(nbytes)
+        shape, dtype, expr = saved.shape, saved.dtype, sympy.Integer(saved.nbytes)
     return ActivationEntry(node=name, output=output, op=_op_name(node), module=module_path(node),
-                           shape=tuple(tensor.shape), dtype=tensor.dtype, bytes=expr, number=nbytes, internal=internal,
+                           shape=shape, dtype=dtype, bytes=expr, number=saved.nbytes, internal=internal,
                            saved_by=tuple(n.name for n in saved.savers))
 
 
@@ -288,7 +229,7 @@ def saved_activations(plan: "Plan", *, rank: int = 0, recompute: str | None = No
     planned.update({node.name: node for node in chosen.graph_module.graph.nodes})
     entries = []
     for item in saved:
-        producer = item.producer[0] if item.producer is not None else None
+        producer = item.producer.node if item.producer is not None else None
         if producer is not None and (_is_state(producer, plan, planned) or producer.name in dropped):
             continue
         entries.append(_entry(plan, item, planned))
@@ -311,8 +252,8 @@ def recomputed_region_bytes(plan: "Plan", *, rank: int = 0, device: "str | torch
     planned = {node.name: node for node in chosen.graph_module.graph.nodes}
     per_region: dict[str, int] = defaultdict(int)
     for item in saved:
-        producer = planned.get(item.producer[0].name) if item.producer is not None else planned.get(item.running.name)
+        producer = planned.get(item.producer.node.name) if item.producer is not None else planned.get(item.running.name)
         region = producer.meta.get(RECOMPUTE) if producer is not None else None
         if region is not None:
-            per_region[region] += item.storage.nbytes()
+            per_region[region] += item.nbytes
     return max(per_region.values(), default=0)

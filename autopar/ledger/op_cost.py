@@ -1,9 +1,9 @@
 """The op ledger: every operator call a rank graph makes in forward and backward, with its FLOPs and bytes.
 
-`rank_ops(plan, rank, stage=)` runs the rank's emitted graph of one stage — what the runtime
-runs, recomputed regions included — forward and then backward, on fake tensors of the rank's
-local shapes (the inputs the activation ledger and `check_rank_graphs` build), under a dispatch
-mode that records each ATen call: its floating-point operations (PyTorch's own formulas,
+`rank_ops(plan, rank, stage=)` reads the fake run of the rank's emitted graph of one stage
+(`ledger/fake_run.ops_run`: what the runtime runs, recomputed regions included, forward and then
+backward, on fake tensors of the rank's local shapes, no hook), in which `_OpRecorder`, a
+dispatch mode, records each ATen call: its floating-point operations (PyTorch's own formulas,
 `torch.utils.flop_counter.flop_registry`: 2·m·n·k per matrix product, attention's products) and
 the bytes it touches (its tensor inputs and outputs). Views move no bytes; collectives are not
 compute (the communication ledger has them, exactly). Backward is what autograd runs for the
@@ -23,13 +23,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from autopar.ledger.activations import fake_inputs, kernel_device, on_device
-from autopar.ledger.working_memory import LiveFakeStorages, Working, gather_free_runner, taking_weight_gradients
+from autopar.ledger.working_memory import Working
 
 if TYPE_CHECKING:
     from autopar.cluster import Cluster
@@ -96,24 +94,8 @@ class _OpRecorder(TorchDispatchMode):
 
 
 def rank_ops(plan: "Plan", rank: int, *, stage: int | None = None) -> RankOps:
-    """The calls `rank`'s graph of `stage` (default: its first) makes, forward and backward (module docstring)."""
-    from autopar.check_rank_graphs import _traced_mode
+    """The calls `rank`'s graph of `stage` (default: its first) makes, forward and backward (module
+    docstring), from the rank graph's fake run (`ledger/fake_run.ops_run`)."""
+    from autopar.ledger.fake_run import ops_run
 
-    chosen = plan.stages[stage] if stage is not None else plan.stages_of_rank(rank)[0]
-    device = kernel_device(plan, None)
-    with unset_fake_temporarily():
-        gm = on_device(plan.rank_graph(rank, stage=chosen.index), device)
-        mode = _traced_mode(plan)
-        inputs = fake_inputs(plan, chosen.graph_module.graph, mode, device)
-        recorder, tracker = _OpRecorder(), LiveFakeStorages()
-        taking_weight_gradients(inputs, tracker)
-        with mode, torch.enable_grad(), recorder, tracker:
-            outputs = gather_free_runner(gm, tracker)(*inputs)
-            roots = [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
-            grads = [torch.ones_like(o) for o in roots]
-            del outputs
-            recorder.phase = "backward"
-            tracker.backward_starts()
-            if roots:
-                torch.autograd.backward(roots, grads)
-    return RankOps(rank, chosen.index, recorder.totals["forward"], recorder.totals["backward"], tracker.working())
+    return ops_run(plan, rank, stage=stage)

@@ -4,13 +4,13 @@ The memory ledger's peak is a moment, not a sum (`ledger/memory.py`): when backw
 rank holds every saved activation plus what the first backward ops allocate before anything is
 freed — the loss's gradient over the vocabulary ([tokens, vocab] for the log-probabilities, then
 again for the logits), a pipeline stage's received output gradient and the one it sends back.
-The op ledger's fake run of the rank's emitted graph, forward and backward (`ledger/op_cost.py`:
+The op ledger's fake run of the rank's emitted graph, forward and backward (`ledger/fake_run.py`:
 local shapes at the traced hints, the activation ledger's inputs) carries `LiveFakeStorages`,
 which follows every storage the run allocates while it is alive (weak references on the
 storages, as `autopar.measure.storages.LiveStorages` does for real ones); `Working` is the most
 bytes alive during backward beyond those alive when backward started, and how many of them were
 a weight gradient at that moment (a fixed size, where the rest grows with the batch).
-`backward_working(plan, rank=, stage=)` reads it off `rank_ops`.
+`backward_working(plan, rank=, stage=)` reads it off that run.
 
 Backward starts from the graph's outputs with gradients of ones (the loss; an earlier pipeline
 stage's send tokens: the planning stand-in of a send hands its input a gradient of the input's
@@ -36,35 +36,45 @@ if TYPE_CHECKING:
 
 
 class LiveFakeStorages(TorchDispatchMode):
-    """The storages ops allocate, as a list of events (storage, ±bytes); `paused` while a node's
-    outputs are not to be followed."""
+    """The storages ops allocate, as a list of events (allocation, ±bytes); `paused` while a node's
+    outputs are not to be followed. An allocation is numbered in order, not named by its address:
+    a freed storage's address is given to the next one, which must not inherit what the freed one
+    was (a weight gradient)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.sizes: dict[int, int] = {}
+        self.live_at: dict[int, int] = {}  # storage address -> its allocation, while alive
+        self.sizes: dict[int, int] = {}  # allocation -> bytes, while alive
         self.events: list[tuple[int, int]] = []
         self.live = 0
         self.paused = False
-        self.weight_gradients: set[int] = set()
+        self.weight_gradients: set[int] = set()  # allocations
         self.start = 0
 
     def backward_starts(self) -> None:
         self.start = len(self.events)
 
+    def mark_weight_gradient(self, tensor: torch.Tensor) -> None:
+        allocation = self.live_at.get(tensor.untyped_storage()._cdata)
+        if allocation is not None:
+            self.weight_gradients.add(allocation)
+
     def working(self) -> "Working":
         """Most bytes alive beyond those at `backward_starts`, and the weight gradients among them."""
         live = grads_live = most = most_grads = 0
-        for key, change in self.events[self.start:]:
+        for allocation, change in self.events[self.start:]:
             live += change
-            grads_live += change if key in self.weight_gradients else 0
+            grads_live += change if allocation in self.weight_gradients else 0
             if live > most:
                 most, most_grads = live, grads_live
         return Working(bytes=most, weight_gradients=max(0, most_grads))
 
-    def _freed(self, key: int) -> None:
-        nbytes = self.sizes.pop(key, 0)
+    def _freed(self, address: int, allocation: int) -> None:
+        nbytes = self.sizes.pop(allocation, 0)
+        if self.live_at.get(address) == allocation:
+            del self.live_at[address]
         self.live -= nbytes
-        self.events.append((key, -nbytes))
+        self.events.append((allocation, -nbytes))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -73,13 +83,15 @@ class LiveFakeStorages(TorchDispatchMode):
         inputs = {t.untyped_storage()._cdata for t in tensors_in((args, kwargs))}
         for value in tensors_in(out):
             storage = value.untyped_storage()
-            key = storage._cdata
-            if key in inputs or key in self.sizes:  # a view, an in-place or out= op: nothing allocated
+            address = storage._cdata
+            if address in inputs or address in self.live_at:  # a view, an in-place or out= op: nothing allocated
                 continue
-            self.sizes[key] = storage.nbytes()
+            allocation = len(self.events)
+            self.live_at[address] = allocation
+            self.sizes[allocation] = storage.nbytes()
             self.live += storage.nbytes()
-            self.events.append((key, storage.nbytes()))
-            weakref.finalize(storage, self._freed, key)
+            self.events.append((allocation, storage.nbytes()))
+            weakref.finalize(storage, self._freed, address, allocation)
         return out
 
 
@@ -145,7 +157,7 @@ def taking_weight_gradients(inputs: list, tracker: "LiveFakeStorages") -> None:
     does (into a bucket, a ZeRO unit), remembering its storage as a weight gradient."""
     def taken(tensor: torch.Tensor) -> None:
         if tensor.grad is not None:
-            tracker.weight_gradients.add(tensor.grad.untyped_storage()._cdata)
+            tracker.mark_weight_gradient(tensor.grad)
             tensor.grad = None
 
     for value in inputs:
@@ -156,7 +168,7 @@ def taking_weight_gradients(inputs: list, tracker: "LiveFakeStorages") -> None:
 def backward_working(plan: "Plan", *, rank: int = 0, stage: int | None = None) -> Working:
     """Most bytes backward allocates beyond what is alive when it starts, on `rank` for one forward
     of `stage` (default: the rank's first stage), at the traced hint sizes (module docstring): the
-    op ledger's fake run (`ledger/op_cost.rank_ops`) follows them."""
-    from autopar.ledger.op_cost import rank_ops
+    op ledger's fake run (`ledger/fake_run.ops_run`) follows them."""
+    from autopar.ledger.fake_run import ops_run
 
-    return rank_ops(plan, rank, stage=stage).working
+    return ops_run(plan, rank, stage=stage).working

@@ -8,9 +8,14 @@ backward and the eager pieces between compiled graphs. `collectives(profile)` to
 kind with `CommCounter`'s logical-bytes convention (all-reduce, reduce-scatter, all-to-all: the
 input; all-gather: the output, the input times the group size).
 
-Only the functional ops are counted (`_c10d_functional::*`): each calls a classic `c10d::` op
-inside it, which the profiler records too. The profiler keeps no string arguments, so the
-process group of a call is unknown: the totals are per kind, not per axis.
+The functional ops are counted (`_c10d_functional::*`) where they are the only record with
+shapes: each calls a classic `c10d::` op inside it, which the profiler records too, without the
+shapes of its tensor lists. Broadcasts and point-to-point transfers are also issued as classic
+ops (a pipeline's loss broadcast and its sends and receives, ring attention's), so those three
+kinds are counted from the process group's own event, one per transfer whichever API issued it
+(`gloo:broadcast`, `gloo:send`, `gloo:recv`, with the tensor's shape and dtype; gloo is the only
+backend checked here). The profiler keeps no string arguments, so the process group of a call is
+unknown: the totals are per kind, not per axis.
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ from typing import Any
 
 import torch
 
-# functional op -> (kind, index of a group-size argument multiplying the input's bytes, or None)
+# functional op -> (kind, index of a group-size argument multiplying the input's bytes, or None);
+# kind None: counted at the process group's event (BACKEND)
 FUNCTIONAL: dict[str, tuple[str, int | None]] = {
     "_c10d_functional::all_reduce": ("all_reduce", None),
     "_c10d_functional::all_reduce_": ("all_reduce", None),
@@ -29,10 +35,11 @@ FUNCTIONAL: dict[str, tuple[str, int | None]] = {
     "_c10d_functional::reduce_scatter_tensor": ("reduce_scatter", None),
     "_c10d_functional::reduce_scatter_tensor_out": ("reduce_scatter", None),
     "_c10d_functional::all_to_all_single": ("all_to_all", None),
-    "_c10d_functional::broadcast": ("broadcast", None),
-    "_c10d_functional::broadcast_": ("broadcast", None),
+    "_c10d_functional::broadcast": (None, None),
+    "_c10d_functional::broadcast_": (None, None),
 }
 NOT_COMMUNICATION = ("_c10d_functional::wait_tensor",)
+BACKEND = {"gloo:broadcast": "broadcast", "gloo:send": "send", "gloo:recv": "recv"}
 
 _DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in
            (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool)}
@@ -56,11 +63,17 @@ def collectives(profile: Any) -> dict[str, tuple[int, int]]:
     (recorded with `record_shapes=True`)."""
     totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for event in profile.events():
+        if event.name in BACKEND:
+            totals[BACKEND[event.name]][0] += 1
+            totals[BACKEND[event.name]][1] += math.prod(event.input_shapes[0]) * _itemsize(event.input_dtypes[0])
+            continue
         if not event.name.startswith("_c10d_functional::") or event.name in NOT_COMMUNICATION:
             continue
         if event.name not in FUNCTIONAL:
             raise UnknownProfiledCollective(f"{event.name}: add it to autopar.measure.profiled_collectives.FUNCTIONAL")
         kind, times = FUNCTIONAL[event.name]
+        if kind is None:
+            continue
         nbytes = math.prod(event.input_shapes[0]) * _itemsize(event.input_dtypes[0])
         if times is not None:
             nbytes *= int(event.concrete_inputs[times])

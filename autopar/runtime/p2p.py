@@ -135,6 +135,12 @@ class _Recv(torch.autograd.Function):
         return None, None, None, None, None, None
 
 
+# Compiled rank graphs (`parallelize(compile=True)`): dynamo must not trace into a send or a receive:
+# they post gloo/NCCL work with Python-side state (the current `Exchange`, its pending sends) that a
+# traced graph would replay from guards — tracing `recv` guarded on the float `time.perf_counter()`
+# returned and recompiled at every call until dynamo's recompile limit. Disabled, each is a graph
+# break that runs eagerly, as an autograd function, between two compiled pieces.
+@torch._dynamo.disable
 def send_activation(x: torch.Tensor, *, group: str, peer: int, value: int) -> torch.Tensor:
     """Send `x` to `peer` (forward); its gradient comes back from `peer` in backward. Returns a token."""
     if not (x.requires_grad and torch.is_grad_enabled()):
@@ -144,6 +150,7 @@ def send_activation(x: torch.Tensor, *, group: str, peer: int, value: int) -> to
     return _Send.apply(x, group, peer, value)
 
 
+@torch._dynamo.disable
 def recv_activation(token: torch.Tensor, *, group: str, peer: int, value: int, shape: list[int],
                     dtype: torch.dtype, requires_grad: bool = True) -> torch.Tensor:
     """Receive a value from `peer` (forward); send its gradient back in backward."""
