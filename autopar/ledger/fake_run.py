@@ -1,4 +1,4 @@
-"""The fake runs of a rank graph that the activation ledger, the op ledger and the backward's working memory read, each made once per plan.
+"""The fake runs of a rank graph that the ledgers read, each made once per plan.
 
 Both run the rank's emitted graph of one stage — what the runtime runs, recomputed regions
 included — on fake tensors of the rank's local shapes at the traced hint sizes
