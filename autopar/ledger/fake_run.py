@@ -135,28 +135,37 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _stage_and_device(plan: "Plan", rank: int, stage: int | None, device: torch.device | None) -> tuple:
+def _prepared(plan: "Plan", rank: int, stage: int | None, device: torch.device | None, *,
+              recompute: bool = True) -> tuple:
+    """(stage, kernels' device, rank graph on that device, fake mode, fake inputs): what both runs
+    start from. Call under `unset_fake_temporarily()` (planning may run under the caller's
+    FakeTensorMode)."""
+    from autopar.check_rank_graphs import _traced_mode
+    from autopar.ledger.activations import fake_inputs, kernel_device, on_device
+
+    chosen = plan.stages[stage] if stage is not None else plan.stages_of_rank(rank)[0]
+    device = kernel_device(plan, device)
+    gm = on_device(plan.rank_graph(rank, stage=chosen.index, recompute=recompute), device)
+    mode = _traced_mode(plan)
+    return chosen, device, gm, mode, fake_inputs(plan, chosen.graph_module.graph, mode, device)
+
+
+def _key(plan: "Plan", what: str, rank: int, stage: int | None, device: torch.device | None, recompute: bool) -> tuple:
     from autopar.ledger.activations import kernel_device
 
     chosen = plan.stages[stage] if stage is not None else plan.stages_of_rank(rank)[0]
-    return chosen, kernel_device(plan, device)
+    return what, rank, chosen.index, kernel_device(plan, device), recompute
 
 
 def saving_run(plan: "Plan", rank: int, *, stage: int | None = None, device: torch.device | None = None,
                recompute: bool = True) -> FakeRun:
     """What `rank`'s graph of `stage` (default: its first) saves for backward in one forward, on
     `device`'s kernels (default: `activations.kernel_device`) (module docstring)."""
-    from autopar.check_rank_graphs import _traced_mode
-    from autopar.ledger.activations import fake_inputs, on_device
-
-    chosen, device = _stage_and_device(plan, rank, stage, device)
-    key = ("saved", rank, chosen.index, device, recompute)
+    key = _key(plan, "saved", rank, stage, device, recompute)
     if key not in plan._fake_runs:
-        with unset_fake_temporarily():  # planning may run under the caller's FakeTensorMode
-            gm = on_device(plan.rank_graph(rank, stage=chosen.index, recompute=recompute), device)
-            mode = _traced_mode(plan)
+        with unset_fake_temporarily():
+            _, _, gm, mode, inputs = _prepared(plan, rank, stage, device, recompute=recompute)
             recorder = _Recorder(gm)
-            inputs = fake_inputs(plan, chosen.graph_module.graph, mode, device)
             with mode, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack):
                 recorder.run(*inputs)
             plan._fake_runs[key] = FakeRun(gm, recorder.saved())
@@ -166,17 +175,12 @@ def saving_run(plan: "Plan", rank: int, *, stage: int | None = None, device: tor
 def ops_run(plan: "Plan", rank: int, *, stage: int | None = None) -> "RankOps":
     """The calls `rank`'s graph of `stage` (default: its first) makes, forward and backward, and
     backward's working memory (module docstring)."""
-    from autopar.check_rank_graphs import _traced_mode
-    from autopar.ledger.activations import fake_inputs, on_device
     from autopar.ledger.op_cost import RankOps, _OpRecorder
 
-    chosen, device = _stage_and_device(plan, rank, stage, None)
-    key = ("ops", rank, chosen.index, device, True)
+    key = _key(plan, "ops", rank, stage, None, True)
     if key not in plan._fake_runs:
         with unset_fake_temporarily():
-            gm = on_device(plan.rank_graph(rank, stage=chosen.index), device)
-            mode = _traced_mode(plan)
-            inputs = fake_inputs(plan, chosen.graph_module.graph, mode, device)
+            chosen, _, gm, mode, inputs = _prepared(plan, rank, stage, None)
             recorder, tracker = _OpRecorder(), LiveFakeStorages()
             taking_weight_gradients(inputs, tracker)
             with mode, torch.enable_grad(), recorder, tracker:
