@@ -34,7 +34,8 @@ implement for a planned model:
   gathers behind forward, backward gathers behind backward), the cluster's `overlap` share
   hidden; the layout's own gradient synchronisation (over cp, or tp for SP's replicated norms)
   in buckets behind backward; a pipeline send per stage boundary per micro-batch as latency;
-- the pipeline's span for stage costs F_s + B_s (compute and blocking collectives per
+- the pipeline's span for stage costs F_s + B_s (compute, blocking collectives and the
+  exposed part of the stage's own ring sends — context parallelism's, each micro-batch's — per
   micro-batch): Σ_s (F_s + B_s) + (m − 1) · max_s (F_s + B_s), the GPipe/1F1B span, plus the
   sends' latency; its idle part is the bubble;
 - optimizer: `step_cost`'s AdamW model over the parameters the rank updates.
@@ -444,7 +445,9 @@ def _pipelined(stages: list[_Stage], ranks: list[_Rank], candidate: Candidate, c
     for rank in ranks:  # per micro-batch at each boundary of each of its stages: one transfer forward, one backward
         boundaries = sum((not s.first) + (not s.last) for s in rank.stages)
         price.stage_wire[rank.index] += 2 * micro * boundaries * price.wire("send", "pp", boundary)
-    work = [sum(s.compute_f + s.compute_b + s.blocking_f + s.blocking_b for s in r.stages) for r in ranks]
+    work = [sum(s.compute_f + s.compute_b + s.blocking_f + s.blocking_b
+                + exposed_seconds(s.sends, s.compute_f + s.compute_b, cluster.overlap, unhidden="first")  # cp's ring
+                for s in r.stages) for r in ranks]
     critical = max(range(pp), key=work.__getitem__)
     span = sum(work) / virtual + (micro - 1 / virtual) * work[critical] + 2 * (chunks - 1) * send
     busy = micro * work[critical]

@@ -19,7 +19,8 @@ rank per pipeline coordinate, the others' coordinates 0 — ranks of one stage r
   and expert parallelism's collectives feed the next op), and the optimizer's and the step's
   collectives come after backward;
 - the pipeline: each stage's forward and backward per micro-batch (compute plus its blocking
-  collectives) run through the schedule's own action lists (`schedules.simulate`, a send's α-β
+  collectives plus the exposed part of its own ring sends — context parallelism's, which a
+  stage makes at every micro-batch; the pipeline's own sends are the latency between stages) run through the schedule's own action lists (`schedules.simulate`, a send's α-β
   time as the latency between stages): the step's span, whose idle part is the bubble;
 - memory: the largest of the step's moments (`ledger/peak.py`: backward starting, the first ZeRO
   unit's gradients handed over, the optimizer step), each the memory ledger's categories that
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from autopar import schedules
 from autopar.cluster import GB, Cluster
@@ -145,9 +146,11 @@ class _RankParts:
     optimizer: float
     moments: dict[str, int] = field(default_factory=dict)
 
-    def calls(self, kind: str, stage: int | None = None, phase: str | None = None) -> list[float]:
+    def calls(self, kind: str, stage: int | None = None, phase: str | None = None,
+              axis: Callable[[str], bool] | None = None) -> list[float]:
         return [row.per_call for row in self.rows for _ in range(row.calls) if _kind(row) == kind
-                and (stage is None or row.stage in (stage, None)) and (phase is None or row.phase == phase)]
+                and (stage is None or row.stage in (stage, None)) and (phase is None or row.phase == phase)
+                and (axis is None or axis(row.axis))]
 
     def seconds(self, kind: str, **where: Any) -> float:
         return sum(self.calls(kind, **where))
@@ -196,11 +199,19 @@ def _pipelined(plan: Any, cluster: Cluster, ranks: list[int], parts: dict[int, _
     micro = layout.microbatches
     holder = {stage.index: rank for rank in ranks for stage in plan.stages_of_rank(rank)}
     forward, backward = {}, {}
+    def inside(axis: str) -> bool:  # a stage's own transfers (context parallelism's ring), not the pipeline's
+        return axis != layout.axis
+
     for index, rank in holder.items():
+        compute_f, compute_b = ops[index].forward.seconds(cluster), ops[index].backward.seconds(cluster)
         blocking_f = parts[rank].seconds("blocking", stage=index, phase="forward") / micro
         blocking_b = parts[rank].seconds("blocking", stage=index, phase="backward") / micro
-        forward[index] = ops[index].forward.seconds(cluster) + blocking_f
-        backward[index] = ops[index].backward.seconds(cluster) + blocking_b
+        ring_f = parts[rank].calls("p2p", stage=index, phase="forward", axis=inside)
+        ring_b = parts[rank].calls("p2p", stage=index, phase="backward", axis=inside)
+        forward[index] = (compute_f + blocking_f
+                          + exposed_seconds(ring_f, compute_f * micro, cluster.overlap, unhidden="first") / micro)
+        backward[index] = (compute_b + blocking_b
+                           + exposed_seconds(ring_b, compute_b * micro, cluster.overlap, unhidden="first") / micro)
     split = layout.schedule in schedules.SPLIT_BACKWARD
     whole = {stage.index for stage in plan.stages if not stage.receives}
 
@@ -216,7 +227,7 @@ def _pipelined(plan: Any, cluster: Cluster, ranks: list[int], parts: dict[int, _
             return backward[action.stage] / speedup if action.kind == "B" else 0.0
         return (backward[action.stage] / 2 if split else backward[action.stage]) / speedup
 
-    sends = [call for rank in ranks for call in parts[rank].calls("p2p")]
+    sends = [call for rank in ranks for call in parts[rank].calls("p2p", axis=lambda a: a == layout.axis)]
     orders = schedules.actions(layout.schedule, degree=layout.degree, virtual=layout.virtual, microbatches=micro)
     timed = schedules.simulate(orders, cost, stages=layout.stages, split_backward=split,
                                latency=max(sends, default=0.0), cores=cores)
