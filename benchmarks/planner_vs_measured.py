@@ -4,9 +4,10 @@ For each world size: `autopar.calibrate(world_size=N)` measures this machine (α
 throughput, memory bandwidth, per-call cost, overlap), `autopar.planner.search` plans and prices
 every candidate layout of the example GPT on that cluster, and then one launch of N gloo ranks
 (one thread each) runs every priced candidate that fits (16 per launch): parallelize
-(rank 0 plans, the others receive), two steps under `LiveStorages` (the second step's peak of
-live tensor bytes, the global and local batch taken out, is the measured peak; nothing is asked
-of autopar's runtime), then timed steps (zero_grad, forward, backward, AdamW step; barrier
+(rank 0 plans, the others receive), four steps under `LiveStorages` (each step's peak of live
+tensor bytes, the global and local batch taken out; the measured peak is the lowest of the last
+three steps' peaks, the largest over the ranks, and the highest is printed beside it — see
+`_build`; nothing is asked of autopar's runtime), then timed steps (zero_grad, forward, backward, AdamW step; barrier
 before each, the slowest rank's time, median over the steps) in rounds: each round times every
 candidate of the launch once, so that the machine's drift hits them alike.
 
@@ -52,25 +53,34 @@ def _storage_bytes(tensors: list) -> int:
     return sum(seen.values())
 
 
+PEAK_STEPS = 3  # steps after the first whose peaks are read
+
+
 def _build(candidate, config: GPTConfig, batch: tuple) -> tuple:
-    """Parallelize, then two steps under `LiveStorages`: the second step's peak (batches taken out)."""
+    """Parallelize, then 1 + `PEAK_STEPS` steps under `LiveStorages`, each step's peak (batches
+    taken out) read after the first: (lowest, highest) over those steps, each the largest over
+    the ranks. A step's peak varies on one rank by what gloo's worker threads still hold: they drop
+    a finished collective's tensors a moment after `wait()` returns, later the busier the cores
+    (8 ranks on 2); the lowest is the program's own peak, the highest shows the lag."""
     storages = LiveStorages()
     storages.track(list(batch))
+    peaks = []
     with storages:
         torch.manual_seed(0)
         module = autopar.parallelize(GPT(config), candidate.mesh_spec, strategies=candidate.strategies(),
                                      example_inputs=batch)
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
         local = module.local_batch(*batch)
-        for _ in range(2):
+        for _ in range(1 + PEAK_STEPS):
             gc.collect()
             storages.reset_peak()
             optimizer.zero_grad(set_to_none=True)
             module.train_step(*local)
             optimizer.step()
-    peak = torch.tensor([storages.peak_bytes - _storage_bytes(list(batch) + list(local))], dtype=torch.int64)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return module, optimizer, local, int(peak)
+            peaks.append(storages.peak_bytes - _storage_bytes(list(batch) + list(local)))
+    ours = torch.tensor([min(peaks[1:]), max(peaks[1:])], dtype=torch.int64)
+    dist.all_reduce(ours, op=dist.ReduceOp.MAX)
+    return module, optimizer, local, (int(ours[0]), int(ours[1]))
 
 
 def _timed_step(module, optimizer, local) -> float:
@@ -92,7 +102,8 @@ def _run_all(rank: int, world: int, chosen: list, config: GPTConfig, batch: tupl
     for _ in range(steps):
         for index, (module, optimizer, local, _) in enumerate(built):
             times[index].append(_timed_step(module, optimizer, local))
-    return [{"seconds": statistics.median(t), "fastest": min(t), "peak": b[3]} for t, b in zip(times, built)]
+    return [{"seconds": statistics.median(t), "fastest": min(t), "peak": b[3][0], "highest": b[3][1]}
+            for t, b in zip(times, built)]
 
 
 def _cpu_ticks() -> tuple[int, int]:
@@ -154,7 +165,8 @@ def main() -> None:
             e = outcome.estimate
             rows.append([index + 1, outcome.candidate.label, f"{e.seconds * 1e3:.1f}", f"{run['seconds'] * 1e3:.1f}",
                          f"{e.seconds / run['seconds']:.2f}", f"{e.peak_bytes / 2**20:.2f}",
-                         f"{run['peak'] / 2**20:.2f}", f"{e.peak_bytes / run['peak'] - 1:+.1%}"])
+                         f"{run['peak'] / 2**20:.2f}", f"{e.peak_bytes / run['peak'] - 1:+.1%}",
+                         f"{run['highest'] / 2**20:.2f} ({e.peak_bytes / run['highest'] - 1:+.1%})"])
         predicted = [o.estimate.seconds for o in priced]
         times = [r["seconds"] for r in measured]
         fastest = min(range(len(times)), key=times.__getitem__)
@@ -167,7 +179,8 @@ def main() -> None:
               f"({len(result.pruned)} pruned)")
         print(f"model {config}, global batch {batch[0].shape[0]}")
         print(tabulate(rows, headers=["#", "candidate", "predicted ms", "measured ms", "pred/meas",
-                                      "predicted peak MiB", "measured peak MiB", "peak error"], disable_numparse=True))
+                                      "predicted peak MiB", "measured peak MiB", "peak error",
+                                      "highest step's peak MiB (error)"], disable_numparse=True))
         print(f"planner's first choice: {priced[0].candidate.label}, measured {times[0] * 1e3:.1f} ms; fastest "
               f"measured: {priced[fastest].candidate.label}, {times[fastest] * 1e3:.1f} ms "
               f"(first choice {times[0] / times[fastest] - 1:+.1%})")

@@ -9,6 +9,9 @@ claim to see, independently of autopar.
 - The saved-activation window sees what autograd keeps even when a module's own saved-tensor
   hooks hide it from outer hooks (the measurement the suite used before could not).
 - `held_bytes` files storages under parameters, gradients, optimizer state, buffers and other.
+- The profiled peak (`profiled_memory.peak_rise`, the allocator's events) of a step equals the
+  live-storage tracker's peak of the same step, eager; on a compiled step (which the tracker cannot
+  watch) it sees inductor's own buffers.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from autopar.measure import comm_counter, profiled_collectives
 from autopar.measure.activations import measure_saved_activations
 from autopar.measure.comm_counter import CommCounter, MeasuredCollective, UnknownCollective
 from autopar.measure.memory import held_bytes
+from autopar.measure.profiled_memory import peak_rise
 from autopar.measure.storages import LiveStorages
 from autopar.runtime.launch import launch
 
@@ -161,6 +165,44 @@ def test_counter_rules_name_kind_and_group_argument(op):
               "_c10d_functional::all_gather_into_tensor": torch.ops._c10d_functional.all_gather_into_tensor.default,
               "c10d::send": torch.ops.c10d.send.default}[op]._schema
     assert schema.arguments[group_index].name in ("process_group", "group_name") and kind
+
+
+def _profiled_rise(step) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    return peak_rise(prof)
+
+
+def test_the_profiled_peak_of_a_step_equals_the_live_storages_peak():
+    def made_and_freed():
+        a = torch.empty(1000)
+        b = torch.empty(2000)
+        del a
+        c = torch.empty(500)
+        return b, c
+
+    assert _profiled_rise(made_and_freed) == 4 * 3000  # a and b at once; c after a is gone
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    x = torch.randn(32, 64)
+
+    def step():
+        model(x).square().sum().backward()
+
+    step()  # the gradients exist from now on: a step allocates only its own
+    storages = LiveStorages()
+    with storages:
+        storages.watch(storages.mark())
+        step()
+    assert storages.watched_peak > 32 * 256 * 4
+    assert _profiled_rise(step) == storages.watched_peak
+    compiled = torch.compile(step)
+    compiled()
+    compiled_rise = _profiled_rise(compiled)
+    assert 0 < compiled_rise <= storages.watched_peak  # inductor's buffers seen, its fusions hold no more
 
 
 def test_the_measuring_tools_import_nothing_of_autopar_but_themselves():

@@ -7,6 +7,7 @@ sees, so that "measured" never means "asked the runtime".
   (kind, group, logical bytes, peer); an unknown communication op raises.
 - `profiled_collectives`: the collectives of a compiled step, from PyTorch's profiler (no dispatch
   mode watches compiled code), totalled per kind.
+- `profiled_memory`: the peak of a compiled step's allocations, from PyTorch's profiler.
 - `storages`: every live tensor storage (a dispatch mode with weak references), its peak.
 - `memory`: those live bytes split by PyTorch's public interfaces (parameters, gradients,
   optimizer state, buffers, other).
