@@ -215,12 +215,13 @@ def _cmd_graph(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from autopar.comm_gate import compare, comm_summary, load_baseline, save_baseline
+    from autopar.comm_gate import compare, comm_summary, load_baseline, update_baseline
 
     current = comm_summary(_plan(args))
-    if args.update:
-        save_baseline(current, args.baseline)
-        print(f"baseline {args.baseline} written: {current['total_bytes']} bytes per rank per step")
+    if args.update:  # typed deliberately: accepted, never silently — what changed is printed
+        change = update_baseline(current, args.baseline)
+        print(f"baseline {args.baseline} " + (f"rewritten; what changed:\n{change}" if change else "unchanged")
+              + f"\n{current['total_bytes']} bytes per rank per step")
         return 0
     result = compare(load_baseline(args.baseline), current, tolerance_pct=args.tolerance)
     print(result.table())

@@ -118,6 +118,13 @@ def test_check_cli_exit_codes(tmp_path):
     assert run_cli(*args, "--baseline", str(tmp_path / "tight.json"), "--tolerance", "1").returncode == 0
     missing = run_cli(*args, "--baseline", str(tmp_path / "missing.json"))
     assert missing.returncode == 2 and "--update" in missing.stderr
+    # --update rewrites deliberately and says what it changed: the row that grew, old and new totals
+    updated = run_cli(*args, "--baseline", str(tmp_path / "tight.json"), "--update")
+    assert updated.returncode == 0 and "rewritten; what changed" in updated.stdout and "GREW" in updated.stdout
+    assert f"total bytes {tight['total_bytes']} ->" in updated.stdout
+    assert run_cli(*args, "--baseline", str(tmp_path / "tight.json")).returncode == 0
+    again = run_cli(*args, "--baseline", str(tmp_path / "tight.json"), "--update")
+    assert again.returncode == 0 and "unchanged" in again.stdout
 
 
 def test_explain_says_which_rule_and_which_alternatives(tmp_path):
