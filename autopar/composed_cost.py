@@ -295,11 +295,13 @@ def _peak_terms(ledgers: BlockLedgers, candidate: Candidate, rank: "_Rank", stag
     else:
         activations = in_flight
     regather = regather_acts = handover = handover_acts = 0
+    # the rest's whole gradients after the blocks (the head's) wait for the embedding's (ledger/peak.py)
+    pending = rest.param_bytes - ledgers.first_params if ledgers.first_params and rank.blocks else 0
     if zero == 3 and pp == 1 and rank.blocks:
-        regather = 2 * block.param_bytes + rest_kept
+        regather = 2 * block.param_bytes + rest_kept + pending
         regather_acts = int(in_flight - scale * rest.activation_bytes)
     if zero >= 1 and pp == 1:
-        handover = 2 * unit_bytes + (rest_kept + block.param_bytes if zero == 3 and rank.blocks else 0)
+        handover = 2 * unit_bytes + (rest_kept + block.param_bytes if zero == 3 and rank.blocks else 0) + pending
         handover_acts = int(in_flight - scale * (rest.activation_bytes + (block.activation_bytes if rank.blocks else 0)))
     largest = math.ceil(block.largest_param / dp) if zero else block.largest_param
     regathered = params + math.ceil(params / dp) if zero in (1, 2) else 0

@@ -199,6 +199,7 @@ def _pipelined(plan: Any, cluster: Cluster, ranks: list[int], parts: dict[int, _
     micro = layout.microbatches
     holder = {stage.index: rank for rank in ranks for stage in plan.stages_of_rank(rank)}
     forward, backward = {}, {}
+
     def inside(axis: str) -> bool:  # a stage's own transfers (context parallelism's ring), not the pipeline's
         return axis != layout.axis
 

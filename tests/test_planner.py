@@ -256,32 +256,40 @@ PEAK_CANDIDATES = [("dp=2", lambda: [autopar.data_parallel()]),
                    ("dp=2", lambda: [autopar.zero(stage=3)]),
                    ("pp=2", lambda: [autopar.pipeline_parallel(schedule="1f1b", microbatches=4)]),
                    ("pp=2", lambda: [autopar.pipeline_parallel(schedule="gpipe", microbatches=2)])]
+# on four ranks the peak of sharded units sits where backward gathers the last block again
+FOUR_RANK_PEAK_CANDIDATES = [("dp=4", lambda: [autopar.zero(stage=3)]),
+                             ("dp_rep=2,dp_shard=2", lambda: list(autopar.hsdp())),
+                             ("dp=4", lambda: [autopar.zero(stage=2)])]
 
 
-def _measured_peaks(rank: int, world: int, config: GPTConfig, batch: tuple) -> list[int]:
-    """Each candidate's second step (zero_grad, train_step, AdamW) under `LiveStorages`: the most
-    live bytes, the batch taken out — measured from outside, nothing asked of the runtime."""
+def _measured_peaks(rank: int, world: int, candidates: str, config: GPTConfig, batch: tuple) -> list[int]:
+    """Each candidate's steps after the first (zero_grad, train_step, AdamW) under `LiveStorages`:
+    the most live bytes, the batch taken out, the lowest of three steps (gloo's worker threads let
+    a finished collective's tensors go a moment late, at random) — measured from outside, nothing
+    asked of the runtime."""
     import gc
 
     from autopar.measure.storages import LiveStorages, distinct_storage_bytes
 
     torch.set_num_threads(1)
     peaks = []
-    for mesh, strategies in PEAK_CANDIDATES:
+    for mesh, strategies in globals()[candidates]:
         storages = LiveStorages()
         storages.track(list(batch))
+        steps = []
         with storages:
             torch.manual_seed(0)
             module = autopar.parallelize(GPT(config), mesh, strategies=strategies(), example_inputs=batch)
             optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
             local = module.local_batch(*batch)
-            for _ in range(2):
+            for _ in range(4):
                 gc.collect()
                 storages.reset_peak()
                 optimizer.zero_grad(set_to_none=True)
                 module.train_step(*local)
                 optimizer.step()
-        peaks.append(storages.peak_bytes - distinct_storage_bytes(list(batch) + list(local)))
+                steps.append(storages.peak_bytes - distinct_storage_bytes(list(batch) + list(local)))
+        peaks.append(min(steps[1:]))
         del module, optimizer
     return peaks
 
@@ -293,9 +301,26 @@ def test_the_predicted_peak_is_the_measured_peak_within_5_percent():
     1/2/3, 1F1B and GPipe."""
     config = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, d_model=64, d_ff=256)
     batch = example_batch(config, batch=8)
-    measured = launch(_measured_peaks, 2, config, batch, timeout_s=120)
+    measured = launch(_measured_peaks, 2, "PEAK_CANDIDATES", config, batch, timeout_s=120)
     cluster = _two_ranks()
     for index, (mesh, strategies) in enumerate(PEAK_CANDIDATES):
         predicted = estimate(autopar.plan(GPT(config), mesh, strategies=strategies(), example_inputs=batch), cluster)
         peak = max(ranks[index] for ranks in measured)
         assert abs(predicted.peak_bytes / peak - 1) <= 0.05, (mesh, strategies(), predicted.moments, peak)
+
+
+@pytest.mark.timeout(240)
+def test_a_sharded_step_holds_the_heads_gradient_while_backward_gathers_the_blocks_again():
+    """ZeRO-3 and HSDP on four ranks (ZeRO-2 beside them): the peak sits where backward gathers
+    the last block again, with the head's whole gradient alive — the root unit hands its gradients
+    over only when the embedding's is made, at the end of backward. The moment without it read
+    5.4% under the measured peak on this model (16 KB: the head's [128, 32] gradient); with it
+    the prediction is 232 bytes over (+0.1%), within 1% here."""
+    config = GPTConfig(vocab_size=128, seq_len=16, n_layer=2, n_head=4, d_model=32, d_ff=64)
+    batch = example_batch(config, batch=8)
+    measured = launch(_measured_peaks, 4, "FOUR_RANK_PEAK_CANDIDATES", config, batch, timeout_s=180)
+    cluster = _two_ranks(gpus_per_node=4)
+    for index, (mesh, strategies) in enumerate(FOUR_RANK_PEAK_CANDIDATES):
+        predicted = estimate(autopar.plan(GPT(config), mesh, strategies=strategies(), example_inputs=batch), cluster)
+        peak = max(ranks[index] for ranks in measured)
+        assert abs(predicted.peak_bytes / peak - 1) <= 0.01, (mesh, predicted.moments, peak)

@@ -43,12 +43,21 @@ class OpTotals:
     bytes: int = 0
     # per call: (flops, bytes), to price each call on its own roofline
     per_call: list[tuple[int, int]] = field(default_factory=list, repr=False)
+    _rooflines: dict = field(default_factory=dict, repr=False, compare=False)  # see `roofline`
 
     def add(self, flops: int, nbytes: int) -> None:
         self.calls += 1
         self.flops += flops
         self.bytes += nbytes
         self.per_call.append((flops, nbytes))
+
+    def roofline(self, peak_flops: float, bandwidth: float) -> float:
+        """Seconds of the calls' own rooflines, without their fixed cost: remembered per (peak,
+        bandwidth, calls) — the planner prices every candidate of a layout on the same totals."""
+        key = (peak_flops, bandwidth, len(self.per_call))
+        if key not in self._rooflines:
+            self._rooflines[key] = sum(max(f / peak_flops, b / bandwidth) for f, b in self.per_call)
+        return self._rooflines[key]
 
     def seconds(self, cluster: "Cluster") -> float:
         peak, bandwidth, fixed = cluster.peak_flops, cluster.memory_bandwidth, cluster.op_overhead

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -39,6 +40,7 @@ from typing import Any, Callable
 import sympy
 
 from autopar.ir import SPEC, local_numel
+from autopar.ledger.activations import ZERO_UNIT
 from autopar.ledger.memory import (OPTIMIZER_STATE, ZERO_GRADIENT_SHARDS, MemoryLedger, _rank_placeholders,
                                    _schedule_inputs)
 
@@ -114,7 +116,8 @@ def peak_terms(plan: Any, ledger: MemoryLedger, *, rank: int = 0, optimizer: str
         steady=totals["parameters"] + totals["model buffers"] + totals["optimizer state"] + persistent,
         step_gradients=step_gradients, activations=activations, backward_working=backward_working,
         gathered_at_backward=gathered_at_backward, recompute=recompute,
-        regather=resharded and resharded + by_what["ZeRO-3 units kept gathered forward to backward"],
+        regather=resharded and (resharded + by_what["ZeRO-3 units kept gathered forward to backward"]
+                                + _pending_gradients(plan, units, _last_resharded(plan, units))),
         regather_activations=resharded and _activations_before(plan, _last_resharded(plan, units), activations_of,
                                                                end=True),
         handover=_handover(plan, units),
@@ -162,7 +165,33 @@ def _handover(plan: Any, units: list) -> int:
         gathered = sum(full[u.index] for u in units if u.stage == 3 and not u.reshard)
         if unit.reshard and unit.backward_prefetch:
             gathered += max((full[u.index] for u in units if u.reshard and u is not unit), default=0)
-    return _handed_and_laid_out(unit) + gathered
+    return _handed_and_laid_out(unit) + gathered + _pending_gradients(plan, units, unit)
+
+
+def _pending_gradients(plan: Any, units: list, unit: Any) -> int:
+    """Whole gradients alive, not yet handed over, when backward reaches `unit`'s block: another
+    unit's parameters used after the block in forward, when that unit also has parameters used
+    before it — the root unit's head and final norm beside its embedding. Autograd hands a unit's
+    gradients over once all of them are made, so the head's waits for the embedding's, at the end
+    of backward (measured: ZeRO-3 on 4 ranks held the head's 16 KB gradient through every block's
+    backward). Without a pipeline; a pipeline's micro-batches accumulate into `.grad` (counted)."""
+    if plan.pipeline is not None:
+        return 0
+    _, marked = _unit_positions(plan, unit)
+    start, end = min(marked), max(marked)
+    graph = plan.stages[unit.pipeline_stage].graph_module.graph
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    readers: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))  # unit: parameter: positions
+    for node in graph.nodes:
+        if node.target is operator.getitem and ZERO_UNIT in node.meta and isinstance(node.args[1], int):
+            readers[node.meta[ZERO_UNIT]][node.args[1]] += [position[user] for user in node.users]
+    pending = 0
+    for other in units:
+        uses = readers.get(other.index, {})
+        if other is not unit and any(p < start for read in uses.values() for p in read):  # handed over later
+            pending += sum(math.prod(other.params[i].shape) * other.dtype.itemsize
+                           for i, read in uses.items() if read and max(read) > end)
+    return pending
 
 
 def _handed_and_laid_out(unit: Any) -> int:
