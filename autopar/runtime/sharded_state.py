@@ -12,7 +12,9 @@ The planned graph calls three methods of `UnitCalls` (inserted by passes/shard_p
   reduce-scatters every unit at the end of backward; stages 2/3 free them unit by unit.
 - `release_unit` (stage 3, resharded units) drops the gathered parameters after their last use
   in forward. Autograd's saved copies are replaced by handles (`pack`/`unpack`, installed as
-  saved-tensor hooks by ParallelModule), so nothing keeps them alive.
+  saved-tensor hooks by ParallelModule), and the release frees the gathered storages themselves
+  (`resize_(0)`): a reference left elsewhere (under compile, dynamo's resume frame keeps the
+  gathered tuple a graph break returned until the forward ends) holds no bytes.
 - `unit_boundary` marks tensors leaving a resharded block: its backward all-gathers the block
   again before the block's backward unpacks a parameter (and, with `backward_prefetch`, launches
   the all-gather of the block before it).
@@ -196,8 +198,19 @@ class ShardedState(UnitCalls):
             self._drop(index)
 
     def _drop(self, index: int) -> None:
+        storages = {}
         for full in self.full.pop(index, []):
-            self._owner.pop(full.untyped_storage().data_ptr(), None)
+            storage = full.untyped_storage()
+            self._owner.pop(storage.data_ptr(), None)
+            storages[storage.data_ptr()] = storage
+        if self.units[index].stage == 3:
+            # free the gathered bytes now, whoever still refers to them: under compile=True the
+            # gathered tuple is the result of a graph break, which dynamo's resume frame keeps
+            # until the forward returns — every block's gathered weights were alive at once
+            # (FSDP2 frees its unsharded parameters the same way). A use after release fails
+            # loudly (an empty storage), it cannot read stale values.
+            for storage in storages.values():
+                storage.resize_(0)
 
     def release_all(self) -> None:
         for index in [i for i in self.full if self.units[i].stage == 3]:
