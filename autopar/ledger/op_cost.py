@@ -60,8 +60,7 @@ class OpTotals:
         return self._rooflines[key]
 
     def seconds(self, cluster: "Cluster") -> float:
-        peak, bandwidth, fixed = cluster.peak_flops, cluster.memory_bandwidth, cluster.op_overhead
-        return sum(max(f / peak, b / bandwidth) + fixed for f, b in self.per_call)
+        return self.roofline(cluster.peak_flops, cluster.memory_bandwidth) + len(self.per_call) * cluster.op_overhead
 
 
 @dataclass(frozen=True)

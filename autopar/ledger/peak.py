@@ -179,14 +179,12 @@ def _pending_gradients(plan: Any, units: list, unit: Any) -> int:
     backward). Without a pipeline; a pipeline's micro-batches accumulate into `.grad` (counted)."""
     if plan.pipeline is not None:
         return 0
-    _, marked = _unit_positions(plan, unit)
+    position, marked = _unit_positions(plan, unit)
     start, end = min(marked), max(marked)
-    graph = plan.stages[unit.pipeline_stage].graph_module.graph
-    position = {node: i for i, node in enumerate(graph.nodes)}
     readers: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))  # unit: parameter: positions
-    for node in graph.nodes:
+    for node in plan.stages[unit.pipeline_stage].graph_module.graph.nodes:
         if node.target is operator.getitem and ZERO_UNIT in node.meta and isinstance(node.args[1], int):
-            readers[node.meta[ZERO_UNIT]][node.args[1]] += [position[user] for user in node.users]
+            readers[node.meta[ZERO_UNIT]][node.args[1]] += [position[user.name] for user in node.users]
     pending = 0
     for other in units:
         uses = readers.get(other.index, {})
