@@ -13,18 +13,25 @@ measured; the one-block model's trace is the two-block one's less its last block
 `trace.reuse_shortened`: one export per search, not two) and takes, from the two
 plans' ledgers on rank 0:
 
-- `block` = two-block plan − one-block plan, `rest` = one-block plan − `block`: parameter,
-  buffer, activation and transient bytes (memory ledger), parameter tensors, forward and
-  backward op totals (op ledger: calls, FLOPs, bytes; matched as a multiset of calls), the
-  collectives (communication ledger entries by phase, axis, kind and bytes per call, with their
-  call counts) and the gradient synchronisation per axis in bytes (bucketed by size, not by block);
+- what the placements state — parameter and buffer bytes, parameter tensors, the collectives
+  (communication ledger entries by phase, axis, kind and bytes per call, with their call counts)
+  and the gradient synchronisation per axis in bytes (bucketed by size, not by block) — as
+  `block` = two-block plan − one-block plan, `rest` = one-block plan − `block`;
+- what the fake runs say — forward and backward op totals (op ledger: calls, FLOPs, bytes,
+  matched as a multiset of calls), activation and transient bytes — from the two-block plan's
+  runs only: `block` is the second block's share of them (its calls, told apart by module in
+  forward and by autograd node in backward, `fake_run.ops_run(..., block=)`; the activations its
+  nodes produce), `rest` the runs less two blocks. Equal to the difference of the two plans' runs
+  (`tests/test_composed_cost.py` compares both) at half the fake-run work; where something
+  outside the blocks reads each block (the example MoE's auxiliary loss sums every block's), a
+  block's calls are not all inside it and both plans' runs are differenced instead;
 - `first_params`: the rest's parameters that come before the blocks (the embedding; a
   pipeline's first stage holds them, the last stage the rest);
 - `boundary_bytes`: the value one block hands the next (a pipeline's send per micro-batch);
-- for the peak's moments (`ledger/peak.py`): the rest's backward working memory (the one-block
-  plan's, the loss's gradient over the vocabulary) and the largest parameter the optimizer updates.
+- for the peak's moments (`ledger/peak.py`): the rest's backward working memory (the loss's
+  gradient over the vocabulary) and the largest parameter the optimizer updates.
 
-The cost of `search` therefore grows with the distinct layouts (two plans each), not with the
+The cost of `search` therefore grows with the distinct layouts (two plans, one of them run), not with the
 layers or the ranks. The batch's first dimension of every tensor input is taken as the batch.
 """
 from __future__ import annotations
@@ -134,6 +141,59 @@ def _comm(plan: Any) -> tuple[Counter, Counter]:
     return uses, synced
 
 
+def _state(plan: Any) -> Part:
+    """What the plan's placements state on rank 0, without a fake run: parameters, buffers, the
+    collectives, the gradient synchronisation."""
+    from autopar.ledger.memory import build_memory_ledger
+
+    memory = build_memory_ledger(plan, rank=0, fake_runs=False)
+    categories = {name: int(value) for name, value in memory.by_category().items()}
+    tensors = sum(1 for e in memory.entries if e.category == "optimizer state")
+    uses, synced = _comm(plan)
+    return Part(param_bytes=categories["parameters"], param_tensors=tensors, buffer_bytes=categories["model buffers"],
+                comm=uses, grad_sync=synced)
+
+
+def _measured(plan: Any, block: str) -> tuple[Part, Part]:
+    """The two-block plan's figures that come from its fake runs, for the whole rank and for the
+    module `block` alone (its calls, `fake_run.ops_run(..., block=)`; the activations its nodes
+    produce, each block's output among them)."""
+    from autopar.ledger.activations import saved_activations
+    from autopar.ledger.fake_run import ops_run
+    from autopar.ledger.peak import largest_optimized
+
+    categories = {name: int(value) for name, value in plan.memory(rank=0).by_category().items()}
+    ops = ops_run(plan, 0, block=block)
+    inside = [e.number for e in saved_activations(plan, rank=0).entries
+              if e.module == block or e.module.startswith(block + ".")]
+    whole = Part(activation_bytes=categories["activations"], transient_bytes=categories["transient"],
+                 forward=ops.forward, backward=ops.backward, working_bytes=ops.working.bytes,
+                 working_weights=ops.working.weight_gradients,
+                 largest_param=largest_optimized(plan, plan.stages_of_rank(0), "adamw"))
+    forward, backward = ops.block
+    return whole, Part(activation_bytes=sum(inside), forward=forward, backward=backward)
+
+
+def _parts(two: Part, one: Part, whole: Part, second: Part) -> tuple[Part, Part]:
+    """(block, rest): the state as the two plans' difference; what runs as the second block's share
+    of the two-block plan's runs, the rest as that plan's runs less two blocks."""
+    block = Part(two.param_bytes - one.param_bytes, two.param_tensors - one.param_tensors,
+                 two.buffer_bytes - one.buffer_bytes, second.activation_bytes, 0, second.forward, second.backward,
+                 two.comm - one.comm, two.grad_sync - one.grad_sync, 0, 0, whole.largest_param)
+    rest = Part(one.param_bytes - block.param_bytes, one.param_tensors - block.param_tensors,
+                one.buffer_bytes - block.buffer_bytes, whole.activation_bytes - 2 * block.activation_bytes,
+                whole.transient_bytes, _less(whole.forward, block.forward), _less(whole.backward, block.backward),
+                one.comm - block.comm, one.grad_sync - block.grad_sync, whole.working_bytes, whole.working_weights,
+                whole.largest_param)
+    return block, rest
+
+
+def _less(whole: OpTotals, block: OpTotals) -> OpTotals:
+    """The calls of `whole` less two blocks' (matched as a multiset of (FLOPs, bytes))."""
+    calls = Counter(block.per_call)
+    return _totals(Counter(whole.per_call) - (calls + calls))
+
+
 def _figures(plan: Any) -> Part:
     from autopar.ledger.peak import largest_optimized
 
@@ -173,30 +233,41 @@ def measure_layout(model: torch.nn.Module, layout: Layout, *, example_inputs: Se
     """The block and rest ledgers of `model` under `layout` (module docstring). `example_inputs`
     hold the global batch; the plans run one sequence per rank of the batch-sharding axes (ep:
     the attention's data parallelism inside an expert-parallel group)."""
-    batch = layout.ep
+    path, blocks = _blocks_path(model)
+    one, two, chain = layout_plans(model, layout, example_inputs=example_inputs, example_kwargs=example_kwargs)
+    if chain:  # the second block's calls and activations told apart in the two-block plan's runs
+        block, rest = _parts(_state(two), _state(one), *_measured(two, f"{path}.1"))
+    else:  # something outside the blocks reads each block (an auxiliary loss): what the second block adds
+        block, rest = _difference(_figures(two), _figures(one))
+    with truncated(model, path, 1):
+        first = _before_blocks(model, path, one)
+    return BlockLedgers(layout=layout, blocks=blocks, batch=1, block=block, rest=rest, first_params=sum(first),
+                        first_tensors=len(first), boundary_bytes=_boundary_bytes(two, path))
+
+
+def layout_plans(model: torch.nn.Module, layout: Layout, *, example_inputs: Sequence[Any],
+                 example_kwargs: dict | None = None) -> tuple[Any, Any, bool]:
+    """The plans of `model` cut to one block and to two under `layout` (measured only, one sequence
+    per rank of the batch-sharding axes), and whether the blocks are a chain: nothing outside them
+    reads a block but the next one (`trace.reuse_shortened`: then the one-block trace is the
+    two-block one less its last block, and no second export is made)."""
     from autopar.plan import plan as make_plan
     from autopar.search_space import Candidate
 
-    path, blocks = _blocks_path(model)
-    args = _sliced(example_inputs, batch)
-    kwargs = dict(zip(example_kwargs, _sliced(tuple(example_kwargs.values()), batch))) if example_kwargs else None
+    path, _ = _blocks_path(model)
+    args = _sliced(example_inputs, layout.ep)
+    kwargs = (dict(zip(example_kwargs, _sliced(tuple(example_kwargs.values()), layout.ep)))
+              if example_kwargs else None)
     candidate = Candidate(layout.degrees, sequence_parallel=layout.sequence_parallel, recompute=layout.recompute)
-    parts, plans = [], []
-    longer = None
-    for keep in (2, 1):  # the one-block model's trace: the two-block one's, its last block dropped
+    plans, longer, chain = [], None, False
+    for keep in (2, 1):
         with truncated(model, path, keep):
             if longer is not None:
-                reuse_shortened(model, args, kwargs, longer, path=path, count=2, reuse_blocks=False)
-            planned = make_plan(model, layout.mesh_spec, strategies=candidate.strategies(), example_inputs=args,
-                                example_kwargs=kwargs, reuse_blocks=False, _measured_only=True)
+                chain = reuse_shortened(model, args, kwargs, longer, path=path, count=2, reuse_blocks=False)
+            plans.append(make_plan(model, layout.mesh_spec, strategies=candidate.strategies(), example_inputs=args,
+                                   example_kwargs=kwargs, reuse_blocks=False, _measured_only=True))
             longer = reused_trace(model, args, kwargs, reuse_blocks=False)
-            plans.insert(0, planned)
-            parts.insert(0, _figures(planned))
-    block, rest = _difference(parts[1], parts[0])
-    with truncated(model, path, 1):
-        first = _before_blocks(model, path, plans[0])
-    return BlockLedgers(layout=layout, blocks=blocks, batch=1, block=block, rest=rest, first_params=sum(first),
-                        first_tensors=len(first), boundary_bytes=_boundary_bytes(plans[1], path))
+    return plans[1], plans[0], chain
 
 
 def _before_blocks(model: torch.nn.Module, path: str, plan: Any) -> list[int]:

@@ -149,7 +149,10 @@ class Cluster:
         """One call of a collective (`comm_kinds.KINDS`) of `logical_bytes` over `group_size` ranks."""
         if group_size <= 1 and not KINDS[kind].peer:
             return 0.0
-        wire = float(wire_bytes(kind, group_size, sympy.sympify(logical_bytes)))
+        if isinstance(logical_bytes, int):  # the planner's bytes at the hints: no symbolic form to keep
+            wire = float(KINDS[kind].wire_factor(group_size)) * logical_bytes
+        else:
+            wire = float(wire_bytes(kind, group_size, sympy.sympify(logical_bytes)))
         size = 2 if KINDS[kind].peer else group_size
         factor = dict(self.kind_factors).get(kind, 1.0)
         return factor * (KINDS[kind].latency_steps(group_size) * self.latency(link, size)

@@ -114,8 +114,7 @@ class _Pricer:
 
 
 def _roofline(totals: OpTotals, cluster: Cluster, scale: float) -> float:
-    peak, bandwidth = cluster.peak_flops, cluster.memory_bandwidth
-    return totals.calls * cluster.op_overhead + scale * sum(max(f / peak, b / bandwidth) for f, b in totals.per_call)
+    return totals.calls * cluster.op_overhead + scale * totals.roofline(cluster.peak_flops, cluster.memory_bandwidth)
 
 
 @lru_cache(maxsize=256)

@@ -27,9 +27,11 @@ search that returns the winner's plan (`Plan.search` holds the result); the CLI'
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from tabulate import tabulate
@@ -153,7 +155,8 @@ def search(model: torch.nn.Module, cluster: Cluster, *, example_inputs: Sequence
     if not enumeration.candidates:
         raise PlanError(f"no layout of {cluster.world_size} ranks passes the rules: "
                         + "; ".join(sorted({p.reason for p in enumeration.pruned})))
-    if method == "blocks" or (method == "auto" and cluster.world_size > PLANS_UP_TO):
+    composed = method == "blocks" or (method == "auto" and cluster.world_size > PLANS_UP_TO)
+    if composed:
         price = BlockPricer(model, cluster, example_inputs, example_kwargs)
     else:
         def price(candidate: Candidate) -> Outcome:
@@ -161,7 +164,7 @@ def search(model: torch.nn.Module, cluster: Cluster, *, example_inputs: Sequence
     outcomes: list[Outcome] = []
     pruned = list(enumeration.pruned)
     best: Outcome | None = None
-    with reusing_traces():
+    with reusing_traces(), _collecting_cycles_after(composed):
         for candidate in enumeration.candidates:
             best = _recorded(price(candidate), outcomes, best, progress)
         # recomputation, for the candidates that do not fit, fastest first: it only adds time (the
@@ -184,6 +187,25 @@ def search(model: torch.nn.Module, cluster: Cluster, *, example_inputs: Sequence
     _fail_if_nothing_fits(outcomes, cluster)
     ranked = sorted(outcomes, key=_rank_key)
     return SearchResult(cluster, ranked, pruned, time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _collecting_cycles_after(deferred: bool) -> Iterator[None]:
+    """Python's cyclic garbage collector held off while a composed search runs (`deferred`), as it
+    was before once the search ends. The search makes millions of short-lived objects (fake
+    tensors, graph copies, action lists) and each collection walks the whole heap — torch's and
+    sympy's modules included: on the 8B exercise (`benchmarks/planner_at_scale.py`) collections
+    took 1.0–1.5 s of a 6 s first search. Its cyclic garbage is bounded — each in-node layout's
+    two small plans, dropped once measured, ~12 MB on that search — and goes at the next collection
+    after it. A search that plans every candidate keeps the collector: its garbage is every plan."""
+    paused = deferred and gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
 
 
 def _recorded(outcome: Outcome, outcomes: list[Outcome], best: "Outcome | None",

@@ -24,6 +24,7 @@ the runtime (`autopar.runtime.pipeline`) executes the same lists.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable
 
 SPLIT_BACKWARD = {"zb_h1"}
@@ -39,12 +40,20 @@ class Action:
         return f"{self.kind}{self.stage}.{self.microbatch}"
 
 
+@lru_cache(maxsize=1 << 16)
+def _action(kind: str, stage: int, microbatch: int) -> Action:
+    """Actions are values: the generators hand out one object per distinct action (a composed
+    search builds the lists of a few hundred schedule shapes — ~250K actions, a few thousand
+    distinct — and allocating each one took most of that time, 0.74 s for the 8B exercise)."""
+    return Action(kind, stage, microbatch)
+
+
 def _gpipe(p: int, v: int, m: int) -> list[list[Action]]:
     orders = []
     for c in range(p):
         stages = [c + chunk * p for chunk in range(v)]
-        forward = [Action("F", s, k) for s in stages for k in range(m)]
-        backward = [Action("B", s, k) for s in reversed(stages) for k in range(m)]
+        forward = [_action("F", s, k) for s in stages for k in range(m)]
+        backward = [_action("B", s, k) for s in reversed(stages) for k in range(m)]
         orders.append(forward + backward)
     return orders
 
@@ -53,10 +62,10 @@ def _one_f_one_b(p: int, v: int, m: int) -> list[list[Action]]:
     orders = []
     for c in range(p):
         warmup = min(p - c - 1, m)
-        order = [Action("F", c, k) for k in range(warmup)]
+        order = [_action("F", c, k) for k in range(warmup)]
         for i in range(m - warmup):
-            order += [Action("F", c, warmup + i), Action("B", c, i)]
-        order += [Action("B", c, k) for k in range(m - warmup, m)]
+            order += [_action("F", c, warmup + i), _action("B", c, i)]
+        order += [_action("B", c, k) for k in range(m - warmup, m)]
         orders.append(order)
     return orders
 
@@ -67,11 +76,11 @@ def _interleaved(p: int, v: int, m: int) -> list[list[Action]]:
 
     def forward(c: int, k: int) -> Action:
         chunk = (k // p) % v
-        return Action("F", chunk * p + c, (k // (p * v)) * p + k % p)
+        return _action("F", chunk * p + c, (k // (p * v)) * p + k % p)
 
     def backward(c: int, k: int) -> Action:
         chunk = v - 1 - (k // p) % v
-        return Action("B", chunk * p + c, (k // (p * v)) * p + k % p)
+        return _action("B", chunk * p + c, (k // (p * v)) * p + k % p)
 
     orders = []
     for c in range(p):
@@ -92,18 +101,18 @@ def _zero_bubble_h1(p: int, v: int, m: int) -> list[list[Action]]:
     orders = []
     for c in range(p):
         forwards = min(p - c, m)
-        order = [Action("F", c, k) for k in range(forwards)]
+        order = [_action("F", c, k) for k in range(forwards)]
         backwards = weights = 0
         while backwards < m:
-            order.append(Action("B", c, backwards))
+            order.append(_action("B", c, backwards))
             backwards += 1
             if (forwards - weights >= p or forwards == m) and weights < backwards:
-                order.append(Action("W", c, weights))
+                order.append(_action("W", c, weights))
                 weights += 1
             if forwards < m:
-                order.append(Action("F", c, forwards))
+                order.append(_action("F", c, forwards))
                 forwards += 1
-        order += [Action("W", c, k) for k in range(weights, m)]
+        order += [_action("W", c, k) for k in range(weights, m)]
         orders.append(order)
     return orders
 
@@ -244,18 +253,24 @@ def peak_live(order: list[Action], *, releases: dict[int, str], forward_bytes: d
     until the step ends), and the step's gradients once the rank's first backward has made them."""
     after, working = after_input_bytes or {}, working or {}
     sent_forward, sent_backward = sent_forward or {}, sent_backward or {}
-    total, most, grads_counted = 0.0, 0.0, False  # running: held micro-batches, sends, gradients
+    # what each action adds to the running total (held micro-batches, sends), per stage: the planner
+    # at scale walks every rank's list for each candidate it composes
+    on_f = {s: forward_bytes[s] + sent_forward.get(s, 0) for s in forward_bytes}
+    on_b = {s: sent_backward.get(s, 0) - sent_forward.get(s, 0) + (after.get(s, 0) if releases[s] == "W" else 0)
+            - forward_bytes[s] for s in forward_bytes}
+    during_b = {s: working.get(s, 0) for s in forward_bytes}  # its working memory beside what it releases
+    total, most, grads_counted = 0.0, 0.0, False
     for action in order:
-        s = action.stage
-        if action.kind == "F":
-            total += forward_bytes[s] + sent_forward.get(s, 0)
-        elif action.kind == "B":
-            most = max(most, total + working.get(s, 0))  # its working memory beside what it releases
-            total += sent_backward.get(s, 0) - sent_forward.get(s, 0)
-            total += (after.get(s, 0) if releases[s] == "W" else 0) - forward_bytes[s]
-            if not grads_counted:
+        kind, s = action.kind, action.stage
+        if kind == "F":
+            total += on_f[s]
+        elif kind == "B":
+            most = max(most, total + during_b[s])
+            total += on_b[s]
+            if not grads_counted:  # the step's gradients, once the rank's first backward made them
                 total, grads_counted = total + gradients, True
-        elif action.kind == "W":
+        elif kind == "W":
             total -= after.get(s, 0)
-        most = max(most, total)
+        if total > most:
+            most = total
     return most

@@ -49,6 +49,7 @@ class TracedProgram:
     # the model's state_dict() names, and each name of a tied parameter -> the name the graph reads
     state_keys: tuple[str, ...] = ()
     aliases: dict[str, str] = field(default_factory=dict)
+    shortened: bool = False  # a longer model's trace less its last block (`reuse_shortened`), not exported
 
 
 def _decomposition_table() -> dict:
@@ -161,12 +162,14 @@ def reuse_shortened(model: torch.nn.Module, args: tuple, kwargs: dict | None, lo
     """Under `reusing_traces()`, with `model`'s list at `path` now holding `count - 1` blocks:
     `longer`, its trace with `count` blocks, less its last block (`repeated_blocks.drop_last_block`),
     is this model's trace from now on — the planner at scale's one-block plans cost no export of
-    their own. False where the blocks are not the same graph (the model is then exported)."""
+    their own. False where the blocks are not the same graph (the model is then exported): a block
+    reads something other than the block before, or something other than the next block reads a
+    block (an auxiliary loss summed over the blocks)."""
     if _REUSED is None:
         return False
     key = _reuse_key(model, tuple(args), kwargs or {}, dynamic_dims, reuse_blocks)
     if key in _REUSED:
-        return True
+        return _REUSED[key].shortened
     gm = lazy_graph_module(longer.graph_module, copy.deepcopy(longer.graph_module.graph))
     placeholders, state = dict(longer.placeholders), dict(longer.state)
     if not drop_last_block(gm, placeholders, state, path, count):
@@ -174,7 +177,8 @@ def reuse_shortened(model: torch.nn.Module, args: tuple, kwargs: dict | None, lo
     _REUSED[key] = dataclasses.replace(longer, graph_module=gm, placeholders=placeholders, state=state,
                                        original_code=gm.code, seconds={"export (last block dropped)": 0.0},
                                        state_keys=tuple(model.state_dict(keep_vars=True)),
-                                       aliases=_tied_aliases(model, gm, placeholders), copied_blocks="")
+                                       aliases=_tied_aliases(model, gm, placeholders), copied_blocks="",
+                                       shortened=True)
     return True
 
 

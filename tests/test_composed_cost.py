@@ -28,12 +28,14 @@ planner that plans every candidate (`step_cost.estimate` of real plans).
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import pytest
 import torch
 
 import autopar
+from autopar.block_ledgers import Layout
 from autopar.cluster import Cluster
 from autopar.errors import PlanError
 from autopar.layout_pricer import BlockPricer
@@ -186,3 +188,29 @@ def test_plan_with_a_large_cluster_composes_the_search_and_plans_only_the_winner
     full = autopar.estimate(chosen, cluster)
     assert abs(winner.estimate.held_bytes / full.held_bytes - 1) <= 0.01
     assert abs(winner.estimate.peak_bytes / full.peak_bytes - 1) <= 0.08
+
+
+@pytest.mark.parametrize("layout", [Layout(tp=2, sequence_parallel=True), Layout(cp=2), Layout(tp=2),
+                                    Layout(recompute="full"), Layout(tp=2, sequence_parallel=True, recompute="selective")],
+                         ids=lambda layout: f"{layout.mesh_spec}{'+sp' if layout.sequence_parallel else ''}"
+                                            f"{'+' + layout.recompute if layout.recompute else ''}")
+def test_the_second_blocks_share_of_the_two_block_runs_is_what_it_adds_to_the_one_block_plan(layout):
+    """A layout's block is read off the two-block plan's fake runs alone (its calls told apart by
+    module in forward and by autograd node in backward, its nodes' activations): the same to the
+    call and the byte as the difference of both plans' runs, which it replaces (a block's SP or
+    ring collectives' copies, a recomputed region's second forward, the head's gradient order)."""
+    from autopar.block_ledgers import _difference, _figures, _measured, _parts, _state, layout_plans
+
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=4, d_model=64, n_head=4, d_ff=256, seq_len=32)
+    model, batch = GPT(config), example_batch(config, batch=8)
+    with reusing_traces():
+        one, two, chain = layout_plans(model, layout, example_inputs=batch)
+    assert chain, "the example GPT's blocks are a chain"
+    attributed = _parts(_state(two), _state(one), *_measured(two, "layers.1"))
+    differenced = _difference(_figures(two), _figures(one))
+    for mine, theirs in zip(attributed, differenced):
+        assert Counter(mine.forward.per_call) == Counter(theirs.forward.per_call)
+        assert Counter(mine.backward.per_call) == Counter(theirs.backward.per_call)
+        assert mine == replace(theirs, forward=mine.forward, backward=mine.backward)
+    assert attributed[0].backward.calls > 0 and attributed[0].activation_bytes > 0

@@ -12,7 +12,9 @@ included — on fake tensors of the rank's local shapes at the traced hint sizes
   (what a region saves when it runs again, `activations.recomputed_region_bytes`).
 - `ops_run(plan, rank, stage=)`: forward and backward without any hook, as the runtime runs them:
   every ATen call with its FLOPs and bytes (`ledger/op_cost._OpRecorder`) and the most bytes
-  backward allocates beyond what is alive when it starts (`ledger/working_memory.LiveFakeStorages`).
+  backward allocates beyond what is alive when it starts (`ledger/working_memory.LiveFakeStorages`);
+  with `block=` (a module path) also which calls are that module's (`_BlockCalls`: the planner at
+  scale reads a block's calls off a two-block plan's run, `autopar/block_ledgers.py`).
 
 Two runs, not one: a pack hook changes what autograd does — it keeps the saved tensor itself
 instead of its data, so backward unpacks it through a `detach` and accumulates gradients in
@@ -24,6 +26,7 @@ estimate and the planner at scale all ask for them.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -172,26 +175,76 @@ def saving_run(plan: "Plan", rank: int, *, stage: int | None = None, device: tor
     return plan._fake_runs[key]
 
 
-def ops_run(plan: "Plan", rank: int, *, stage: int | None = None) -> "RankOps":
+def ops_run(plan: "Plan", rank: int, *, stage: int | None = None, block: str | None = None) -> "RankOps":
     """The calls `rank`'s graph of `stage` (default: its first) makes, forward and backward, and
-    backward's working memory (module docstring)."""
+    backward's working memory (module docstring); with `block` (a module path) also which of the
+    calls are that module's (`RankOps.block`, `_BlockCalls`)."""
     from autopar.ledger.op_cost import RankOps, _OpRecorder
 
-    key = _key(plan, "ops", rank, stage, None, True)
+    key = _key(plan, "ops", rank, stage, None, True) + ((block,) if block else ())
     if key not in plan._fake_runs:
         with unset_fake_temporarily():
             chosen, _, gm, mode, inputs = _prepared(plan, rank, stage, None)
-            recorder, tracker = _OpRecorder(), LiveFakeStorages()
+            labels = _BlockCalls(block) if block else None
+            recorder, tracker = _OpRecorder(labels), LiveFakeStorages()
             taking_weight_gradients(inputs, tracker)
             with mode, torch.enable_grad(), recorder, tracker:
-                outputs = gather_free_runner(gm, tracker)(*inputs)
+                outputs = gather_free_runner(gm, tracker, labels.around if labels else None)(*inputs)
                 roots = [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
                 grads = [torch.ones_like(o) for o in roots]
                 del outputs
                 recorder.phase = "backward"
+                if labels:
+                    labels.backward = True
                 tracker.backward_starts()
                 if roots:
                     torch.autograd.backward(roots, grads)
-            plan._fake_runs[key] = RankOps(rank, chosen.index, recorder.totals["forward"],
-                                           recorder.totals["backward"], tracker.working())
+            totals = recorder.block_totals
+            plan._fake_runs[key] = RankOps(rank, chosen.index, recorder.totals["forward"], recorder.totals["backward"],
+                                           tracker.working(), (totals["forward"], totals["backward"]) if labels else None)
+            plan._fake_runs.setdefault(key[:5], plan._fake_runs[key])  # the same run, read without the split
     return plan._fake_runs[key]
+
+
+class _BlockCalls:
+    """Which calls of an ops run are one block's (the module `block`, e.g. `layers.1`): in forward,
+    the calls of the graph nodes inside it (their module stack); in backward, the calls autograd
+    makes for the autograd nodes those graph nodes created. Autograd numbers its nodes in the order
+    they are made, so each graph node's run makes a range of numbers, and the node backward is
+    running (`torch._C._current_autograd_node()`) names its range. Nodes numbered past the forward's
+    (a recomputed region's forward run again inside its backward) and gradient accumulation (the
+    largest number) keep the label of the call before them: they run inside the node that asked for
+    them."""
+
+    def __init__(self, block: str) -> None:
+        self.block, self.prefix = block, block + "."
+        self.ends: list[int] = []  # the last autograd number of each run of graph nodes with one label
+        self.labels: list[bool] = []
+        self.last = -1
+        self.current = False
+        self.backward = False
+
+    def around(self, node: torch.fx.Node, run: Any) -> Any:
+        from autopar.ir import module_stack
+
+        inside = any(path == self.block or path.startswith(self.prefix) for path in module_stack(node))
+        self.current = inside
+        result = run(node)
+        newest = max((t.grad_fn._sequence_nr() for t in pytree.tree_leaves(result)
+                      if isinstance(t, torch.Tensor) and t.grad_fn is not None), default=-1)
+        if newest > self.last:
+            if self.labels and self.labels[-1] == inside:
+                self.ends[-1] = newest
+            else:
+                self.ends.append(newest)
+                self.labels.append(inside)
+            self.last = newest
+        return result
+
+    def __call__(self) -> bool:
+        if self.backward:
+            node = torch._C._current_autograd_node()
+            number = node._sequence_nr() if node is not None else self.last + 1
+            if number <= self.last:
+                self.current = self.labels[bisect.bisect_left(self.ends, number)]
+        return self.current

@@ -189,14 +189,18 @@ def _transient_entries(plan: Any, stages: list) -> list[MemoryEntry]:
 
 
 def build_memory_ledger(plan: Any, *, rank: int = 0, optimizer: str = "adamw",
-                        activations: bool = True) -> MemoryLedger:
-    """The memory ledger of `rank` (see module docstring). `optimizer`: a key of OPTIMIZER_STATE."""
+                        activations: bool = True, fake_runs: bool = True) -> MemoryLedger:
+    """The memory ledger of `rank` (see module docstring). `optimizer`: a key of OPTIMIZER_STATE.
+    `fake_runs=False`: only what the placements state, without running the rank graph (no
+    activations, no recomputed region)."""
     if optimizer not in OPTIMIZER_STATE:
         from autopar.errors import PlanError
 
         raise PlanError(f"no memory model for optimizer {optimizer!r}; known: {sorted(OPTIMIZER_STATE)}")
     stages = plan.stages_of_rank(rank)
     entries = _parameter_entries(plan, optimizer, stages) + _transient_entries(plan, stages)
+    if not fake_runs:
+        return MemoryLedger(entries=entries, symbol_values=plan.comm.symbol_values)
     entries += _recompute_entries(plan, rank, stages)
     if activations:
         entries += _activation_entries(plan, rank, stages)

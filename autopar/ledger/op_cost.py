@@ -70,6 +70,8 @@ class RankOps:
     forward: OpTotals
     backward: OpTotals
     working: "Working | None" = None  # what backward allocates beyond what was alive when it started
+    # of which one block's calls (`fake_run.ops_run(..., block=)`): forward, backward
+    block: "tuple[OpTotals, OpTotals] | None" = None
 
 
 def _nbytes(values: Any) -> int:
@@ -82,10 +84,15 @@ def _nbytes(values: Any) -> int:
 
 
 class _OpRecorder(TorchDispatchMode):
-    def __init__(self) -> None:
+    """Records every call; with `in_block` (a callable: is this call one block's?) also that
+    block's calls apart (`block_totals`)."""
+
+    def __init__(self, in_block: "Any | None" = None) -> None:
         super().__init__()
         self.totals = {"forward": OpTotals(), "backward": OpTotals()}
+        self.block_totals = {"forward": OpTotals(), "backward": OpTotals()}
         self.phase = "forward"
+        self.in_block = in_block
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -97,7 +104,10 @@ class _OpRecorder(TorchDispatchMode):
         flops = 0
         if func.overloadpacket in flop_registry:
             flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
-        self.totals[self.phase].add(flops, 0 if is_view else _nbytes((args, kwargs, out)))
+        nbytes = 0 if is_view else _nbytes((args, kwargs, out))
+        self.totals[self.phase].add(flops, nbytes)
+        if self.in_block is not None and self.in_block():
+            self.block_totals[self.phase].add(flops, nbytes)
         return out
 
 

@@ -120,13 +120,20 @@ class Working:
 
 
 class _Runner(torch.fx.Interpreter):
-    """Runs the rank graph; ZeRO-3's gathered parameters are neither followed nor given gradients."""
+    """Runs the rank graph; ZeRO-3's gathered parameters are neither followed nor given gradients;
+    `around(node, run)`, when given, runs each node (`fake_run`'s block attribution)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, tracker: LiveFakeStorages) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, tracker: LiveFakeStorages,
+                 around: "Callable[[torch.fx.Node, Callable[[torch.fx.Node], Any]], Any] | None" = None) -> None:
         super().__init__(gm)
-        self.tracker = tracker
+        self.tracker, self.around = tracker, around
 
     def run_node(self, node: torch.fx.Node) -> Any:
+        if self.around is not None:
+            return self.around(node, self._run_node)
+        return self._run_node(node)
+
+    def _run_node(self, node: torch.fx.Node) -> Any:
         if node.op == "call_function" and unit_call(node.target) == "gather_unit":
             self.tracker.paused = True
             try:
@@ -144,11 +151,15 @@ def _drop_grad(tensor: torch.Tensor) -> None:
     tensor.grad = None
 
 
-def gather_free_runner(gm: torch.fx.GraphModule, tracker: "LiveFakeStorages") -> Callable[..., Any]:
+def gather_free_runner(gm: torch.fx.GraphModule, tracker: "LiveFakeStorages",
+                       around: "Callable[[torch.fx.Node, Callable[[torch.fx.Node], Any]], Any] | None" = None
+                       ) -> Callable[..., Any]:
     """`gm` as a callable whose ZeRO-3 gathered parameters `tracker` does not follow (an
-    interpreter where the graph gathers units; its generated code elsewhere)."""
-    if any(n.op == "call_function" and unit_call(n.target) == "gather_unit" for n in gm.graph.nodes):
-        return _Runner(gm, tracker).run
+    interpreter where the graph gathers units or `around` runs each node; its generated code
+    elsewhere)."""
+    if around is not None or any(n.op == "call_function" and unit_call(n.target) == "gather_unit"
+                                 for n in gm.graph.nodes):
+        return _Runner(gm, tracker, around).run
     return gm
 
 
