@@ -6,12 +6,14 @@ Llama 3 8B's shape on `h100x8` (64 GPUs) and Llama 3 405B's on `h100x1024` (8192
 (`examples/scale.py`), each under the default `SearchSpace` (every axis, SP on and off, ZeRO
 0–3, both schedules) and under the space the exercise uses (`examples/planner_exercise.py`:
 SP with TP, interleaving, up to 8 micro-batches per pipeline rank, CP from 8K tokens per rank).
-It prints the wall time of each search, the candidates priced, the in-node layouts measured
-(two small plans each) and the winner. A first search in a process also pays imports and
-PyTorch's first-call costs; the table's times include them for the first row only.
+It prints the wall time of each search, the candidates priced and the winner. A first search in
+a process also pays imports and PyTorch's first-call costs; the table's times include them for
+the first row only. `--only 8b:exercise` searches that case alone (`8b`/`405b`, `default`/
+`exercise`), `--repeat 2` each search twice in the process (the first search and a later one).
 """
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -23,26 +25,42 @@ from autopar.search_space import SearchSpace
 from examples import scale
 from examples.planner_exercise import SPACE as EXERCISE
 
-CASES = [("Llama 3 8B shape", scale.llama3_8b, "h100x8"), ("Llama 3 405B shape", scale.llama3_405b, "h100x1024")]
+CASES = [("8b", "Llama 3 8B shape", scale.llama3_8b, "h100x8"),
+         ("405b", "Llama 3 405B shape", scale.llama3_405b, "h100x1024")]
 SPACES = [("default", SearchSpace()), ("exercise", EXERCISE)]
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=None, help="one case, e.g. 8b:exercise")
+    parser.add_argument("--repeat", type=int, default=1, help="searches of each case in this process")
+    options = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
-    for name, build, preset in CASES:
+    for key, name, build, preset in CASES:
+        if options.only and not options.only.startswith(key + ":"):
+            continue
         model, batch = build()
         cluster = Cluster.preset(preset)
         for space_name, space in SPACES:
-            start = time.perf_counter()
-            result = search(model, cluster, example_inputs=batch, space=space, method="blocks")
-            seconds = time.perf_counter() - start
-            rows.append([name, f"{cluster.label} ({cluster.world_size})", space_name, f"{seconds:.1f}",
-                         len(result.outcomes), result.best.candidate.label,
-                         f"{result.best.estimate.seconds:.2f}", f"{result.best.estimate.peak_bytes / 1e9:.1f}"])
-            print(tabulate(rows[-1:], disable_numparse=True), flush=True)
+            if options.only and options.only != f"{key}:{space_name}":
+                continue
+            for _ in range(options.repeat):
+                rows.append(_searched(name, model, batch, cluster, space_name, space))
     print(tabulate(rows, headers=["model", "cluster (GPUs)", "space", "search s", "candidates", "chosen",
                                   "step s", "peak GB"], disable_numparse=True))
+
+
+def _searched(name: str, model: torch.nn.Module, batch: tuple, cluster: Cluster, space_name: str,
+              space: SearchSpace) -> list:
+    start = time.perf_counter()
+    result = search(model, cluster, example_inputs=batch, space=space, method="blocks")
+    seconds = time.perf_counter() - start
+    row = [name, f"{cluster.label} ({cluster.world_size})", space_name, f"{seconds:.2f}", len(result.outcomes),
+           result.best.candidate.label, f"{result.best.estimate.seconds:.2f}",
+           f"{result.best.estimate.peak_bytes / 1e9:.1f}"]
+    print(tabulate([row], disable_numparse=True), flush=True)
+    return row
 
 
 if __name__ == "__main__":
