@@ -115,6 +115,27 @@ def test_live_storages_follow_allocations_views_frees_and_resizes():
     assert storages.peak_bytes == 1024 + 2048 and storages.live_bytes() == 0
 
 
+def test_live_storages_name_what_is_live_at_the_peak():
+    """The diagnostic for a peak that a prediction misses: each storage live at the peak with the
+    op that made it (a view or an in-place op makes none), its shape and its bytes."""
+    weight = torch.randn(32, 16, requires_grad=True)
+    storages = LiveStorages(producers=True)
+    storages.track(weight)
+    with storages:
+        x = torch.ones(8, 32)
+        y = (x @ weight).relu_()  # mm allocates [8, 16]; relu_ writes in place
+        y.sum().backward()  # backward's [32, 16] weight gradient, alive with x and y
+        del x
+        torch.zeros(4)  # after the peak: not at it
+    made = {(op, shape): nbytes for op, shape, _, nbytes in storages.at_peak()}
+    assert made == {("(tracked)", (32, 16)): 2048, ("aten.ones", (8, 32)): 1024, ("aten.mm", (8, 16)): 512,
+                    ("aten.mm", (32, 16)): 2048, ("aten.sum", ()): 4, ("aten.ones_like", ()): 4,
+                    ("aten.threshold_backward", (8, 16)): 512}, made  # expand and t are views
+    assert sum(made.values()) == storages.peak_bytes
+    with pytest.raises(ValueError, match="producers=True"):
+        LiveStorages().at_peak()
+
+
 class _HidingModule(torch.nn.Module):
     """Keeps what autograd saves through its own saved-tensor hooks (as a runtime that swaps saved
     tensors for handles does); an outer hook sees none of those saves."""

@@ -181,7 +181,8 @@ def ops_run(plan: "Plan", rank: int, *, stage: int | None = None, block: str | N
     calls are that module's (`RankOps.block`, `_BlockCalls`)."""
     from autopar.ledger.op_cost import RankOps, _OpRecorder
 
-    key = _key(plan, "ops", rank, stage, None, True) + ((block,) if block else ())
+    plain = _key(plan, "ops", rank, stage, None, True)
+    key = plain + ((block,) if block else ())
     if key not in plan._fake_runs:
         with unset_fake_temporarily():
             chosen, _, gm, mode, inputs = _prepared(plan, rank, stage, None)
@@ -202,7 +203,7 @@ def ops_run(plan: "Plan", rank: int, *, stage: int | None = None, block: str | N
             totals = recorder.block_totals
             plan._fake_runs[key] = RankOps(rank, chosen.index, recorder.totals["forward"], recorder.totals["backward"],
                                            tracker.working(), (totals["forward"], totals["backward"]) if labels else None)
-            plan._fake_runs.setdefault(key[:5], plan._fake_runs[key])  # the same run, read without the split
+            plan._fake_runs.setdefault(plain, plan._fake_runs[key])  # the same run, read without the split
     return plan._fake_runs[key]
 
 

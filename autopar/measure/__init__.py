@@ -8,7 +8,8 @@ sees, so that "measured" never means "asked the runtime".
 - `profiled_collectives`: the collectives of a compiled step, from PyTorch's profiler (no dispatch
   mode watches compiled code), totalled per kind.
 - `profiled_memory`: the peak of a compiled step's allocations, from PyTorch's profiler.
-- `storages`: every live tensor storage (a dispatch mode with weak references), its peak.
+- `storages`: every live tensor storage (a dispatch mode with weak references), its peak, and
+  on request what is live at the peak, each storage with the op that made it.
 - `memory`: those live bytes split by PyTorch's public interfaces (parameters, gradients,
   optimizer state, buffers, other).
 - `activations`: what a forward pass leaves alive for backward, seen through any saved-tensor hooks.

@@ -21,6 +21,10 @@ ledgers' categories are recovered from public PyTorch interfaces by `autopar.mea
   shares the storage of one of the op's inputs (views, in-place and out= ops); a storage first
   seen as a view of something older counts as allocated before every mark;
 - `track(*tensors)`: record storages made outside the mode (e.g. before it was entered);
+- with `producers=True`, `at_peak()`: the storages live at the peak, each with the op that
+  allocated it, its first tensor's shape and dtype, and its bytes, largest first — where a
+  measured peak and a predicted one part, the storage the prediction missed is named (each
+  new peak copies the live list: a diagnostic, not for timing);
 - `settle()`: wait until tensors held by finished collectives' worker threads are let go.
 DTensor is let through first (`NotImplemented`) so that its local ops, which allocate, are the
 ones seen; other subclasses (fake and functional tensors while a model is traced) run untracked.
@@ -70,17 +74,19 @@ def _tensors(values: Any) -> Iterator[torch.Tensor]:
 
 
 class _Record:
-    __slots__ = ("nbytes", "epoch", "ref")
+    __slots__ = ("nbytes", "epoch", "ref", "made")
 
-    def __init__(self, nbytes: int, epoch: int, ref: weakref.ref) -> None:
-        self.nbytes, self.epoch, self.ref = nbytes, epoch, ref
+    def __init__(self, nbytes: int, epoch: int, ref: weakref.ref, made: "tuple | None" = None) -> None:
+        self.nbytes, self.epoch, self.ref, self.made = nbytes, epoch, ref, made
 
 
 class LiveStorages(TorchDispatchMode):
     """Every storage allocated while active, until it is freed (see module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, producers: bool = False) -> None:
         super().__init__()
+        self._producers = producers
+        self._at_peak: list[tuple[str, tuple[int, ...], torch.dtype, int]] = []
         self._records: dict[int, _Record] = {}
         self._epoch = 1  # storages seen before they were allocated under the mode belong to epoch 0
         self._by_epoch: dict[int, int] = defaultdict(int)
@@ -100,22 +106,23 @@ class LiveStorages(TorchDispatchMode):
         or outside the mode: they count as live, but as allocated before any `mark`."""
         self._record_all(values, fresh=False)
 
-    def _record_all(self, values: Any, *, fresh: bool, inputs: set[int] = frozenset()) -> None:
+    def _record_all(self, values: Any, *, fresh: bool, inputs: set[int] = frozenset(), op: str = "(tracked)") -> None:
         with self._lock:
             for value in _tensors(values):
                 if _is_real(value):
                     storage = value.untyped_storage()
-                    self._record(storage, fresh=fresh and storage._cdata not in inputs)
+                    made = (op, tuple(value.shape), value.dtype) if self._producers else None
+                    self._record(storage, fresh=fresh and storage._cdata not in inputs, made=made)
             self._update_peak()
 
-    def _record(self, storage: torch.UntypedStorage, *, fresh: bool) -> None:
+    def _record(self, storage: torch.UntypedStorage, *, fresh: bool, made: "tuple | None" = None) -> None:
         key = storage._cdata
         record = self._records.get(key)
         if record is not None:
             self._resized(record, storage.nbytes())
             return
         ref = weakref.ref(storage, functools.partial(self._freed, key))
-        record = self._records[key] = _Record(storage.nbytes(), self._epoch if fresh else 0, ref)
+        record = self._records[key] = _Record(storage.nbytes(), self._epoch if fresh else 0, ref, made)
         self._live += record.nbytes
         self._by_epoch[record.epoch] += record.nbytes
 
@@ -136,6 +143,8 @@ class LiveStorages(TorchDispatchMode):
         if self._live > self.peak_bytes:
             self.peak_bytes = self._live
             self.peak_by_epoch = {epoch: n for epoch, n in self._by_epoch.items() if n}
+            if self._producers:
+                self._at_peak = [(*r.made, r.nbytes) for r in self._records.values() if r.made and r.nbytes]
         if self._watched is not None:
             since = sum(n for epoch, n in self._by_epoch.items() if epoch >= self._watched)
             self.watched_peak = max(self.watched_peak, since)
@@ -149,7 +158,7 @@ class LiveStorages(TorchDispatchMode):
         out = func(*args, **kwargs)
         # an output sharing an input's storage (a view, an in-place or out= op) allocated nothing
         inputs = {t.untyped_storage()._cdata for t in _tensors((args, kwargs)) if _is_real(t)}
-        self._record_all(out, fresh=True, inputs=inputs)
+        self._record_all(out, fresh=True, inputs=inputs, op=str(func.overloadpacket) if self._producers else "")
         return out
 
     def __enter__(self) -> "LiveStorages":
@@ -191,6 +200,13 @@ class LiveStorages(TorchDispatchMode):
         """storage key -> bytes of the live storages allocated since `mark` (a `mark()` result)."""
         with self._lock:
             return {key: record.nbytes for key, record in self._records.items() if record.epoch >= mark}
+
+    def at_peak(self) -> list[tuple[str, tuple[int, ...], torch.dtype, int]]:
+        """(op that allocated it, shape, dtype, bytes) of each storage live at `peak_bytes`, largest
+        first (`producers=True`; "(tracked)" for storages made outside the mode)."""
+        if not self._producers:
+            raise ValueError("LiveStorages(producers=True) remembers what is live at the peak")
+        return sorted(self._at_peak, key=lambda item: -item[3])
 
     def live_bytes(self, *, exclude: Iterable[torch.Tensor] = ()) -> int:
         excluded = {storage_key(t) for t in _tensors(list(exclude)) if _is_real(t)}
