@@ -37,13 +37,13 @@ layers or the ranks. The batch's first dimension of every tensor input is taken 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
 
 from autopar.errors import PlanError
-from autopar.ledger.op_cost import OpTotals, rank_ops
+from autopar.ledger.op_cost import OpTotals
 from autopar.repeated_blocks import truncated
 from autopar.trace import reuse_shortened, reused_trace
 
@@ -154,38 +154,51 @@ def _state(plan: Any) -> Part:
                 comm=uses, grad_sync=synced)
 
 
-def _measured(plan: Any, block: str) -> tuple[Part, Part]:
-    """The two-block plan's figures that come from its fake runs, for the whole rank and for the
-    module `block` alone (its calls, `fake_run.ops_run(..., block=)`; the activations its nodes
-    produce, each block's output among them)."""
+def _measured(plan: Any, block: str | None = None) -> tuple[Part, Part | None]:
+    """What the plan's fake runs say on rank 0 (activations, the recomputed region's transient,
+    the calls, backward's working memory), for the whole rank and, given `block`, for that module
+    alone (its calls, `fake_run.ops_run(..., block=)`; the activations its nodes produce, each
+    block's output among them)."""
     from autopar.ledger.activations import saved_activations
     from autopar.ledger.fake_run import ops_run
+    from autopar.ledger.memory import build_memory_ledger
     from autopar.ledger.peak import largest_optimized
 
-    categories = {name: int(value) for name, value in plan.memory(rank=0).by_category().items()}
+    transient = int(build_memory_ledger(plan, rank=0, activations=False).by_category()["transient"])
+    saved = saved_activations(plan, rank=0).entries  # the plans have no pipeline: one forward's
     ops = ops_run(plan, 0, block=block)
-    inside = [e.number for e in saved_activations(plan, rank=0).entries
-              if e.module == block or e.module.startswith(block + ".")]
-    whole = Part(activation_bytes=categories["activations"], transient_bytes=categories["transient"],
+    whole = Part(activation_bytes=sum(e.number for e in saved), transient_bytes=transient,
                  forward=ops.forward, backward=ops.backward, working_bytes=ops.working.bytes,
                  working_weights=ops.working.weight_gradients,
                  largest_param=largest_optimized(plan, plan.stages_of_rank(0), "adamw"))
+    if block is None:
+        return whole, None
+    inside = sum(e.number for e in saved if e.module == block or e.module.startswith(block + "."))
     forward, backward = ops.block
-    return whole, Part(activation_bytes=sum(inside), forward=forward, backward=backward)
+    return whole, Part(activation_bytes=inside, forward=forward, backward=backward)
+
+
+def _state_parts(two: Part, one: Part) -> tuple[Part, Part]:
+    """(block, rest) of what the placements state: the two plans' difference, and the one-block
+    plan less it."""
+    block = Part(two.param_bytes - one.param_bytes, two.param_tensors - one.param_tensors,
+                 two.buffer_bytes - one.buffer_bytes, comm=two.comm - one.comm, grad_sync=two.grad_sync - one.grad_sync)
+    rest = Part(one.param_bytes - block.param_bytes, one.param_tensors - block.param_tensors,
+                one.buffer_bytes - block.buffer_bytes, comm=one.comm - block.comm,
+                grad_sync=one.grad_sync - block.grad_sync)
+    return block, rest
 
 
 def _parts(two: Part, one: Part, whole: Part, second: Part) -> tuple[Part, Part]:
     """(block, rest): the state as the two plans' difference; what runs as the second block's share
     of the two-block plan's runs, the rest as that plan's runs less two blocks."""
-    block = Part(two.param_bytes - one.param_bytes, two.param_tensors - one.param_tensors,
-                 two.buffer_bytes - one.buffer_bytes, second.activation_bytes, 0, second.forward, second.backward,
-                 two.comm - one.comm, two.grad_sync - one.grad_sync, 0, 0, whole.largest_param)
-    rest = Part(one.param_bytes - block.param_bytes, one.param_tensors - block.param_tensors,
-                one.buffer_bytes - block.buffer_bytes, whole.activation_bytes - 2 * block.activation_bytes,
-                whole.transient_bytes, _less(whole.forward, block.forward), _less(whole.backward, block.backward),
-                one.comm - block.comm, one.grad_sync - block.grad_sync, whole.working_bytes, whole.working_weights,
-                whole.largest_param)
-    return block, rest
+    block, rest = _state_parts(two, one)
+    return (replace(block, activation_bytes=second.activation_bytes, forward=second.forward, backward=second.backward,
+                    largest_param=whole.largest_param),
+            replace(rest, activation_bytes=whole.activation_bytes - 2 * second.activation_bytes,
+                    transient_bytes=whole.transient_bytes, forward=_less(whole.forward, second.forward),
+                    backward=_less(whole.backward, second.backward), working_bytes=whole.working_bytes,
+                    working_weights=whole.working_weights, largest_param=whole.largest_param))
 
 
 def _less(whole: OpTotals, block: OpTotals) -> OpTotals:
@@ -195,33 +208,24 @@ def _less(whole: OpTotals, block: OpTotals) -> OpTotals:
 
 
 def _figures(plan: Any) -> Part:
-    from autopar.ledger.peak import largest_optimized
-
-    memory = plan.memory(rank=0)
-    categories = {name: int(value) for name, value in memory.by_category().items()}
-    ops = rank_ops(plan, 0)
-    tensors = sum(1 for e in memory.entries if e.category == "optimizer state")
-    uses, synced = _comm(plan)
-    return Part(param_bytes=categories["parameters"], param_tensors=tensors, buffer_bytes=categories["model buffers"],
-                activation_bytes=categories["activations"], transient_bytes=categories["transient"],
-                forward=ops.forward, backward=ops.backward, comm=uses, grad_sync=synced,
-                working_bytes=ops.working.bytes, working_weights=ops.working.weight_gradients,
-                largest_param=largest_optimized(plan, plan.stages_of_rank(0), "adamw"))
+    """Everything `_state` and `_measured` read of one plan, together."""
+    state, (whole, _) = _state(plan), _measured(plan)
+    return replace(whole, param_bytes=state.param_bytes, param_tensors=state.param_tensors,
+                   buffer_bytes=state.buffer_bytes, comm=state.comm, grad_sync=state.grad_sync)
 
 
 def _difference(two: Part, one: Part) -> tuple[Part, Part]:
+    """(block, rest) where both plans ran: what the second block adds, and the one-block plan less it."""
     forward_block, forward_rest = _ops_difference(two.forward, one.forward)
     backward_block, backward_rest = _ops_difference(two.backward, one.backward)
-    comm_block, synced_block = two.comm - one.comm, two.grad_sync - one.grad_sync
-    block = Part(two.param_bytes - one.param_bytes, two.param_tensors - one.param_tensors,
-                 two.buffer_bytes - one.buffer_bytes, two.activation_bytes - one.activation_bytes,
-                 max(two.transient_bytes - one.transient_bytes, 0), forward_block, backward_block, comm_block,
-                 synced_block, 0, 0, two.largest_param)
-    rest = Part(one.param_bytes - block.param_bytes, one.param_tensors - block.param_tensors,
-                one.buffer_bytes - block.buffer_bytes, one.activation_bytes - block.activation_bytes,
-                one.transient_bytes, forward_rest, backward_rest, one.comm - comm_block,
-                one.grad_sync - synced_block, one.working_bytes, one.working_weights, two.largest_param)
-    return block, rest
+    block, rest = _state_parts(two, one)
+    return (replace(block, activation_bytes=two.activation_bytes - one.activation_bytes,
+                    transient_bytes=max(two.transient_bytes - one.transient_bytes, 0), forward=forward_block,
+                    backward=backward_block, largest_param=two.largest_param),
+            replace(rest, activation_bytes=one.activation_bytes - (two.activation_bytes - one.activation_bytes),
+                    transient_bytes=one.transient_bytes, forward=forward_rest, backward=backward_rest,
+                    working_bytes=one.working_bytes, working_weights=one.working_weights,
+                    largest_param=two.largest_param))
 
 
 def _sliced(values: Sequence[Any], rows: int) -> tuple:
