@@ -33,8 +33,9 @@ from autopar.strategies.data_parallel import data_parallel
 from autopar.strategies.expert import expert_parallel
 from autopar.strategies.pipeline import pipeline_parallel
 from autopar.strategies.recompute import recompute
+from autopar.strategies.schedule import schedule
 from autopar.strategies.tensor_parallel import sequence_parallel, tensor_parallel
 from autopar.strategies.zero import fsdp, hsdp, zero
 
 __all__ = ["Cluster", "Mesh", "calibrate", "comm_time", "estimate", "search", "SearchSpace", "ParallelModule", "Plan", "PlanError", "context_parallel", "data_parallel", "expert_parallel", "fsdp", "hsdp", "parallelize",
-           "pipeline_parallel", "plan", "recompute", "register_grouped_matmul", "save_runnable_plan", "sequence_parallel", "tensor_parallel", "zero"]
+           "pipeline_parallel", "plan", "recompute", "register_grouped_matmul", "save_runnable_plan", "schedule", "sequence_parallel", "tensor_parallel", "zero"]

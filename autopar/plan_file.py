@@ -153,7 +153,28 @@ def plan_document(plan: Any) -> dict[str, Any]:
         "pipeline": _pipeline_data(plan),
         "experts": _experts_data(plan),
         "recompute": _recompute_data(plan),
+        "overlaps": _overlap_data(plan),
     }
+
+
+def _overlap_data(plan: Any) -> list[dict[str, Any]]:
+    """Each deferred collective of each stage graph (`passes/schedule_collectives.py`): the compute
+    the rank runs while it is in flight (how many call nodes, the first and last of them and their
+    modules)."""
+    from autopar.comm_kinds import comm_step
+    from autopar.passes.schedule_collectives import overlaps
+
+    found = []
+    for stage in plan.stages:
+        graph = stage.graph_module.graph
+        by_name = {node.name: node for node in graph.nodes}
+        for over in overlaps(graph):
+            start = by_name[over.start]
+            found.append({"stage": stage.index, "start": over.start, "finish": over.finish,
+                          "kind": comm_step(start.target).forward, "axis": start.kwargs.get("group"),
+                          "module": module_path(start), "between": len(over.between),
+                          "over": [[n, module_path(by_name[n])] for n in over.between[:1] + over.between[-1:]]})
+    return found
 
 
 def _recompute_data(plan: Any) -> dict[str, Any] | None:
@@ -317,7 +338,20 @@ class PlanDocument:
                 + "\n\nCommunication per step, per rank\n" + self.comm.table()
                 + "".join(f"\n\nMemory per rank (rank {rank}, AdamW)\n" + self.memory_of(rank).table()
                           for rank in self.memory_ranks())
-                + self.pipeline_report() + self.experts_report() + self.recompute_report())
+                + self.pipeline_report() + self.experts_report() + self.recompute_report() + self.overlap_report())
+
+    def overlap_report(self) -> str:
+        overlaps = self.data.get("overlaps")
+        if not overlaps:
+            return ""
+        rows = [[o["stage"], o["start"], o["kind"], o["axis"], o["module"] or "-", o["between"],
+                 " … ".join(f"{name} ({module or '-'})" for name, module in o["over"])]
+                for o in overlaps if o["between"]]
+        return (f"\n\nCollectives in flight (scheduling pass): {len(rows)} steps run while the rank computes the "
+                f"nodes between their start and their finish (forward; backward mirrors it with the conjugates); "
+                f"every other step lands where it is issued\n"
+                + tabulate(rows, headers=["stage", "start", "kind", "axis", "module", "nodes in flight over",
+                                          "first … last node in flight over (module)"]))
 
     def recompute_report(self) -> str:
         declared = self.data.get("recompute")

@@ -2,12 +2,15 @@
 
 The model is `examples/moe.py`'s MoEGPT (routed SwiGLU experts as grouped matmuls, load-balancing
 and z auxiliary losses in the loss). For each world size N (default 2 and 4; local CPU processes,
-gloo, one thread each, `autopar.runtime.launch`) every rank builds three programs:
+gloo, one thread each, `autopar.runtime.launch`) every rank builds four programs:
 
 | row        | program                                                                                |
 |------------|----------------------------------------------------------------------------------------|
 | autopar EP | `expert_parallel()` on ep=N: experts split by expert (rank r owns experts r·E/N ..     |
 |            | (r+1)·E/N-1), tokens carried to them by all-to-all, everything else data parallel      |
+|            | (the scheduling pass on: the auxiliary losses' statistics reductions land late)        |
+| autopar EP, no overlap | the same with `autopar.schedule(overlap=False)`: every collective waits where  |
+|            | it is issued (what the scheduling pass gains, measured side by side)                   |
 | autopar DP | `data_parallel()` on dp=N: every rank holds every expert, gradients all-reduced        |
 | PyTorch EP | hand-written with PyTorch primitives the way torchtitan's all-to-all token dispatcher  |
 |            | does it (`ExpertParallelExperts`): each rank keeps its experts' slices of             |
@@ -20,7 +23,7 @@ gloo, one thread each, `autopar.runtime.launch`) every rank builds three program
 |            | `_set_params_and_buffers_to_ignore_for_model`); the expert gradients are divided by N  |
 |            | (torchtitan's gradient divide factor), so both are gradients of the global mean loss.  |
 
-All three start from the same weights (`torch.manual_seed(0)` before each is built) and train on
+All four start from the same weights (`torch.manual_seed(0)` before each is built) and train on
 the same global batch with AdamW (lr 1e-3): autopar's modules take `module.local_batch(*batch)`
 and return the global loss; PyTorch's rank r takes the r-th contiguous chunk of dim 0 (the same
 tokens autopar's ep rank r holds) and returns its local loss. Its auxiliary losses are therefore
@@ -32,7 +35,7 @@ the script checks that the EP row's first-step loss equals the single-device los
 global batch (relative 1e-5, computed in the launching process) and exits non-zero if it does not.
 
 Measurement, as benchmarks/compare_fsdp.py (whose helpers this file imports):
-- Step time: zero_grad, forward, backward, AdamW step; the three programs' steps alternate, a
+- Step time: zero_grad, forward, backward, AdamW step; the four programs' steps alternate, a
   barrier before each, every rank timed, the slowest rank kept; median over the timed steps.
   Ratios are over PyTorch EP. With N=4 on a 2-core machine the ranks share cores: compare rows
   within one N, not across N.
@@ -80,8 +83,9 @@ from benchmarks.compare_step_time import (alternate_steps, as_float, batch_slice
 from examples.gpt import example_batch  # noqa: E402
 from examples.moe import Experts, MoEConfig, MoEGPT, grouped_mm  # noqa: E402
 
-AUTOPAR_EP, AUTOPAR_DP, PYTORCH_EP = "autopar EP", "autopar DP", "PyTorch EP"
-ROWS = (AUTOPAR_EP, AUTOPAR_DP, PYTORCH_EP)
+AUTOPAR_EP, AUTOPAR_EP_IN_ORDER, AUTOPAR_DP, PYTORCH_EP = ("autopar EP", "autopar EP, no overlap", "autopar DP",
+                                                        "PyTorch EP")
+ROWS = (AUTOPAR_EP, AUTOPAR_EP_IN_ORDER, AUTOPAR_DP, PYTORCH_EP)
 LOSS_TOLERANCE = 1e-5
 KIB = 2**10
 # MemTracker's ModTracker loses its place in the module tree when a module runs twice per step
@@ -181,8 +185,8 @@ def pytorch_expert_parallel(settings: Settings, global_batch: tuple, rank: int, 
     return Program(ddp, adamw(ddp.parameters(), settings), batch_slice(global_batch, index=rank, parts=world))
 
 
-def autopar_program(settings: Settings, global_batch: tuple, mesh: str, strategy: Any) -> Program:
-    module = autopar.parallelize(build_model(settings), mesh, strategies=[strategy], example_inputs=global_batch)
+def autopar_program(settings: Settings, global_batch: tuple, mesh: str, *strategies: Any) -> Program:
+    module = autopar.parallelize(build_model(settings), mesh, strategies=list(strategies), example_inputs=global_batch)
     return Program(module, adamw(module.parameters(), settings), module.local_batch(*global_batch))
 
 
@@ -204,9 +208,11 @@ def counted_first_step(program: Program) -> dict[str, Any]:
 
 
 def run_world(rank: int, world: int, settings: Settings) -> dict[str, Any]:
-    """One rank: build the three programs, alternate their steps (step 0 counted, step 1 memory)."""
+    """One rank: build the four programs, alternate their steps (step 0 counted, step 1 memory)."""
     global_batch = example_batch(settings.model, batch=settings.batch)
     programs = {AUTOPAR_EP: autopar_program(settings, global_batch, f"ep={world}", autopar.expert_parallel()),
+                AUTOPAR_EP_IN_ORDER: autopar_program(settings, global_batch, f"ep={world}", autopar.expert_parallel(),
+                                                     autopar.schedule(overlap=False)),
                 AUTOPAR_DP: autopar_program(settings, global_batch, f"dp={world}", autopar.data_parallel()),
                 PYTORCH_EP: pytorch_expert_parallel(settings, global_batch, rank, world)}
     results = {}

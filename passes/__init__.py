@@ -6,7 +6,9 @@ autopar's kernels, with the all-to-all exchange under expert parallelism) -> `pr
 `insert_collectives` -> `insert_grad_reductions` (these decide the whole graph) ->
 `split_pipeline` (the stage graphs: one, the whole graph, without a pipeline) ->
 `shard_parameters` (ZeRO/FSDP units per stage; a no-op without a sharded-state strategy) ->
-`recompute` (marks the regions activation recomputation runs again; a no-op without it), then
+`recompute` (marks the regions activation recomputation runs again; a no-op without it) ->
+`schedule_collectives` (each collective split into a start and a finish, small finishes deferred
+to where they are needed; off under `autopar.schedule(overlap=False)`), then
 `emit_rank_graph` once per (rank, stage), which wraps each marked region in a checkpointed call. `run_passes` names the pass that failed, times each
 one and records how many nodes it added over all stage graphs (`PassRecord`), so `autopar plan`
 can show what each pass did.
@@ -54,8 +56,9 @@ def default_passes() -> list[Pass]:
     from autopar.passes.lower_moe import lower_moe
     from autopar.passes.propagate_placements import propagate_placements
     from autopar.passes.recompute import recompute
+    from autopar.passes.schedule_collectives import schedule_collectives
     from autopar.passes.shard_parameters import shard_parameters
     from autopar.passes.split_pipeline import split_pipeline
 
     return [drop_empty_concats, lower_moe, propagate_placements, insert_collectives, insert_grad_reductions, split_pipeline,
-            shard_parameters, recompute]
+            shard_parameters, recompute, schedule_collectives]

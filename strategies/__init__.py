@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from autopar.strategies.expert import ExpertDeclaration
     from autopar.strategies.pipeline import PipelineDeclaration
     from autopar.strategies.recompute import RecomputeDeclaration
+    from autopar.strategies.schedule import ScheduleDeclaration
     from autopar.strategies.zero import ShardedState
 
 
@@ -115,6 +116,7 @@ class ResolvedStrategy:
     mesh: Mesh
     strategies: tuple[Strategy, ...]
     recompute: "RecomputeDeclaration | None" = None  # regions run again in backward (strategies/recompute.py)
+    schedule: "ScheduleDeclaration | None" = None  # collectives overlapped or not (strategies/schedule.py)
     _lookups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _first(self, strategy: Strategy, kind: str, path: str):
@@ -225,6 +227,7 @@ def resolve_strategies(mesh: Mesh, strategies: "list[Strategy] | tuple[Strategy,
     """Bind deferred strategies (the tensor-parallel layout found in the traced graph) and check
     every strategy names an axis of `mesh`."""
     from autopar.strategies.recompute import RecomputeDeclaration
+    from autopar.strategies.schedule import ScheduleDeclaration
 
     flat = []
     for strategy in strategies:  # hsdp() declares two axes at once: a tuple of strategies
@@ -233,7 +236,10 @@ def resolve_strategies(mesh: Mesh, strategies: "list[Strategy] | tuple[Strategy,
     if len(recomputes) > 1:
         raise PlanError(f"recompute is declared {len(recomputes)} times ({[r.describe() for r in recomputes]}); "
                         f"declare it once (module globs can list several modules)")
-    flat = [s for s in flat if not isinstance(s, RecomputeDeclaration)]
+    schedules = [s for s in flat if isinstance(s, ScheduleDeclaration)]
+    if len(schedules) > 1:
+        raise PlanError(f"schedule is declared {len(schedules)} times; declare it once")
+    flat = [s for s in flat if not isinstance(s, (RecomputeDeclaration, ScheduleDeclaration))]
     for deferred in (s for s in flat if hasattr(s, "bind")):
         mesh.require_axis(deferred.axis, wanted_by=f"strategy {deferred.name!r}")
     strategies = [s.bind(mesh=mesh, graph_module=graph_module, placeholders=placeholders) if hasattr(s, "bind") else s
@@ -260,4 +266,5 @@ def resolve_strategies(mesh: Mesh, strategies: "list[Strategy] | tuple[Strategy,
     pipelines = [s for s in strategies if s.pipeline is not None]
     if len(pipelines) > 1:
         raise PlanError(f"strategies {[s.name for s in pipelines]} each declare a pipeline; declare one pipeline axis")
-    return ResolvedStrategy(mesh=mesh, strategies=tuple(strategies), recompute=recomputes[0] if recomputes else None)
+    return ResolvedStrategy(mesh=mesh, strategies=tuple(strategies), recompute=recomputes[0] if recomputes else None,
+                            schedule=schedules[0] if schedules else None)

@@ -42,6 +42,7 @@ from tabulate import tabulate
 
 from autopar.ir import PLANNED_NAME, SPEC, hint, local_numel, local_shape, module_path
 from autopar.passes.recompute import is_region_call
+from autopar.runtime import in_flight
 from autopar.runtime.p2p import PLANNING_STAND_INS
 
 if TYPE_CHECKING:
@@ -181,6 +182,9 @@ def _symbolic_bytes(plan: "Plan", planned: torch.fx.Node | None, index: int, ite
 
 
 def _op_name(node: torch.fx.Node) -> str:
+    """The op that made a value; a deferred step's finish names its step (`runtime/in_flight.py`)."""
+    if node.target is in_flight.finish:
+        return _op_name(node.args[0])
     target = node.target
     return str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
 

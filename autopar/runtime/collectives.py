@@ -23,6 +23,7 @@ and NCCL and appear by name in traced graphs.
 """
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any
 
@@ -39,7 +40,14 @@ def _wait(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def raw_all_reduce(x: torch.Tensor, group: str, reduce_op: str = "sum") -> torch.Tensor:
-    return _wait(_c10d.all_reduce(x.contiguous(), reduce_op, group))
+    return _wait(issue_all_reduce(x, group, reduce_op))
+
+
+# Each collective in two halves: `issue_*` hands the tensor to the process group and returns its
+# output before it has arrived; `land_*` waits for it and lays it out. The raw_* steps run both at
+# once; `autopar.runtime.in_flight` runs them apart (the scheduling pass's deferred steps).
+def issue_all_reduce(x: torch.Tensor, group: str, reduce_op: str = "sum") -> torch.Tensor:
+    return _c10d.all_reduce(x.contiguous(), reduce_op, group)
 
 
 # A collective's buffer is rank-major (the pieces of dim 0 are the ranks'). On any other dim the
@@ -47,31 +55,53 @@ def raw_all_reduce(x: torch.Tensor, group: str, reduce_op: str = "sum") -> torch
 # it is (contiguous), and the reduce-scatter's output arrives in place. Where every dimension
 # before `dim` has size 1 the move is a view and nothing is copied.
 def raw_all_gather(x: torch.Tensor, group: str, size: int, dim: int) -> torch.Tensor:
-    x = x.contiguous()
-    gathered = _wait(_c10d.all_gather_into_tensor(x, size, group))
+    return land_all_gather(issue_all_gather(x, group, size), tuple(x.shape), size, dim)
+
+
+def issue_all_gather(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
+    return _c10d.all_gather_into_tensor(x.contiguous(), size, group)
+
+
+def land_all_gather(pending: torch.Tensor, shape: tuple, size: int, dim: int) -> torch.Tensor:
+    """The gathered tensor from an issued all-gather of shards of `shape`."""
+    gathered = _wait(pending)
     if dim == 0:
         return gathered
-    shape = tuple(x.shape)
     ranks_next_to_dim = gathered.view(size, *shape).movedim(0, dim)
     return ranks_next_to_dim.reshape(*shape[:dim], size * shape[dim], *shape[dim + 1:])
 
 
 def raw_reduce_scatter(x: torch.Tensor, group: str, size: int, dim: int) -> torch.Tensor:
+    return _wait(issue_reduce_scatter(x, group, size, dim))
+
+
+def issue_reduce_scatter(x: torch.Tensor, group: str, size: int, dim: int) -> torch.Tensor:
     if dim == 0:
-        return _wait(_c10d.reduce_scatter_tensor(x.contiguous(), "sum", size, group))
+        return _c10d.reduce_scatter_tensor(x.contiguous(), "sum", size, group)
     shape = tuple(x.shape)
     pieces = x.reshape(*shape[:dim], size, shape[dim] // size, *shape[dim + 1:]).movedim(dim, 0)
     rank_major = pieces.contiguous().flatten(0, 1)
-    return _wait(_c10d.reduce_scatter_tensor(rank_major, "sum", size, group))
+    return _c10d.reduce_scatter_tensor(rank_major, "sum", size, group)
 
 
 def raw_all_to_all(x: torch.Tensor, group: str, size: int, split_dim: int, concat_dim: int) -> torch.Tensor:
     """Split `x` into `size` chunks on split_dim, exchange, concatenate what arrives on concat_dim."""
+    pending, chunk_shape = issue_all_to_all(x, group, size, split_dim)
+    return land_all_to_all(pending, chunk_shape, concat_dim)
+
+
+def issue_all_to_all(x: torch.Tensor, group: str, size: int, split_dim: int) -> tuple[torch.Tensor, tuple]:
+    """The exchange of `x`'s `size` chunks on split_dim in flight, and the shape of one chunk."""
     chunks = [c.contiguous() for c in torch.chunk(x, size, dim=split_dim)]
     send = torch.cat([c.reshape(-1) for c in chunks])
-    received = _wait(_c10d.all_to_all_single(send, [chunks[0].numel()] * size, [c.numel() for c in chunks], group))
-    pieces = received.split(chunks[0].numel())
-    return torch.cat([p.view(chunks[0].shape) for p in pieces], dim=concat_dim)
+    pending = _c10d.all_to_all_single(send, [chunks[0].numel()] * size, [c.numel() for c in chunks], group)
+    return pending, tuple(chunks[0].shape)
+
+
+def land_all_to_all(pending: torch.Tensor, chunk_shape: tuple, concat_dim: int) -> torch.Tensor:
+    received = _wait(pending)
+    pieces = received.split(math.prod(chunk_shape))
+    return torch.cat([p.view(chunk_shape) for p in pieces], dim=concat_dim)
 
 
 class _AllReduce(torch.autograd.Function):
@@ -168,17 +198,33 @@ class _GradAllReduce(torch.autograd.Function):
         return raw_all_reduce(grad, ctx.group, "sum"), None
 
 
-def all_reduce(x: torch.Tensor, *, group: str, size: int, reduce_op: str = "sum") -> torch.Tensor:
+def _starts(deferred: bool) -> bool:
+    """A deferred step starts in flight, except while dynamo traces it (`runtime/in_flight.py`)."""
+    return deferred and not torch.compiler.is_compiling()
+
+
+def all_reduce(x: torch.Tensor, *, group: str, size: int, reduce_op: str = "sum", deferred: bool = False
+               ) -> torch.Tensor:
+    """`deferred`: return the buffer in flight, landed by `in_flight.finish` (every step below)."""
+    if _starts(deferred):
+        return in_flight.start(x, "all_reduce", group=group, size=size, reduce_op=reduce_op)
     return _AllReduce.apply(x, group, size, reduce_op)
 
 
-def reduce_scatter(x: torch.Tensor, *, group: str, size: int, dim: int) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, *, group: str, size: int, dim: int, deferred: bool = False) -> torch.Tensor:
+    if _starts(deferred):
+        return in_flight.start(x, "reduce_scatter", group=group, size=size, dim=dim)
     return _ReduceScatter.apply(x, group, size, dim)
 
 
 def all_gather(x: torch.Tensor, *, group: str, size: int, index: int, dim: int, grad_partial: bool,
-               regather: bool = False, layout: str = CONTIGUOUS, blocks: int = 1) -> torch.Tensor:
-    """`layout`, `blocks`: which positions of `dim` each rank holds (`autopar.runtime.sequence_chunks`)."""
+               regather: bool = False, layout: str = CONTIGUOUS, blocks: int = 1, deferred: bool = False
+               ) -> torch.Tensor:
+    """`layout`, `blocks`: which positions of `dim` each rank holds (`autopar.runtime.sequence_chunks`).
+    A re-gathering all-gather is never deferred (the scheduling pass leaves it in place)."""
+    if _starts(deferred) and not regather:
+        return in_flight.start(x, "all_gather", group=group, size=size, index=index, dim=dim,
+                               grad_partial=grad_partial, layout=layout, blocks=blocks)
     if regather:
         return _regathering_all_gather(x, group, size, index, dim, grad_partial, layout, blocks)
     return _AllGather.apply(x, group, size, index, dim, grad_partial, regather, layout, blocks)
@@ -259,7 +305,10 @@ def shard_slice(x: torch.Tensor, *, group: str, size: int, index: int, dim: int,
     return _ShardSlice.apply(x, group, size, index, dim, grad_partial, layout, blocks)
 
 
-def all_to_all(x: torch.Tensor, *, group: str, size: int, from_dim: int, to_dim: int) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, *, group: str, size: int, from_dim: int, to_dim: int, deferred: bool = False
+               ) -> torch.Tensor:
+    if _starts(deferred):
+        return in_flight.start(x, "all_to_all", group=group, size=size, from_dim=from_dim, to_dim=to_dim)
     return _AllToAll.apply(x, group, size, from_dim, to_dim)
 
 
@@ -269,3 +318,7 @@ def partial_from_replicate(x: torch.Tensor, *, group: str, index: int) -> torch.
 
 def grad_all_reduce(x: torch.Tensor, *, group: str) -> torch.Tensor:
     return _GradAllReduce.apply(x, group)
+
+
+# the deferred halves (they call the issue_/land_ halves above)
+from autopar.runtime import in_flight  # noqa: E402

@@ -12,7 +12,9 @@
   (`_pipeline_section`, drawn by views/timeline.py);
 - ledger: the communication entries grouped per layer (`layer_of`), then per (phase, kind, axis),
   with counts, byte sums and formulas (`ledger_rows`, `_ledger_table`), and totals per mesh axis
-  (`_totals_table`).
+  (`_totals_table`);
+- overlap: the collectives the scheduling pass leaves in flight over compute, with how many
+  nodes and which run meanwhile (`_overlap_section`).
 
 All text from the document is escaped with `html.escape`. The page is plain SVG and tables, drawn
 in one pass, so graphs of a few thousand nodes open without freezing the browser.
@@ -333,7 +335,22 @@ def render_html(document: dict[str, Any], *, title: str = "autopar plan") -> str
               f"{_totals_table(collectives)}</section>")
     return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{_e(title)}</title>"
             f"<style>{_CSS}</style></head><body>{_header(document, title=title)}"
-            f"<main>{_pipeline_section(document)}{graph}{ledger}</main><script>{_SCRIPT}</script></body></html>\n")
+            f"<main>{_pipeline_section(document)}{graph}{ledger}{_overlap_section(document)}</main>"
+            f"<script>{_SCRIPT}</script></body></html>\n")
+
+
+def _overlap_section(document: dict[str, Any]) -> str:
+    """The collectives the scheduling pass left in flight over compute (passes/schedule_collectives.py)."""
+    overlaps = [o for o in document.get("overlaps", []) if o["between"]]
+    if not overlaps:
+        return ""
+    rows = "".join(f"<tr><td class=\"num\">{o['stage']}</td><td>{_e(o['start'])}</td><td>{_e(o['kind'])}</td>"
+                   f"<td>{_e(o['axis'])}</td><td>{_e(o['module'])}</td><td class=\"num\">{o['between']}</td>"
+                   f"<td>{_e(' … '.join(f'{n} ({m})' for n, m in o['over']))}</td></tr>" for o in overlaps)
+    return (f"<section id=\"overlap-panel\"><h2>Collectives in flight over compute — {len(overlaps)} "
+            f"steps</h2><table><thead><tr><th>stage</th><th>start</th><th>kind</th>"
+            f"<th>axis</th><th>module</th><th>nodes over</th><th>first … last node over</th></tr></thead>"
+            f"<tbody>{rows}</tbody></table></section>")
 
 
 def _pipeline_section(document: dict[str, Any]) -> str:

@@ -1,0 +1,115 @@
+"""The scheduling pass (passes/schedule_collectives.py) and the deferred steps it emits
+(autopar/runtime/in_flight.py): where the halves land in the graph, what runs between them in a
+real run (read by a dispatch mode, outside the code under test), and the same numbers as the
+synchronous steps. Numerics of whole models with the pass on are the other test files' (it is
+the default)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import autopar
+from autopar.ir import module_path
+from autopar.passes.schedule_collectives import _small, deferred_nodes, overlaps, small_limit
+from autopar.runtime import collectives, in_flight, moe
+from autopar.runtime.launch import launch
+from examples.gpt import example_batch
+from examples.moe import MoEConfig, MoEGPT
+
+
+def _moe_plan(*declared):
+    torch.manual_seed(0)
+    config = MoEConfig()
+    return autopar.plan(MoEGPT(config), "ep=2", strategies=[autopar.expert_parallel(), *declared],
+                        example_inputs=example_batch(config, batch=8))
+
+
+@pytest.fixture(scope="module")
+def moe_plan():
+    return _moe_plan()
+
+
+def test_the_moe_statistics_reductions_land_after_the_next_block_has_run(moe_plan):
+    graph = moe_plan.rank_graph(0).graph
+    order = {node.name: index for index, node in enumerate(graph.nodes)}
+    dispatches = [n.name for n in graph.nodes if n.target is moe.moe_dispatch]
+    loss = [n.name for n in graph.nodes if "nll_loss" in getattr(n.target, "__name__", "")]
+    assert len(dispatches) == 2 and len(loss) == 1
+    in_flight_over = [o for o in overlaps(graph) if o.between]
+    # layer 0's three statistics reductions (two routing-range checks, the mean router probability)
+    # are in flight over layer 1's expert exchange, layer 1's over the output layer and the loss
+    assert len(in_flight_over) == 6, [(o.start, len(o.between)) for o in overlaps(graph)]
+    by_name = {node.name: node for node in graph.nodes}
+    for over in in_flight_over:
+        layer = module_path(by_name[over.start]).split(".")[1]
+        assert order[over.start] < order[dispatches[1] if layer == "0" else loss[0]] < order[over.finish]
+    # only small values move: no large tensor is kept alive longer than before
+    deferred = deferred_nodes(moe_plan.stages[0].graph_module.graph)
+    limit = small_limit(moe_plan.stages[0].graph_module.graph)
+    assert deferred and all(_small(node, limit) for node in deferred)
+    assert "Collectives in flight (scheduling pass): 6 steps" in moe_plan.document().overlap_report()
+
+
+def test_overlap_off_leaves_every_collective_synchronous_and_the_ledger_unchanged(moe_plan):
+    off = _moe_plan(autopar.schedule(overlap=False))
+    graph = off.rank_graph(0).graph
+    assert not any(node.target is in_flight.finish for node in graph.nodes)
+    assert not any(node.kwargs.get("deferred") for node in graph.nodes)
+    ledger = lambda plan: [(e.phase, e.kind, e.axis, e.logical_bytes, e.times) for e in plan.comm.entries]  # noqa: E731
+    assert sorted(ledger(off), key=str) == sorted(ledger(moe_plan), key=str)  # the same steps, in another order
+    assert off.document().overlap_report() == ""
+
+
+class _Calls(TorchDispatchMode):
+    """The ATen and c10d calls made, by name, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def _step(rank: int, world: int, deferred: bool) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    """An all-gather (gradient partial: a reduce-scatter in backward) with a matmul chain made
+    while it is in flight, forward and backward."""
+    torch.manual_seed(rank)
+    x = torch.randn(4, 3, 8, requires_grad=True)
+    torch.manual_seed(10)
+    w = torch.randn(32, 32, requires_grad=True)
+    h = torch.randn(32, 32)
+    group = dist.group.WORLD.group_name
+    calls = _Calls()
+    with calls:
+        started = collectives.all_gather(x, group=group, size=world, index=rank, dim=1, grad_partial=True,
+                                         deferred=deferred)
+        other = (h @ w).tanh() @ w
+        gathered = in_flight.finish(started) if deferred else started
+        calls.names.append("<forward done>")
+        loss = (gathered * gathered).sum() + other.sum()
+        loss.backward()
+    return calls.names, x.grad, w.grad
+
+
+def _both(rank: int, world: int) -> dict:
+    synchronous = _step(rank, world, False)
+    deferred = _step(rank, world, True)
+    return {"calls": deferred[0], "same": all(torch.equal(a, b) for a, b in zip(synchronous[1:], deferred[1:]))}
+
+
+def test_a_deferred_step_is_in_flight_over_the_compute_between_its_halves_in_both_directions():
+    results = launch(_both, 2, timeout_s=60, deadline_s=120)
+    for result in results:
+        assert result["same"]  # the same gradients, bit for bit, as the synchronous step
+        calls = result["calls"]
+        end = calls.index("<forward done>")
+        forward, backward = calls[:end], calls[end:]
+        issued, landed = forward.index("all_gather_into_tensor"), forward.index("wait_tensor")
+        assert forward[issued:landed].count("mm") == 2  # both matmuls ran while the gather was in flight
+        # backward: the conjugate reduce-scatter is issued before the matmuls' backward and landed after
+        issued, landed = backward.index("reduce_scatter_tensor"), backward.index("wait_tensor")
+        assert issued < landed and backward[issued:landed].count("mm") >= 3
