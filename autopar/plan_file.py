@@ -157,6 +157,11 @@ def plan_document(plan: Any) -> dict[str, Any]:
     }
 
 
+def _in_flight_kind(step: Any) -> str:
+    """What is in flight: the step's forward collective, or its conjugate where it has none (f)."""
+    return step.forward or f"{step.backward} (backward)"
+
+
 def _overlap_data(plan: Any) -> list[dict[str, Any]]:
     """Each deferred collective of each stage graph (`passes/schedule_collectives.py`): the compute
     the rank runs while it is in flight (how many call nodes, the first and last of them and their
@@ -171,7 +176,7 @@ def _overlap_data(plan: Any) -> list[dict[str, Any]]:
         for over in overlaps(graph):
             start = by_name[over.start]
             found.append({"stage": stage.index, "start": over.start, "finish": over.finish,
-                          "kind": comm_step(start.target).forward, "axis": start.kwargs.get("group"),
+                          "kind": _in_flight_kind(comm_step(start.target)), "axis": start.kwargs.get("group"),
                           "module": module_path(start), "between": len(over.between),
                           "over": [[n, module_path(by_name[n])] for n in over.between[:1] + over.between[-1:]]})
     return found
@@ -347,9 +352,10 @@ class PlanDocument:
         rows = [[o["stage"], o["start"], o["kind"], o["axis"], o["module"] or "-", o["between"],
                  " … ".join(f"{name} ({module or '-'})" for name, module in o["over"])]
                 for o in overlaps if o["between"]]
-        return (f"\n\nCollectives in flight (scheduling pass): {len(rows)} steps run while the rank computes the "
-                f"nodes between their start and their finish (forward; backward mirrors it with the conjugates); "
-                f"every other step lands where it is issued\n"
+        return (f"\n\nCollectives in flight (scheduling pass): {len(rows)} steps have nodes between their start and "
+                f"their finish — a forward collective runs while the rank computes them, a conjugate while it "
+                f"computes their backward (a tap: the linear's weight gradient); every other step lands where it "
+                f"is issued\n"
                 + tabulate(rows, headers=["stage", "start", "kind", "axis", "module", "nodes in flight over",
                                           "first … last node in flight over (module)"]))
 

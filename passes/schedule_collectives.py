@@ -3,7 +3,8 @@ between them, so that the collective is in flight while the rank computes.
 
 Runs last, on every stage graph, unless `autopar.schedule(overlap=False)` is declared.
 
-1. Split: an all-reduce, reduce-scatter, all-gather (not a re-gathering one) or all-to-all node
+1. Split: an all-reduce, reduce-scatter, all-gather (not a re-gathering one), all-to-all or
+   `grad_all_reduce` (Megatron's f: identity forward, all-reduce backward) node
    becomes the start (the same node, `deferred=True`: it keeps its registry entry, its ledger
    records and its bindings) and a `finish` node that every user now reads
    (`autopar.runtime.in_flight`). The start stays where `insert_collectives` put it: after its
@@ -12,7 +13,16 @@ Runs last, on every stage graph, unless `autopar.schedule(overlap=False)` is dec
    slice), whatever its size: the buffer it lands was allocated by the start, so a later finish
    holds no more memory. A step with no call between its halves once placed is joined again
    (synchronous, as before the pass).
-2. Defer: a finish whose output is small (`small_limit`: at most `SMALL_BYTES` and at most the
+2. Weight gradients behind the input gradient's reduction: the linears (addmm / mm of a
+   transposed 2-D weight) that read an f or a sequence-parallel all-gather (whose backward
+   reduces their input gradient) compute that gradient at once in backward and leave the weight
+   gradient to a `tap` of the weight made between the step's halves (`runtime/weight_gradients.py`):
+   autograd runs it after the finish's backward has issued the reduction and before the start's
+   lands it — Megatron's overlap of the input-gradient all-reduce with the weight-gradient GEMM,
+   by autograd's own order. The output gradients wait for their taps, so backward holds them a
+   little longer (the memory ledger's fake runs run this graph). Not under zb_h1 (it splits
+   weight gradients its own way), not in a recomputed region.
+3. Defer: a finish whose output is small (`small_limit`: at most `SMALL_BYTES` and at most the
    graph's largest value / `SMALL_FRACTION`, global sizes), and every node that
    computes only from small values and deferred ones (a later start included), moves to just
    before the first node that needs it (the graph's output at the latest). These are the
@@ -29,8 +39,8 @@ Runs last, on every stage graph, unless `autopar.schedule(overlap=False)` is dec
 Backward mirrors the order (autograd runs the nodes made later first): a deferred finish's
 conjugate collective is issued early in backward and landed where its start's backward runs.
 Under `torch.compile` the halves run as one synchronous step (inductor schedules collectives
-itself). `overlaps(graph)` lists, per start, the compute nodes between it and its finish — the
-report's "in flight over" column.
+itself). `overlaps(graph)` lists, per start, the call nodes between it and its finish — the
+report's and the HTML view's "in flight over".
 """
 from __future__ import annotations
 
@@ -44,11 +54,15 @@ from autopar.context import CompileContext
 from autopar.ir import SPEC, hint
 from autopar.passes.recompute import RECOMPUTE
 from autopar.program import Program
-from autopar.runtime import collectives, in_flight
+from autopar.runtime import collectives, in_flight, weight_gradients
 
 SMALL_BYTES = 64 * 1024  # at most this, and at most the graph's largest value / SMALL_FRACTION
 SMALL_FRACTION = 1024
-DEFERRABLE = (collectives.all_reduce, collectives.reduce_scatter, collectives.all_gather, collectives.all_to_all)
+DEFERRABLE = (collectives.all_reduce, collectives.reduce_scatter, collectives.all_gather, collectives.all_to_all,
+              collectives.grad_all_reduce)
+_aten = torch.ops.aten
+_LAYOUTS = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default)
+_PROVENANCE = ("nn_module_stack", "stack_trace", "source_fn_stack", "from_node")
 # checks a deferred value feeds (one_hot's range checks on globally reduced flags): they raise in
 # the same step, a little later, and nothing reads their (empty) result
 _CHECKS = (torch.ops.aten._assert_async.msg, torch.ops.aten._assert_async.default)
@@ -63,6 +77,7 @@ def schedule_collectives(program: Program, ctx: CompileContext) -> Program:
         gm = stage.graph_module
         finishes = [_split(gm.graph, node) for node in list(gm.graph.nodes) if _deferrable(node)]
         if finishes:
+            _split_weight_gradients(gm.graph, finishes, zb_h1=_zb_h1(ctx))
             _defer_small_tails(gm.graph)
             _join_what_nothing_separates(gm.graph)
             gm.graph.lint()
@@ -82,6 +97,67 @@ def _split(graph: torch.fx.Graph, start: torch.fx.Node) -> torch.fx.Node:
     start.kwargs = {**start.kwargs, "deferred": True}
     finish.meta.update({key: start.meta[key] for key in _CARRIED_META if key in start.meta})
     return finish
+
+
+def _zb_h1(ctx: CompileContext) -> bool:
+    """zb_h1 computes weight gradients in a pass of their own already (runtime/pipeline.py)."""
+    return any(s.pipeline is not None and s.pipeline.schedule == "zb_h1" for s in ctx.strategy.strategies)
+
+
+def _input_gradient_conjugate(start: torch.fx.Node) -> bool:
+    """Steps whose backward reduces the input gradient of the linears after them (Megatron's f,
+    sequence parallelism's all-gather): the weight-gradient GEMMs can hide it."""
+    return (start.target is collectives.grad_all_reduce
+            or start.target is collectives.all_gather and bool(start.kwargs.get("grad_partial")))
+
+
+def _linears_reading(value: torch.fx.Node) -> list[torch.fx.Node]:
+    """addmm / mm nodes whose left operand is `value` or a view of it."""
+    found, stack = [], [value]
+    while stack:
+        current = stack.pop()
+        for user in current.users:
+            if user.target in _LAYOUTS and user.args[0] is current:
+                stack.append(user)
+            elif (user.target is _aten.addmm.default and user.args[1] is current
+                  or user.target is _aten.mm.default and user.args[0] is current):
+                found.append(user)
+    return found
+
+
+def _split_weight_gradients(graph: torch.fx.Graph, finishes: list[torch.fx.Node], *, zb_h1: bool) -> None:
+    """Each linear fed by an f or SP all-gather gets its weight gradient computed by a tap made
+    between the step's halves (`runtime/weight_gradients.py`): in backward the tap runs after the
+    step's conjugate is issued and before it lands."""
+    if zb_h1:
+        return
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    for finish in finishes:
+        start = finish.args[0]
+        if not _input_gradient_conjugate(start) or RECOMPUTE in start.meta:
+            continue
+        for linear in _linears_reading(finish):
+            weight_t = linear.args[2] if linear.target is _aten.addmm.default else linear.args[1]
+            if (RECOMPUTE in linear.meta or weight_t.target not in (_aten.permute.default, _aten.t.default)
+                    or weight_t.target is _aten.permute.default and list(weight_t.args[1]) != [1, 0]
+                    or len(weight_t.users) != 1):
+                continue
+            weight = weight_t.args[0]
+            if order[weight] >= order[start] or weight.meta.get("val") is None or weight.meta["val"].dim() != 2:
+                continue
+            with graph.inserting_before(finish):
+                tapped = graph.call_function(weight_gradients.tap, (weight,))
+            tapped.meta.update({key: weight.meta[key] for key in ("val", SPEC) if key in weight.meta})
+            tapped.meta.update({key: linear.meta[key] for key in _PROVENANCE if key in linear.meta})
+            weight_t.replace_input_with(weight, tapped)
+            tapped.append(weight_t)  # the transpose may have stood before the step; its one user is later
+            bias = linear.args[0] if linear.target is _aten.addmm.default else None
+            x = linear.args[1] if linear.target is _aten.addmm.default else linear.args[0]
+            with graph.inserting_before(linear):
+                split = graph.call_function(weight_gradients.linear, (x, weight_t, bias, tapped))
+            split.meta.update({key: linear.meta[key] for key in ("val", SPEC, *_PROVENANCE) if key in linear.meta})
+            linear.replace_all_uses_with(split)
+            graph.erase_node(linear)
 
 
 def _bytes(node: torch.fx.Node) -> float:

@@ -15,7 +15,7 @@ from autopar.ir import module_path
 from autopar.passes.schedule_collectives import _small, deferred_nodes, overlaps, small_limit
 from autopar.runtime import collectives, in_flight, moe
 from autopar.runtime.launch import launch
-from examples.gpt import example_batch
+from examples.gpt import GPT, GPTConfig, example_batch
 from examples.moe import MoEConfig, MoEGPT
 
 
@@ -37,11 +37,11 @@ def test_the_moe_statistics_reductions_land_after_the_next_block_has_run(moe_pla
     dispatches = [n.name for n in graph.nodes if n.target is moe.moe_dispatch]
     loss = [n.name for n in graph.nodes if "nll_loss" in getattr(n.target, "__name__", "")]
     assert len(dispatches) == 2 and len(loss) == 1
-    in_flight_over = [o for o in overlaps(graph) if o.between]
+    by_name = {node.name: node for node in graph.nodes}
+    in_flight_over = [o for o in overlaps(graph) if o.between and by_name[o.start].target is collectives.all_reduce]
     # layer 0's three statistics reductions (two routing-range checks, the mean router probability)
     # are in flight over layer 1's expert exchange, layer 1's over the output layer and the loss
     assert len(in_flight_over) == 6, [(o.start, len(o.between)) for o in overlaps(graph)]
-    by_name = {node.name: node for node in graph.nodes}
     for over in in_flight_over:
         layer = module_path(by_name[over.start]).split(".")[1]
         assert order[over.start] < order[dispatches[1] if layer == "0" else loss[0]] < order[over.finish]
@@ -49,7 +49,8 @@ def test_the_moe_statistics_reductions_land_after_the_next_block_has_run(moe_pla
     deferred = deferred_nodes(moe_plan.stages[0].graph_module.graph)
     limit = small_limit(moe_plan.stages[0].graph_module.graph)
     assert deferred and all(_small(node, limit) for node in deferred)
-    assert "Collectives in flight (scheduling pass): 6 steps" in moe_plan.document().overlap_report()
+    # and the f before the lm_head, in flight over its weight gradient in backward
+    assert "Collectives in flight (scheduling pass): 7 steps have nodes between" in moe_plan.document().overlap_report()
 
 
 def test_overlap_off_leaves_every_collective_synchronous_and_the_ledger_unchanged(moe_plan):
@@ -113,3 +114,33 @@ def test_a_deferred_step_is_in_flight_over_the_compute_between_its_halves_in_bot
         # backward: the conjugate reduce-scatter is issued before the matmuls' backward and landed after
         issued, landed = backward.index("reduce_scatter_tensor"), backward.index("wait_tensor")
         assert issued < landed and backward[issued:landed].count("mm") >= 3
+
+
+def _tensor_parallel_calls(rank: int, world: int) -> list[str]:
+    config = GPTConfig(n_layer=2)
+    torch.manual_seed(0)
+    batch = example_batch(config, batch=4)
+    module = autopar.parallelize(GPT(config), "tp=2", strategies=[autopar.tensor_parallel()], example_inputs=batch)
+    calls = _Calls()
+    with calls:
+        loss = module(*module.local_batch(*batch))
+        calls.names.append("<forward done>")
+        loss.backward()
+    return calls.names
+
+
+def test_the_input_gradient_all_reduce_is_in_flight_over_the_weight_gradient_gemms():
+    """Megatron's overlap, by autograd's order: each column-parallel linear's input-gradient
+    all-reduce (the conjugate of f) is issued before the weight-gradient GEMMs of the linears it
+    feeds and waited after them (`runtime/weight_gradients.py`)."""
+    for calls in launch(_tensor_parallel_calls, 2, timeout_s=60, deadline_s=150):
+        backward = calls[calls.index("<forward done>"):]
+        issued = [i for i, name in enumerate(backward) if name == "all_reduce"]
+        gemms = []
+        for i in issued:
+            waited = backward.index("wait_tensor", i)
+            gemms.append(backward[i:waited].count("mm"))
+        # the first is the vocabulary-parallel loss kernel's own reduction (`local_ops`), then, in
+        # backward order: the lm_head behind the final norm's f; per layer from the last, up behind
+        # the MLP's f, q, k and v behind the attention's
+        assert gemms[0] == 0 and gemms[1:] == [1, 1, 3, 1, 3], backward

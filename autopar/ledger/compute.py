@@ -18,6 +18,7 @@ import torch.fx
 from torch.utils.flop_counter import flop_registry
 
 from autopar.ir import hint
+from autopar.runtime import weight_gradients
 
 aten = torch.ops.aten
 _FREE = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
@@ -43,6 +44,9 @@ def node_flops(node: torch.fx.Node) -> int:
         q, k = (a.meta["val"] for a in node.args[:2])
         batch_heads = math.prod(int(hint(d)) for d in q.shape[:-2])
         return 4 * batch_heads * int(hint(q.shape[-2])) * int(hint(k.shape[-2])) * int(hint(q.shape[-1]))
+    if node.target is weight_gradients.linear:  # x·weight_t (+ bias), as addmm counts it
+        (m, k), n = (int(hint(d)) for d in node.args[0].meta["val"].shape), int(hint(node.args[1].meta["val"].shape[-1]))
+        return 2 * m * k * n
     packet = getattr(node.target, "overloadpacket", None)
     if packet is not None and packet in flop_registry:
         args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]

@@ -316,7 +316,9 @@ def partial_from_replicate(x: torch.Tensor, *, group: str, index: int) -> torch.
     return _PartialFromReplicate.apply(x, index)
 
 
-def grad_all_reduce(x: torch.Tensor, *, group: str) -> torch.Tensor:
+def grad_all_reduce(x: torch.Tensor, *, group: str, deferred: bool = False) -> torch.Tensor:
+    if _starts(deferred):
+        return in_flight.start(x, "grad_all_reduce", group=group)
     return _GradAllReduce.apply(x, group)
 
 

@@ -184,10 +184,27 @@ def _all_to_all_conjugate_land(f: InFlight, pending):
     return c.land_all_to_all(received, chunk_shape, concat_dim=f.args["to_dim"])
 
 
+def _grad_all_reduce_issue(f: InFlight, x):  # Megatron's f: identity in forward
+    return _issued(x.view_as(x))
+
+
+def _grad_all_reduce_land(f: InFlight, buffer, _):
+    return buffer.view_as(buffer)
+
+
+def _grad_all_reduce_conjugate(f: InFlight, grad):
+    return c.issue_all_reduce(grad, f.args["group"], "sum")
+
+
+def _landed(f: InFlight, pending):
+    return c._wait(pending)
+
+
 FLIGHTS = {
     "all_reduce": (_all_reduce_issue, _all_reduce_land, _all_reduce_conjugate, _passed),
     "reduce_scatter": (_reduce_scatter_issue, _reduce_scatter_land, _reduce_scatter_conjugate,
                        _reduce_scatter_conjugate_land),
     "all_gather": (_all_gather_issue, _all_gather_land, _all_gather_conjugate, _all_gather_conjugate_land),
     "all_to_all": (_all_to_all_issue, _all_to_all_land, _all_to_all_conjugate, _all_to_all_conjugate_land),
+    "grad_all_reduce": (_grad_all_reduce_issue, _grad_all_reduce_land, _grad_all_reduce_conjugate, _landed),
 }
