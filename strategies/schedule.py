@@ -1,7 +1,8 @@
 """How the rank graph is scheduled, as data: `schedule(overlap=False)` keeps every collective
 synchronous where `insert_collectives` put it (the scheduling pass, `passes/schedule_collectives.py`,
 does not run); the default (nothing declared, or `overlap=True`) splits each into a start and a
-finish and defers the small ones' finishes to where they are needed.
+finish, leaves the weight gradients of the linears after an f or SP all-gather to run while its
+backward reduction is in flight, and defers small statistics' finishes to where they are needed.
 
 The declaration belongs to no mesh axis; `resolve_strategies` takes it out of the strategy list
 (`ResolvedStrategy.schedule`).

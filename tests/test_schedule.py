@@ -15,6 +15,7 @@ from autopar.ir import module_path
 from autopar.passes.schedule_collectives import _small, deferred_nodes, overlaps, small_limit
 from autopar.runtime import collectives, in_flight, moe
 from autopar.runtime.launch import launch
+from autopar.views.html import render_html
 from examples.gpt import GPT, GPTConfig, example_batch
 from examples.moe import MoEConfig, MoEGPT
 
@@ -51,6 +52,12 @@ def test_the_moe_statistics_reductions_land_after_the_next_block_has_run(moe_pla
     assert deferred and all(_small(node, limit) for node in deferred)
     # and the f before the lm_head, in flight over its weight gradient in backward
     assert "Collectives in flight (scheduling pass): 7 steps have nodes between" in moe_plan.document().overlap_report()
+
+
+def test_the_html_page_lists_the_steps_in_flight(moe_plan):
+    page = render_html(moe_plan.document().data)
+    assert 'id="overlap-panel"' in page and "Collectives in flight over compute — 7 steps" in page
+    assert "all_reduce (backward)" in page  # the f before the lm_head: its conjugate is what is in flight
 
 
 def test_overlap_off_leaves_every_collective_synchronous_and_the_ledger_unchanged(moe_plan):
