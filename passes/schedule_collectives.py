@@ -22,7 +22,7 @@ Runs last, on every stage graph, unless `autopar.schedule(overlap=False)` is dec
    by autograd's own order. The output gradients wait for their taps, so backward holds them a
    little longer (the memory ledger's fake runs run this graph). Not under zb_h1 (it splits
    weight gradients its own way), not in a recomputed region.
-3. Defer: a finish whose output is small (`small_limit`: at most `SMALL_BYTES` and at most the
+3. Defer: a finish whose output is small (`small_values`: at most `SMALL_BYTES` and at most the
    graph's largest value / `SMALL_FRACTION`, global sizes), and every node that
    computes only from small values and deferred ones (a later start included), moves to just
    before the first node that needs it (the graph's output at the latest). These are the
@@ -171,27 +171,27 @@ def _bytes(node: torch.fx.Node) -> float:
     return total
 
 
-def small_limit(graph: torch.fx.Graph) -> float:
-    """Bytes a deferred value may have: a statistic, not an activation, whatever the model's size."""
-    largest = max((b for node in graph.nodes if (b := _bytes(node)) != math.inf), default=0.0)
-    return min(SMALL_BYTES, largest / SMALL_FRACTION)
-
-
-def _small(node: torch.fx.Node, limit: float) -> bool:
-    return node.target in _CHECKS or _bytes(node) <= limit
+def small_values(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes whose value a deferral may move: at most `SMALL_BYTES` and at most the graph's
+    largest value / `SMALL_FRACTION` (a statistic, not an activation, whatever the model's size),
+    and the checks. Each node's size is read once."""
+    sizes = {node: _bytes(node) for node in graph.nodes}
+    largest = max((b for b in sizes.values() if b != math.inf), default=0.0)
+    limit = min(SMALL_BYTES, largest / SMALL_FRACTION)
+    return {node for node, size in sizes.items() if node.target in _CHECKS or size <= limit}
 
 
 def deferred_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     """The small finishes and what computes only from them and other small values, in graph order."""
     deferred: set[torch.fx.Node] = set()
-    limit = small_limit(graph)
+    small = small_values(graph)
     for node in graph.nodes:
-        if (node.op != "call_function" or RECOMPUTE in node.meta or not _small(node, limit)
+        if (node.op != "call_function" or RECOMPUTE in node.meta or node not in small
                 or node.is_impure() and node.target not in _CHECKS):
             continue
         inputs = node.all_input_nodes
         if node.target is in_flight.finish or (any(i in deferred for i in inputs)
-                                                and all(i in deferred or _small(i, limit) for i in inputs)):
+                                                and all(i in deferred or i in small for i in inputs)):
             deferred.add(node)
     return [node for node in graph.nodes if node in deferred]
 

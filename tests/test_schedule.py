@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
 from autopar.ir import module_path
-from autopar.passes.schedule_collectives import _small, deferred_nodes, overlaps, small_limit
+from autopar.passes.schedule_collectives import deferred_nodes, overlaps, small_values
 from autopar.runtime import collectives, in_flight, moe
 from autopar.runtime.launch import launch
 from autopar.views.html import render_html
@@ -48,8 +48,8 @@ def test_the_moe_statistics_reductions_land_after_the_next_block_has_run(moe_pla
         assert order[over.start] < order[dispatches[1] if layer == "0" else loss[0]] < order[over.finish]
     # only small values move: no large tensor is kept alive longer than before
     deferred = deferred_nodes(moe_plan.stages[0].graph_module.graph)
-    limit = small_limit(moe_plan.stages[0].graph_module.graph)
-    assert deferred and all(_small(node, limit) for node in deferred)
+    small = small_values(moe_plan.stages[0].graph_module.graph)
+    assert deferred and all(node in small for node in deferred)
     # and the f before the lm_head, in flight over its weight gradient in backward
     assert "Collectives in flight (scheduling pass): 7 steps have nodes between" in moe_plan.document().overlap_report()
 
