@@ -5,10 +5,12 @@ Every ATen `clone` and `copy_` a step dispatches is counted with its output byte
 `.contiguous()` of a strided tensor and a `reshape` that cannot view are clones), split by
 whether it ran inside one of autopar's redistribution steps (`autopar.runtime.collectives`,
 found from the Python stack) or elsewhere (the model's own ops, autograd, the optimizer).
-Rows: tp4+SP (gathers and reduce-scatters on the sequence dimension, dim 1 of [b, s, h]),
-tp4, dp2×tp2+SP, zero3. Timing is not measured here (`compare_step_time.py` does).
+Rows: tp4+SP (SP's default: the tokens sharded on the batch, dim 0 of [b, s, h], where the
+local batch splits over tp — `strategies/token_shard.py`), the same pinned to the sequence
+(`_on_sequence`: dim 1, what it was before, and what it still is where the batch does not split),
+tp4, dp2×tp2+SP (and pinned), zero3. Timing is not measured here (`compare_step_time.py` does).
 
-Run: python benchmarks/copies.py [--rows tp4_sp,tp4]
+Run: python benchmarks/copies.py [--rows tp4_sp,tp4_sp_on_sequence]
 """
 from __future__ import annotations
 
@@ -30,8 +32,11 @@ from examples.gpt import GPT, GPTConfig, example_batch  # noqa: E402
 
 ROWS = {
     "tp4_sp": ("tp=4", lambda: [autopar.sequence_parallel()]),
+    "tp4_sp_on_sequence": ("tp=4", lambda: [autopar.sequence_parallel(sequence_dim=1)]),
     "tp4": ("tp=4", lambda: [autopar.tensor_parallel()]),
     "dp2_tp2_sp": ("dp=2,tp=2", lambda: [autopar.data_parallel(), autopar.sequence_parallel()]),
+    "dp2_tp2_sp_on_sequence": ("dp=2,tp=2", lambda: [autopar.data_parallel(),
+                                                     autopar.sequence_parallel(sequence_dim=1)]),
     "zero3": ("dp=4", lambda: [autopar.zero(stage=3)]),
 }
 _COPIES = {torch.ops.aten.clone.default, torch.ops.aten.copy_.default}

@@ -90,7 +90,10 @@ def _edge_spec(producer: torch.fx.Node, consumer: torch.fx.Node, ctx: CompileCon
     if producer.op == "placeholder" and ctx.placeholders[producer.name].kind != "input":
         return spec
     reasons: list[str] = []
-    placements = ctx.strategy.edge_placements(module_stack(producer), module_stack(consumer), spec.placements, reasons)
+    value = producer.meta.get("val")  # its sizes, symbolic where dynamic (the spec holds their hints)
+    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+    placements = ctx.strategy.edge_placements(module_stack(producer), module_stack(consumer), spec.placements, reasons,
+                                              shape=shape)
     if placements == spec.placements:
         return spec
     edges = consumer.meta.setdefault(ORIGIN, {}).setdefault("edges", [])

@@ -24,6 +24,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
+from autopar.strategies.token_shard import TokenShard
 
 if TYPE_CHECKING:
     import torch.fx
@@ -61,7 +62,7 @@ class ModuleLayout:
 
     pattern: str
     inputs: Placement | None = None
-    outputs: Placement | None = None
+    outputs: "Placement | TokenShard | None" = None
 
 
 @dataclass(frozen=True)
@@ -200,8 +201,11 @@ class ResolvedStrategy:
         return tuple(placements)
 
     def edge_placements(self, producer_stack: list[str], consumer_stack: list[str],
-                        placements: tuple[Placement, ...], reasons: list[str] | None = None) -> tuple[Placement, ...]:
-        """Placements a tensor must have on an edge that leaves and/or enters modules (why: into `reasons`)."""
+                        placements: tuple[Placement, ...], reasons: list[str] | None = None, *,
+                        shape: "tuple[int, ...] | None" = None) -> tuple[Placement, ...]:
+        """Placements a tensor (of global `shape`) must have on an edge that leaves and/or enters
+        modules (why: into `reasons`). A declared `TokenShard` is resolved last, against the other
+        axes' placements (`strategies/token_shard.py`)."""
         left = [m for m in producer_stack if m not in consumer_stack]
         entered = [m for m in consumer_stack if m not in producer_stack]
         result = list(placements)
@@ -219,6 +223,13 @@ class ResolvedStrategy:
                         result[index] = layout.inputs
                         if reasons is not None:
                             reasons.append(f"{axis}: {layout.inputs} entering {module} ({strategy.name} layout {layout.pattern!r})")
+        declared = tuple(result)
+        sizes = tuple(self.mesh.size(axis) for axis in self.mesh.names)
+        for index, placement in enumerate(declared):
+            if isinstance(placement, TokenShard):
+                result[index] = placement.resolve(shape=shape, placements=declared, axis_index=index, sizes=sizes)
+                if reasons is not None:
+                    reasons.append(f"{self.mesh.names[index]}: tokens sharded on dim {result[index].dim}")
         return tuple(result)
 
 

@@ -10,8 +10,9 @@ from a declared `TransformerLayout` (module-name globs, `strategies/layouts.py`)
   runs on vocabulary shards (`autopar.op_rules`), never gathering the full logits;
 - module layouts: attention / MLP blocks take a replicated input (Megatron's f: identity
   forward, all-reduce backward) and return a replicated output (g: all-reduce forward). With
-  `sequence_parallel=True` the block outputs and the embedding output are sharded on the
-  sequence dimension instead, so g becomes a reduce-scatter and f an all-gather (whose
+  `sequence_parallel=True` the block outputs and the embedding output are sharded on their
+  tokens instead (the batch or the sequence dimension, whichever needs no layout copies:
+  `strategies/token_shard.py`), so g becomes a reduce-scatter and f an all-gather (whose
   backward is a reduce-scatter), and LayerNorm/dropout/residuals run on sequence shards;
 - mixture-of-experts blocks (found in the graph only): every expert's FFN split column | row
   (`strategies/expert.py`, `expert_tensor_layout`), its tokens entering replicated.
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch.fx
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from autopar.context import PlaceholderInfo
 from autopar.mesh import Mesh
@@ -30,6 +31,7 @@ from autopar.strategies import ModuleLayout, ParamRule, Strategy
 from autopar.strategies.expert import expert_tensor_layout
 from autopar.strategies.find_layout import find_layout
 from autopar.strategies.layouts import TransformerLayout
+from autopar.strategies.token_shard import TokenShard
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class FindLayout:
 
     axis: str
     sequence_parallel: bool
-    sequence_dim: int
+    sequence_dim: int | None
     regather_in_backward: bool = False
 
     @property
@@ -52,7 +54,7 @@ class FindLayout:
         if mesh.size(self.axis) == 1:  # nothing to shard: every placement on the axis is Replicate
             return Strategy(name=name, axis=self.axis)
         found = find_layout(graph_module, placeholders, axis=self.axis, size=mesh.size(self.axis))
-        block_output = Shard(self.sequence_dim) if self.sequence_parallel else Replicate()
+        block_output = _block_output(self.sequence_parallel, self.sequence_dim)
         params = tuple(ParamRule(choice.fqn, choice.placement, why=choice.why) for choice in found.params)
         inputs = {"block": Replicate(), "head": Replicate(), "embedding": None}
         outputs = {"block": block_output, "embedding": block_output, "head": None}
@@ -64,15 +66,26 @@ class FindLayout:
                         regather_in_backward=self.regather_in_backward, notes=tuple(found.notes) + tuple(expert_notes))
 
 
+def _block_output(sequence_parallel: bool, sequence_dim: int | None) -> "Placement | TokenShard":
+    if not sequence_parallel:
+        return Replicate()
+    return TokenShard() if sequence_dim is None else Shard(sequence_dim)
+
+
 def tensor_parallel(*, layout: TransformerLayout | None = None, axis: str = "tp", sequence_parallel: bool = False,
-                    sequence_dim: int = 1, regather_in_backward: bool = False) -> "Strategy | FindLayout":
+                    sequence_dim: int | None = None, regather_in_backward: bool = False) -> "Strategy | FindLayout":
     """Megatron TP over `axis`; `layout=None` means: find it in the traced graph at plan time
     (`strategies/find_layout.py`); a `TransformerLayout` declares it by module names instead.
 
     `regather_in_backward` (with sequence parallelism): keep the sequence shard a block's
     all-gather takes in for backward instead of the gathered input of its first linears, and
     all-gather it again in backward, as Megatron does: s·b·h·(1 - 1/t) fewer saved elements per
-    such linear, one more all-gather per block input in backward (both in the ledgers)."""
+    such linear, one more all-gather per block input in backward (both in the ledgers).
+
+    `sequence_dim` (with sequence parallelism): None shards each block output's tokens on the
+    first dimension that leaves every rank one contiguous piece — the batch when the local batch
+    splits over the axis, else the sequence (dim 1) — so the gathers and reduce-scatters copy
+    nothing (`strategies/token_shard.py`); an int pins that dimension."""
     if layout is None:
         return FindLayout(axis=axis, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
                             regather_in_backward=regather_in_backward)
@@ -87,7 +100,7 @@ def tensor_parallel(*, layout: TransformerLayout | None = None, axis: str = "tp"
         params += [ParamRule(f"{module}.weight", Shard(in_dim))]
     for module in layout.embedding + layout.lm_head:
         params += [ParamRule(f"{module}.weight", Shard(0))]
-    block_output = Shard(sequence_dim) if sequence_parallel else Replicate()
+    block_output = _block_output(sequence_parallel, sequence_dim)
     modules = [ModuleLayout(block, inputs=Replicate(), outputs=block_output) for block in layout.blocks]
     modules += [ModuleLayout(module, outputs=block_output) for module in layout.embedding]
     modules += [ModuleLayout(module, inputs=Replicate()) for module in layout.lm_head]
@@ -96,7 +109,7 @@ def tensor_parallel(*, layout: TransformerLayout | None = None, axis: str = "tp"
                     regather_in_backward=regather_in_backward)
 
 
-def sequence_parallel(*, layout: TransformerLayout | None = None, axis: str = "tp", sequence_dim: int = 1,
+def sequence_parallel(*, layout: TransformerLayout | None = None, axis: str = "tp", sequence_dim: int | None = None,
                       regather_in_backward: bool = False) -> "Strategy | FindLayout":
     """Tensor parallelism with Megatron sequence parallelism on the same axis."""
     return tensor_parallel(layout=layout, axis=axis, sequence_parallel=True, sequence_dim=sequence_dim,

@@ -35,6 +35,8 @@ CASES = {
     "tp4_sp": ("tp=4", [autopar.sequence_parallel()]),
     "dp2_tp2_sp": ("dp=2,tp=2", [autopar.data_parallel(), autopar.sequence_parallel()]),
     "tp4_sp_regather": ("tp=4", [autopar.sequence_parallel(regather_in_backward=True)]),
+    # the batch splits over tp above (SP shards it: no layout copies); pinned to the sequence here
+    "tp4_sp_on_sequence": ("tp=4", [autopar.sequence_parallel(sequence_dim=1)]),
 }
 
 

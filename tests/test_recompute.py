@@ -91,7 +91,9 @@ def test_full_recomputation_keeps_block_inputs_and_runs_the_forward_collectives_
     # what a block's computation leaves kept: its output (the next block's, or the final norm's, input) only
     inside = [e for e in kept_full.entries if e.module.startswith("layers.")]
     assert sorted(e.module for e in inside) == ["layers.0", "layers.1"], [(e.module, e.node) for e in inside]
-    assert all(e.op == "getitem" and e.shape == (4, 8, 32) for e in inside), inside
+    # batch 8 over dp=2 leaves 4 rows a rank, which split over tp=2: SP shards the batch (its
+    # copy-free token dimension, strategies/token_shard.py), [2, 16, 32] of the [8, 16, 32] stream
+    assert all(e.op == "getitem" and e.shape == (2, 16, 32) for e in inside), inside
     before, after = plain.comm.by_key(rank=0), full.comm.by_key(rank=0)
     again = _forward_collectives(full, None)
     assert again, "the blocks hold no forward collective under tp=2+SP"
