@@ -8,9 +8,14 @@ found from the Python stack) or elsewhere (the model's own ops, autograd, the op
 Rows: tp4+SP (SP's default: the tokens sharded on the batch, dim 0 of [b, s, h], where the
 local batch splits over tp — `strategies/token_shard.py`), the same pinned to the sequence
 (`_on_sequence`: dim 1, what it was before, and what it still is where the batch does not split),
-tp4, dp2×tp2+SP (and pinned), zero3. Timing is not measured here (`compare_step_time.py` does).
+tp4, dp2×tp2+SP (and pinned), zero3.
 
-Run: python benchmarks/copies.py [--rows tp4_sp,tp4_sp_on_sequence]
+`--time`: what the copies cost — each rank parallelizes the model twice, SP on its default
+dimension and pinned to the sequence, and alternates their training steps (a barrier before
+each; the slowest rank's median, as `compare_step_time.py` measures), rows tp4_sp and dp2_tp2_sp;
+the last losses of both are printed (the same tokens, the same arithmetic per token).
+
+Run: python benchmarks/copies.py [--rows tp4_sp,tp4_sp_on_sequence] [--time [--steps N]]
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` is no
 
 import autopar  # noqa: E402
 from autopar.runtime.launch import launch  # noqa: E402
+from benchmarks.compare_step_time import alternate_steps, make_step, median_step_ms  # noqa: E402
 from examples.gpt import GPT, GPTConfig, example_batch  # noqa: E402
 
 ROWS = {
@@ -76,11 +82,43 @@ def run_row(rank: int, world: int, row: str, config: GPTConfig) -> dict[str, Any
     return {"bytes": counter.bytes, "calls": counter.calls}
 
 
+def time_row(rank: int, world: int, row: str, config: GPTConfig, steps: int) -> dict[str, Any]:
+    """Alternating steps of SP's default token dimension and of SP pinned to the sequence."""
+    mesh, _ = ROWS[row]
+    batch = example_batch(config, batch=8)
+    sides = {"default": ROWS[row][1], "on sequence": ROWS[f"{row}_on_sequence"][1]}
+    step_functions = {}
+    for side, strategies in sides.items():
+        torch.manual_seed(0)
+        module = autopar.parallelize(GPT(config), mesh, strategies=strategies(), example_inputs=batch)
+        step_functions[side] = make_step(module, module.local_batch(*batch), lr=1e-3)
+    results = {side: {"losses": [], "times": []} for side in sides}
+    alternate_steps(step_functions, results, first=0, warmup=2, timed=steps)
+    return results
+
+
+def print_times(config: GPTConfig, steps: int) -> None:
+    table = []
+    for row in ("tp4_sp", "dp2_tp2_sp"):
+        ranks = launch(time_row, 4, row, config, steps, timeout_s=900)
+        default, pinned = (median_step_ms([r[side] for r in ranks]) for side in ("default", "on sequence"))
+        table.append([row, f"{default:.1f}", f"{pinned:.1f}", f"{default / pinned:.3f}",
+                      f"{ranks[0]['default']['losses'][-1]:.6f}", f"{ranks[0]['on sequence']['losses'][-1]:.6f}"])
+    print(f"median of {steps} steps after 2 warm-up, slowest rank, steps alternating")
+    print(tabulate(table, headers=["row", "default ms", "on sequence ms", "ratio", "last loss default",
+                                   "last loss on sequence"], disable_numparse=True))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--time", action="store_true", help="time SP on its default dimension against the sequence")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per side (with --time)")
     args = parser.parse_args()
     config = GPTConfig(vocab_size=512, seq_len=128, n_layer=4, n_head=8, d_model=256, d_ff=1024)
+    if args.time:
+        print_times(config, args.steps)
+        return
     table = []
     for row in args.rows.split(","):
         rank0 = launch(run_row, 4, row, config, timeout_s=600)[0]
