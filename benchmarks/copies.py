@@ -1,8 +1,9 @@
-"""Bytes copied per training step: what layout copies (`clone`, `copy_`) cost a rank, counted
+"""Bytes copied per training step: what layout copies (`clone`, `copy_`, `cat`) cost a rank, counted
 from outside by a dispatch mode, on the example GPT under each row's strategies (4 gloo ranks).
 
-Every ATen `clone` and `copy_` a step dispatches is counted with its output bytes (a
-`.contiguous()` of a strided tensor and a `reshape` that cannot view are clones), split by
+Every ATen `clone`, `copy_` and `cat` a step dispatches is counted with its output bytes (a
+`.contiguous()` of a strided tensor and a `reshape` that cannot view are clones; a flat buffer
+built from pieces is a cat), split by
 whether it ran inside one of autopar's redistribution steps (`autopar.runtime.collectives`,
 found from the Python stack) or elsewhere (the model's own ops, autograd, the optimizer).
 Rows: tp4+SP (SP's default: the tokens sharded on the batch, dim 0 of [b, s, h], where the
@@ -45,11 +46,11 @@ ROWS = {
                                                      autopar.sequence_parallel(sequence_dim=1)]),
     "zero3": ("dp=4", lambda: [autopar.zero(stage=3)]),
 }
-_COPIES = {torch.ops.aten.clone.default, torch.ops.aten.copy_.default}
+_COPIES = {torch.ops.aten.clone.default, torch.ops.aten.copy_.default, torch.ops.aten.cat.default}
 
 
 class CopiedBytes(TorchDispatchMode):
-    """Output bytes of every clone / copy_, by whether autopar's collectives issued it."""
+    """Output bytes of every clone / copy_ / cat, by whether autopar's collectives issued it."""
 
     def __init__(self) -> None:
         super().__init__()
