@@ -9,7 +9,9 @@ found from the Python stack) or elsewhere (the model's own ops, autograd, the op
 Rows: tp4+SP (SP's default: the tokens sharded on the batch, dim 0 of [b, s, h], where the
 local batch splits over tp — `strategies/token_shard.py`), the same pinned to the sequence
 (`_on_sequence`: dim 1, what it was before, and what it still is where the batch does not split),
-tp4, dp2×tp2+SP (and pinned), zero3.
+tp4, dp2×tp2+SP (and pinned), zero3, and context parallelism's three attentions on cp=4 (the
+all-gathered K/V used in the collective's rank-major buffer, block by block; Ulysses' all-to-alls
+laid out with one copy a side at most).
 
 `--time`: what the copies cost — each rank parallelizes the model twice, SP on its default
 dimension and pinned to the sequence, and alternates their training steps (a barrier before
@@ -45,6 +47,9 @@ ROWS = {
     "dp2_tp2_sp_on_sequence": ("dp=2,tp=2", lambda: [autopar.data_parallel(),
                                                      autopar.sequence_parallel(sequence_dim=1)]),
     "zero3": ("dp=4", lambda: [autopar.zero(stage=3)]),
+    "cp4_ring": ("cp=4", lambda: [autopar.context_parallel(method="ring")]),
+    "cp4_allgather": ("cp=4", lambda: [autopar.context_parallel(method="allgather")]),
+    "cp4_alltoall": ("cp=4", lambda: [autopar.context_parallel(method="alltoall")]),
 }
 _COPIES = {torch.ops.aten.clone.default, torch.ops.aten.copy_.default, torch.ops.aten.cat.default}
 

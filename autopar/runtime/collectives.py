@@ -35,12 +35,13 @@ from autopar.runtime.sequence_chunks import CONTIGUOUS, natural_order, rank_orde
 _c10d = torch.ops._c10d_functional
 
 
-def _wait(tensor: torch.Tensor) -> torch.Tensor:
+def wait(tensor: torch.Tensor) -> torch.Tensor:
+    """The output of an issued collective, once it has arrived."""
     return _c10d.wait_tensor(tensor)
 
 
 def raw_all_reduce(x: torch.Tensor, group: str, reduce_op: str = "sum") -> torch.Tensor:
-    return _wait(issue_all_reduce(x, group, reduce_op))
+    return wait(issue_all_reduce(x, group, reduce_op))
 
 
 # Each collective in two halves: `issue_*` hands the tensor to the process group and returns its
@@ -64,7 +65,7 @@ def issue_all_gather(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
 
 def land_all_gather(pending: torch.Tensor, shape: tuple, size: int, dim: int) -> torch.Tensor:
     """The gathered tensor from an issued all-gather of shards of `shape`."""
-    gathered = _wait(pending)
+    gathered = wait(pending)
     if dim == 0:
         return gathered
     ranks_next_to_dim = gathered.view(size, *shape).movedim(0, dim)
@@ -72,7 +73,7 @@ def land_all_gather(pending: torch.Tensor, shape: tuple, size: int, dim: int) ->
 
 
 def raw_reduce_scatter(x: torch.Tensor, group: str, size: int, dim: int) -> torch.Tensor:
-    return _wait(issue_reduce_scatter(x, group, size, dim))
+    return wait(issue_reduce_scatter(x, group, size, dim))
 
 
 def issue_reduce_scatter(x: torch.Tensor, group: str, size: int, dim: int) -> torch.Tensor:
@@ -90,18 +91,23 @@ def raw_all_to_all(x: torch.Tensor, group: str, size: int, split_dim: int, conca
     return land_all_to_all(pending, chunk_shape, concat_dim)
 
 
+# An all-to-all sends and receives rank-major buffers too: the chunks of split_dim are laid out
+# rank-major with one copy (none where split_dim is 0 or every dim before it has size 1), and
+# what arrives is moved next to concat_dim by a view, copied only where that cannot be a view.
 def issue_all_to_all(x: torch.Tensor, group: str, size: int, split_dim: int) -> tuple[torch.Tensor, tuple]:
     """The exchange of `x`'s `size` chunks on split_dim in flight, and the shape of one chunk."""
-    chunks = [c.contiguous() for c in torch.chunk(x, size, dim=split_dim)]
-    send = torch.cat([c.reshape(-1) for c in chunks])
-    pending = _c10d.all_to_all_single(send, [chunks[0].numel()] * size, [c.numel() for c in chunks], group)
-    return pending, tuple(chunks[0].shape)
+    shape = tuple(x.shape)
+    chunks = x.reshape(*shape[:split_dim], size, shape[split_dim] // size, *shape[split_dim + 1:]).movedim(split_dim, 0)
+    numel = math.prod(chunks.shape[1:])
+    pending = _c10d.all_to_all_single(chunks.contiguous().view(-1), [numel] * size, [numel] * size, group)
+    return pending, tuple(chunks.shape[1:])
 
 
 def land_all_to_all(pending: torch.Tensor, chunk_shape: tuple, concat_dim: int) -> torch.Tensor:
-    received = _wait(pending)
-    pieces = received.split(math.prod(chunk_shape))
-    return torch.cat([p.view(chunk_shape) for p in pieces], dim=concat_dim)
+    received = wait(pending)
+    size = received.numel() // math.prod(chunk_shape)
+    ranks_next_to_dim = received.view(size, *chunk_shape).movedim(0, concat_dim)
+    return ranks_next_to_dim.reshape(*chunk_shape[:concat_dim], size * chunk_shape[concat_dim], *chunk_shape[concat_dim + 1:])
 
 
 class _AllReduce(torch.autograd.Function):

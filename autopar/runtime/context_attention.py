@@ -142,24 +142,32 @@ class _RingExchange:
 
 
 class _GatheredExchange:
-    """Every K/V block at once: all-gathered over the axis; gradients reduce-scattered."""
+    """Every K/V block at once: all-gathered over the axis; gradients reduce-scattered.
+
+    The blocks are used one rank's at a time, so they stay in the collective's rank-major buffer
+    ([N, batch, heads, seq/N, head_dim]: rank r's block is a contiguous view of it) instead of
+    being laid out along the sequence, and the gradients accumulate in the same layout, which is
+    what the reduce-scatter takes: neither direction copies a gathered tensor."""
 
     def __init__(self, group: str, size: int, index: int) -> None:
         self.group, self.size, self.index = group, size, index
 
+    def _gathered(self, t: torch.Tensor) -> torch.Tensor:
+        pending = collectives.issue_all_gather(t, self.group, self.size)
+        return collectives.wait(pending).view(self.size, *t.shape)
+
     def forward_blocks(self, k: torch.Tensor, v: torch.Tensor):
-        whole = [collectives.raw_all_gather(t, self.group, self.size, 2) for t in (k, v)]
-        for rank, (k_r, v_r) in enumerate(zip(*(t.chunk(self.size, dim=2) for t in whole))):
-            yield rank, k_r, v_r
+        whole = [self._gathered(t) for t in (k, v)]
+        for rank in range(self.size):
+            yield rank, whole[0][rank], whole[1][rank]
 
     def backward_blocks(self, k: torch.Tensor, v: torch.Tensor, accumulate: Callable[..., None]
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        whole = [collectives.raw_all_gather(t, self.group, self.size, 2) for t in (k, v)]
+        whole = [self._gathered(t) for t in (k, v)]
         grads = [torch.zeros(t.shape, dtype=torch.float32) for t in whole]
-        pieces = [t.chunk(self.size, dim=2) for t in whole + grads]
         for rank in range(self.size):
-            accumulate(rank, pieces[0][rank], pieces[1][rank], pieces[2][rank], pieces[3][rank])
-        return tuple(collectives.raw_reduce_scatter(g, self.group, self.size, 2) for g in grads)
+            accumulate(rank, whole[0][rank], whole[1][rank], grads[0][rank], grads[1][rank])
+        return tuple(collectives.raw_reduce_scatter(g.flatten(0, 1), self.group, self.size, 0) for g in grads)
 
 
 def _repeat_heads(t: torch.Tensor, groups: int) -> torch.Tensor:

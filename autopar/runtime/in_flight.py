@@ -116,7 +116,7 @@ def _all_reduce_issue(f: InFlight, x):
 
 
 def _all_reduce_land(f: InFlight, buffer, _):
-    out = c._wait(buffer)
+    out = c.wait(buffer)
     return out / f.args["size"] if f.args["reduce_op"] == "avg" else out
 
 
@@ -133,7 +133,7 @@ def _reduce_scatter_issue(f: InFlight, x):
 
 
 def _reduce_scatter_land(f: InFlight, buffer, _):
-    return c._wait(buffer)
+    return c.wait(buffer)
 
 
 def _reduce_scatter_conjugate(f: InFlight, grad):
@@ -164,7 +164,7 @@ def _all_gather_conjugate(f: InFlight, grad):
 
 
 def _all_gather_conjugate_land(f: InFlight, pending):
-    return c._wait(pending) if f.args["grad_partial"] else pending
+    return c.wait(pending) if f.args["grad_partial"] else pending
 
 
 def _all_to_all_issue(f: InFlight, x):
@@ -197,7 +197,7 @@ def _grad_all_reduce_conjugate(f: InFlight, grad):
 
 
 def _landed(f: InFlight, pending):
-    return c._wait(pending)
+    return c.wait(pending)
 
 
 FLIGHTS = {
