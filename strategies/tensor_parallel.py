@@ -13,7 +13,7 @@ from a declared `TransformerLayout` (module-name globs, `strategies/layouts.py`)
   `sequence_parallel=True` the block outputs and the embedding output are sharded on their
   tokens instead (the batch or the sequence dimension, whichever needs no layout copies:
   `strategies/token_shard.py`), so g becomes a reduce-scatter and f an all-gather (whose
-  backward is a reduce-scatter), and LayerNorm/dropout/residuals run on sequence shards;
+  backward is a reduce-scatter), and LayerNorm/dropout/residuals run on token shards;
 - mixture-of-experts blocks (found in the graph only): every expert's FFN split column | row
   (`strategies/expert.py`, `expert_tensor_layout`), its tokens entering replicated.
 """
