@@ -13,7 +13,10 @@ tensor, to the first token dimension (any dim but the last) that gives contiguou
 - else `sequence_dim` (the sequence dimension, declared): correct, with one layout copy on each
   gathered side (`runtime/collectives.land_all_gather`) and one before each reduce-scatter. A
   dynamic size (`dynamic_dims`) is never chosen, nor passed over: its run-time size is unknown.
-Every tensor of the same shape and placements resolves alike, so block outputs, the embedding
+Only a dimension no later mesh axis shards is chosen: several axes sharding one dimension cut it
+outermost axis first (DTensor's order, which dropout's masks and every shard follow), while the
+data was cut by the axis that sharded it first — on a mesh "tp=2,dp=2" that is dp, the inner one,
+so tp shards the sequence there. Every tensor of the same shape and placements resolves alike, so block outputs, the embedding
 output and the residual stream they meet agree. Bytes on the wire and per-rank memory are the
 same on any token dimension; only the copies differ (`benchmarks/copies.py`).
 """
@@ -46,6 +49,9 @@ class TokenShard:
         for dim in range(len(shape) - 1):
             if not isinstance(shape[dim], int):  # a dynamic size (`dynamic_dims`): its local size is not known
                 break
+            if any(i > axis_index and isinstance(p, Shard) and p.dim == dim for i, p in enumerate(placements)):
+                break  # an inner axis cut it first (data parallelism on a mesh "tp=2,dp=2"): this axis' piece
+                # of it would not be the one its place in the mesh says (module docstring)
             local = shape[dim] // math.prod(sizes[i] for i, p in enumerate(placements)
                                             if i != axis_index and isinstance(p, Shard) and p.dim == dim)
             if local % size == 0 and local >= size:

@@ -82,19 +82,20 @@ def test_sp_all_gathers_reduce_scatter_their_gradients(sp_plan):
     ("tp=2", 1, None, 1),  # one sequence: its chunks are contiguous blocks
     ("dp=2,tp=2", 2, None, 1),  # one row a dp rank: the sequence, as above
     ("dp=2,tp=2", 8, None, 0),
+    ("tp=2,dp=2", 8, None, 1),  # dp, the inner axis, cut the batch: tp's piece of it would be out of mesh order
     ("tp=2", 3, None, 1),  # the batch does not split: the sequence, one layout copy per gather
     ("tp=2", 4, 1, 1),  # pinned
 ])
 def test_sp_shards_the_token_dimension_that_needs_no_copies(mesh, batch, sequence_dim, dim):
     torch.manual_seed(0)
-    strategies = [autopar.data_parallel()] if mesh.startswith("dp") else []
+    strategies = [autopar.data_parallel()] if "dp" in mesh else []
     plan = autopar.plan(GPT(CONFIG), mesh, strategies=strategies + [autopar.sequence_parallel(sequence_dim=sequence_dim)],
                         example_inputs=example_batch(CONFIG, batch=batch))
     moved = calls(plan, collectives.all_gather) + calls(plan, collectives.reduce_scatter)
     assert len(moved) == 2 * (2 * CONFIG.n_layer + 1)
     assert {n.kwargs["dim"] for n in moved} == {dim}
     block_output = next(n for n in plan.graph_module.graph.nodes if n.target is collectives.reduce_scatter)
-    assert block_output.meta[SPEC].placements[-1] == Shard(dim)
+    assert block_output.meta[SPEC].placements[plan.mesh.names.index("tp")] == Shard(dim)
 
 
 def test_dp_syncs_every_parameter_in_buckets_and_inserts_no_f():
