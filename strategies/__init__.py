@@ -224,6 +224,8 @@ class ResolvedStrategy:
                         if reasons is not None:
                             reasons.append(f"{axis}: {layout.inputs} entering {module} ({strategy.name} layout {layout.pattern!r})")
         declared = tuple(result)
+        if not any(isinstance(p, TokenShard) for p in declared):  # most edges: nothing to resolve
+            return declared
         sizes = tuple(self.mesh.size(axis) for axis in self.mesh.names)
         for index, placement in enumerate(declared):
             if isinstance(placement, TokenShard):

@@ -16,8 +16,8 @@ tensor, to the first token dimension (any dim but the last) that gives contiguou
 Only a dimension no later mesh axis shards is chosen: several axes sharding one dimension cut it
 outermost axis first (DTensor's order, which dropout's masks and every shard follow), while the
 data was cut by the axis that sharded it first — on a mesh "tp=2,dp=2" that is dp, the inner one,
-so tp shards the sequence there. Every tensor of the same shape and placements resolves alike, so block outputs, the embedding
-output and the residual stream they meet agree. Bytes on the wire and per-rank memory are the
+so tp shards the sequence there. Every tensor of the same shape and placements resolves alike, so
+block outputs, the embedding output and the residual stream they meet agree. Bytes on the wire and per-rank memory are the
 same on any token dimension; only the copies differ (`benchmarks/copies.py`).
 """
 from __future__ import annotations
