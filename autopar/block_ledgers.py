@@ -72,6 +72,7 @@ class CommUse:
     axis: str
     kind: str
     logical_bytes: int  # per call
+    behind: str = ""  # the compute it is in flight behind (`CommEntry.behind`)
 
 
 @dataclass
@@ -84,6 +85,7 @@ class Part:
     transient_bytes: int = 0
     forward: OpTotals = field(default_factory=OpTotals)
     backward: OpTotals = field(default_factory=OpTotals)
+    taps: OpTotals = field(default_factory=OpTotals)  # of backward's calls, the weight-gradient taps'
     comm: Counter = field(default_factory=Counter)  # CommUse -> calls per micro-batch (not gradient sync)
     grad_sync: Counter = field(default_factory=Counter)  # axis -> bytes of gradients synchronised over it
     working_bytes: int = 0  # backward's working memory beyond the saved activations (the rest: the loss's)
@@ -137,7 +139,7 @@ def _comm(plan: Any) -> tuple[Counter, Counter]:
         if entry.phase == "grad_sync":
             synced[entry.axis] += nbytes * entry.times
         else:
-            uses[CommUse(entry.phase, entry.axis, entry.kind, nbytes)] += entry.times
+            uses[CommUse(entry.phase, entry.axis, entry.kind, nbytes, entry.behind)] += entry.times
     return uses, synced
 
 
@@ -168,14 +170,14 @@ def _measured(plan: Any, block: str | None = None) -> tuple[Part, Part | None]:
     saved = saved_activations(plan, rank=0).entries  # the plans have no pipeline: one forward's
     ops = ops_run(plan, 0, block=block)
     whole = Part(activation_bytes=sum(e.number for e in saved), transient_bytes=transient,
-                 forward=ops.forward, backward=ops.backward, working_bytes=ops.working.bytes,
+                 forward=ops.forward, backward=ops.backward, taps=ops.taps, working_bytes=ops.working.bytes,
                  working_weights=ops.working.weight_gradients,
                  largest_param=largest_optimized(plan, plan.stages_of_rank(0), "adamw"))
     if block is None:
         return whole, None
     inside = sum(e.number for e in saved if e.module == block or e.module.startswith(block + "."))
     forward, backward = ops.block
-    return whole, Part(activation_bytes=inside, forward=forward, backward=backward)
+    return whole, Part(activation_bytes=inside, forward=forward, backward=backward, taps=ops.block_taps)
 
 
 def _state_parts(two: Part, one: Part) -> tuple[Part, Part]:
@@ -194,10 +196,11 @@ def _parts(two: Part, one: Part, whole: Part, second: Part) -> tuple[Part, Part]
     of the two-block plan's runs, the rest as that plan's runs less two blocks."""
     block, rest = _state_parts(two, one)
     return (replace(block, activation_bytes=second.activation_bytes, forward=second.forward, backward=second.backward,
-                    largest_param=whole.largest_param),
+                    taps=second.taps, largest_param=whole.largest_param),
             replace(rest, activation_bytes=whole.activation_bytes - 2 * second.activation_bytes,
                     transient_bytes=whole.transient_bytes, forward=_less(whole.forward, second.forward),
-                    backward=_less(whole.backward, second.backward), working_bytes=whole.working_bytes,
+                    backward=_less(whole.backward, second.backward), taps=_less(whole.taps, second.taps),
+                    working_bytes=whole.working_bytes,
                     working_weights=whole.working_weights, largest_param=whole.largest_param))
 
 
@@ -218,12 +221,13 @@ def _difference(two: Part, one: Part) -> tuple[Part, Part]:
     """(block, rest) where both plans ran: what the second block adds, and the one-block plan less it."""
     forward_block, forward_rest = _ops_difference(two.forward, one.forward)
     backward_block, backward_rest = _ops_difference(two.backward, one.backward)
+    taps_block, taps_rest = _ops_difference(two.taps, one.taps)
     block, rest = _state_parts(two, one)
     return (replace(block, activation_bytes=two.activation_bytes - one.activation_bytes,
                     transient_bytes=max(two.transient_bytes - one.transient_bytes, 0), forward=forward_block,
-                    backward=backward_block, largest_param=two.largest_param),
+                    backward=backward_block, taps=taps_block, largest_param=two.largest_param),
             replace(rest, activation_bytes=one.activation_bytes - (two.activation_bytes - one.activation_bytes),
-                    transient_bytes=one.transient_bytes, forward=forward_rest, backward=backward_rest,
+                    transient_bytes=one.transient_bytes, forward=forward_rest, backward=backward_rest, taps=taps_rest,
                     working_bytes=one.working_bytes, working_weights=one.working_weights,
                     largest_param=two.largest_param))
 

@@ -28,7 +28,10 @@ implement for a planned model:
   the schedule's own peak (`schedules.peak_live`: micro-batches held, the last stage's working
   memory, a block's hand-over per micro-batch under ZeRO, the sends so far);
 - communication on the candidate's mesh as the cluster lays it (an axis crosses nodes when its
-  groups do): the layout's collectives per micro-batch, blocking; data-parallel gradient
+  groups do): the layout's collectives per micro-batch, blocking, but for backward's tensor and
+  sequence-parallel input-gradient reductions, hidden by the cluster's `overlap` share of the
+  weight-gradient taps of their part (a block's behind the block's, as `step_cost` does per
+  stage); data-parallel gradient
   all-reduces in buckets of `bucket_cap_mb` behind backward (the last one exposed), ZeRO's
   reduce-scatters per unit behind backward and all-gathers after the optimizer (ZeRO-3: forward
   gathers behind forward, backward gathers behind backward), the cluster's `overlap` share
@@ -182,10 +185,12 @@ def _stage_compute(part: Part, cluster: Cluster, scale: float) -> tuple[float, f
 
 
 def _blocking(part: Part, price: _Pricer, scale: float, times: float) -> tuple[float, float, list[float], float]:
-    """(forward, backward) seconds per micro-batch of a part's blocking collectives, its sends'
+    """(forward, backward) seconds per micro-batch of a part's blocking collectives (backward's
+    reductions in flight behind the part's weight-gradient taps: their exposed share), its sends'
     seconds, and its wire bytes per micro-batch; `times` calls per step of the part (per-kind totals)."""
     forward = backward = wire = 0.0
     sends: list[float] = []
+    tapped: list[float] = []
     for use, calls in part.comm.items():
         wire += calls * price.wire(use.kind, use.axis, use.logical_bytes * scale)
         if use.kind == "recv":  # the other end of a peer's send: timed once, at the sender
@@ -193,10 +198,14 @@ def _blocking(part: Part, price: _Pricer, scale: float, times: float) -> tuple[f
         seconds = price(use.kind, use.axis, use.logical_bytes * scale, calls * times)
         if use.kind == "send":
             sends += [seconds] * int(calls)
+        elif use.behind:
+            tapped += [seconds] * int(calls)
         elif use.phase == "forward":
             forward += calls * seconds
         else:
             backward += calls * seconds
+    backward += exposed_seconds(tapped, _roofline(part.taps, price.cluster, scale), price.cluster.overlap,
+                                unhidden=None)
     return forward, backward, sends, wire
 
 

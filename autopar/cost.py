@@ -7,7 +7,8 @@ times its calls per step. Nothing is estimated beyond that: the bytes are the le
 for the emitted program; what the model adds is the two numbers per link, which
 `autopar.calibrate()` measures and the presets state. The result keeps one row per entry
 (`CommTime.rows`) and sums per (phase, axis, link, kind); overlap with compute is not applied
-here (the runtime's overlaps are the scheduling part of the cost model, not yet built).
+here: `step_cost.py` hides what the runtime runs asynchronously behind the compute beside it
+(each row keeps what it is in flight behind, `CommTimeRow.behind`).
 
 The plan's mesh must be the cluster's (`Cluster.mesh(spec)`): a plan whose node size differs
 would put its axes on other links than the cluster has, and is refused naming both.
@@ -37,6 +38,7 @@ class CommTimeRow:
     why: str = ""
     stage: int | None = 0
     module: str = ""
+    behind: str = ""  # the compute the runtime does while it is in flight (`CommEntry.behind`)
 
     @property
     def per_call(self) -> float:
@@ -84,5 +86,5 @@ def comm_time(plan: Any, cluster: Cluster, *, rank: int = 0) -> CommTime:
         logical = int(ledger.number(entry.logical_bytes))
         one_call = cluster.collective_seconds(entry.kind, entry.group_size, logical, entry.link)
         rows.append(CommTimeRow(entry.phase, entry.kind, entry.axis, entry.link, entry.group_size, entry.times,
-                                logical, entry.times * one_call, entry.why, entry.stage, entry.module))
+                                logical, entry.times * one_call, entry.why, entry.stage, entry.module, entry.behind))
     return CommTime(cluster, rank, tuple(rows))

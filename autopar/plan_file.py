@@ -128,7 +128,7 @@ def _entry_data(entry: CommEntry, ledger: CommLedger) -> dict[str, Any]:
             "group_size": entry.group_size, "module": entry.module, "tensor": entry.tensor, "why": entry.why,
             "dtype": str(entry.dtype).replace("torch.", ""), "bytes": str(entry.logical_bytes),
             "bytes_value": ledger.number(entry.logical_bytes), "wire_bytes_value": ledger.number(entry.wire_bytes),
-            "stage": entry.stage, "times": entry.times}
+            "stage": entry.stage, "times": entry.times, **({"behind": entry.behind} if entry.behind else {})}
 
 
 def plan_document(plan: Any) -> dict[str, Any]:
@@ -294,7 +294,7 @@ class PlanDocument:
         entries = [CommEntry(phase=e["phase"], kind=e["kind"], axis=e["axis"], link=e["link"],
                              group_size=e["group_size"], module=e["module"], tensor=e["tensor"], why=e["why"],
                              dtype=getattr(torch, e["dtype"]), logical_bytes=sympy.sympify(e["bytes"], locals=locals_),
-                             stage=e["stage"], times=e["times"])
+                             stage=e["stage"], times=e["times"], behind=e.get("behind", ""))
                    for e in self.data["collectives"]]
         pipeline = self.data.get("pipeline")
         coordinates = {s["index"]: s["coordinate"] for s in pipeline["stages"]} if pipeline else None

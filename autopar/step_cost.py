@@ -13,11 +13,14 @@ rank per pipeline coordinate, the others' coordinates 0 — ranks of one stage r
   gradient buckets and ZeRO reduce-scatters (`grad_sync`) behind backward, ZeRO-3's prefetched
   forward gathers behind forward; the last bucket (the first gather) cannot hide, nothing
   follows (precedes) it; context parallelism's ring sends behind the attention they feed (a
-  receive is the other end of a send a peer makes at the same time: counted once, as the send).
-  ZeRO's own copies around its collectives (outside the rank graph) cost their bytes through
-  memory. Everything else waits where it is issued (tensor, sequence, context
-  and expert parallelism's collectives feed the next op), and the optimizer's and the step's
-  collectives come after backward;
+  receive is the other end of a send a peer makes at the same time: counted once, as the send);
+  tensor and sequence parallelism's input-gradient reductions in backward (an f's all-reduce,
+  SP's reduce-scatter) behind the weight-gradient taps the scheduling pass puts between their
+  halves (`CommEntry.behind`; the op ledger's `RankOps.taps`, per stage, all such reductions
+  against all taps: each can hide whole). ZeRO's own copies around its collectives (outside the
+  rank graph) cost their bytes through memory. Everything else waits where it is issued (the
+  forward's tensor, sequence, context and expert parallelism's collectives feed the next op),
+  and the optimizer's and the step's collectives come after backward;
 - the pipeline: each stage's forward and backward per micro-batch (compute plus its blocking
   collectives plus the exposed part of its own ring sends — context parallelism's, which a
   stage makes at every micro-batch; the pipeline's own sends are the latency between stages) run through the schedule's own action lists (`schedules.simulate`, a send's α-β
@@ -92,6 +95,8 @@ def _representative_ranks(plan: Any) -> list[int]:
 
 
 def _kind(row: CommTimeRow) -> str:
+    if row.behind:
+        return "behind taps"
     if row.phase == "grad_sync":
         return "behind backward"
     if row.phase == "forward" and row.why.startswith("ZeRO-3 parameters before use"):
@@ -105,12 +110,12 @@ def _kind(row: CommTimeRow) -> str:
     return "blocking"
 
 
-def exposed_seconds(calls: list[float], compute: float, overlap: float, *, unhidden: str) -> float:
+def exposed_seconds(calls: list[float], compute: float, overlap: float, *, unhidden: str | None) -> float:
     """Seconds of asynchronous calls left exposed by `compute` seconds of work beside them; the
-    `unhidden` end ('last' or 'first') call cannot hide."""
+    `unhidden` end ('last' or 'first') call cannot hide (None: each has compute beside it)."""
     if not calls:
         return 0.0
-    fixed = calls[-1] if unhidden == "last" else calls[0]
+    fixed = 0.0 if unhidden is None else calls[-1] if unhidden == "last" else calls[0]
     total = sum(calls)
     return total - min(total - fixed, overlap * compute)
 
@@ -174,7 +179,8 @@ def estimate(plan: Any, cluster: Cluster) -> StepEstimate:
         exposed = (rank.seconds("blocking") + rank.seconds("after")
                    + exposed_seconds(rank.calls("behind forward"), forward, overlap, unhidden="first")
                    + exposed_seconds(rank.calls("behind backward"), backward, overlap, unhidden="last")
-                   + exposed_seconds(rank.calls("p2p"), forward + backward, overlap, unhidden="first"))
+                   + exposed_seconds(rank.calls("p2p"), forward + backward, overlap, unhidden="first")
+                   + exposed_seconds(rank.calls("behind taps"), ops[0].taps.seconds(cluster), overlap, unhidden=None))
         split = {"compute": forward + backward + _runtime_copies(plan, rank.rows, cluster), "communication": exposed,
                  "bubble": 0.0, "optimizer": rank.optimizer}
     else:
@@ -209,10 +215,13 @@ def _pipelined(plan: Any, cluster: Cluster, ranks: list[int], parts: dict[int, _
         blocking_b = parts[rank].seconds("blocking", stage=index, phase="backward") / micro
         ring_f = parts[rank].calls("p2p", stage=index, phase="forward", axis=inside)
         ring_b = parts[rank].calls("p2p", stage=index, phase="backward", axis=inside)
+        tapped = parts[rank].calls("behind taps", stage=index)
         forward[index] = (compute_f + blocking_f
                           + exposed_seconds(ring_f, compute_f * micro, cluster.overlap, unhidden="first") / micro)
         backward[index] = (compute_b + blocking_b
-                           + exposed_seconds(ring_b, compute_b * micro, cluster.overlap, unhidden="first") / micro)
+                           + exposed_seconds(ring_b, compute_b * micro, cluster.overlap, unhidden="first") / micro
+                           + exposed_seconds(tapped, ops[index].taps.seconds(cluster) * micro, cluster.overlap,
+                                             unhidden=None) / micro)
     split = layout.schedule in schedules.SPLIT_BACKWARD
     whole = {stage.index for stage in plan.stages if not stage.receives}
 

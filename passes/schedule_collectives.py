@@ -246,6 +246,22 @@ class InFlightOver:
     between: tuple[str, ...]
 
 
+def tapped_starts(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The deferred steps with weight-gradient taps between their halves: in backward their
+    conjugate reduction is in flight while the taps compute the weight gradients (step 2)."""
+    found, open_starts = set(), set()
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.kwargs.get("deferred") and _input_gradient_conjugate(node):
+            open_starts.add(node)
+        elif node.target is in_flight.finish:
+            open_starts.discard(node.args[0])
+        elif node.target is weight_gradients.tap:
+            found |= open_starts
+    return found
+
+
 def overlaps(graph: torch.fx.Graph) -> list[InFlightOver]:
     """Per deferred step (in graph order), the call nodes the graph runs between its halves."""
     nodes = list(graph.nodes)

@@ -212,5 +212,8 @@ def test_the_second_blocks_share_of_the_two_block_runs_is_what_it_adds_to_the_on
     for mine, theirs in zip(attributed, differenced):
         assert Counter(mine.forward.per_call) == Counter(theirs.forward.per_call)
         assert Counter(mine.backward.per_call) == Counter(theirs.backward.per_call)
-        assert mine == replace(theirs, forward=mine.forward, backward=mine.backward)
+        assert Counter(mine.taps.per_call) == Counter(theirs.taps.per_call)
+        assert mine == replace(theirs, forward=mine.forward, backward=mine.backward, taps=mine.taps)
     assert attributed[0].backward.calls > 0 and attributed[0].activation_bytes > 0
+    # the weight-gradient taps (tp's q, k, v and up projections) are the block's; the rest's is the head's
+    assert (attributed[0].taps.calls > 0) == (layout.tp > 1 and layout.recompute != "full")

@@ -92,6 +92,42 @@ def test_the_estimate_adds_compute_exposed_communication_and_the_optimizer():
     assert estimate(dp, _two_ranks(overlap=1.0)).seconds < estimate(dp, _two_ranks(overlap=0.0)).seconds
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_tensor_parallel_input_gradient_reductions_hide_behind_the_weight_gradient_taps(sequence_parallel):
+    """The scheduling pass issues each f's all-reduce (SP: the all-gather's reduce-scatter) in
+    backward before the weight-gradient GEMMs of the linears it feeds and lands it after them: the
+    ledger marks those reductions, the op ledger counts the taps' calls (their FLOPs are the
+    weight-gradient products, computed here from the model's shapes), and the estimate hides the
+    reductions behind the taps by the cluster's overlap share. With the pass off nothing is marked."""
+    torch.manual_seed(0)
+    model, batch = GPT(CONFIG), example_batch(CONFIG, batch=4)
+    layout = [autopar.tensor_parallel()] + ([autopar.sequence_parallel()] if sequence_parallel else [])
+    on = autopar.plan(model, "tp=2", strategies=layout, example_inputs=batch)
+    off = autopar.plan(model, "tp=2", strategies=layout + [autopar.schedule(overlap=False)], example_inputs=batch)
+    reduction = "reduce_scatter" if sequence_parallel else "all_reduce"
+    marked = [e for e in on.comm.entries if e.behind]
+    # per layer q, k, v's reduction and the up projection's; the head's
+    assert len(marked) == 2 * CONFIG.n_layer + 1
+    assert {(e.phase, e.kind, e.axis, e.behind) for e in marked} == {("backward", reduction, "tp", "weight gradients")}
+    assert not any(e.behind for e in off.comm.entries)
+    rows, d = 4 * CONFIG.seq_len, CONFIG.d_model
+    tap_flops = 2 * rows * d * (CONFIG.n_layer * (3 * d + CONFIG.d_ff) + CONFIG.vocab_size) // 2
+    assert rank_ops(on, 0).taps.flops == tap_flops and rank_ops(off, 0).taps.calls == 0
+    for overlap in (0.0, 1.0):
+        cluster = _two_ranks(overlap=overlap)
+        rows_on = comm_time(on, cluster).rows
+        hidden = sum(r.seconds for r in rows_on if r.behind)
+        others = sum(r.seconds for r in rows_on if not r.behind)
+        taps = rank_ops(on, 0).taps.seconds(cluster)
+        assert 0 < hidden and 0 < taps
+        exposed = hidden - min(hidden, overlap * taps)
+        assert estimate(on, cluster).parts["communication"] == pytest.approx(others + exposed)
+        assert estimate(off, cluster).parts["communication"] == pytest.approx(sum(r.seconds for r in
+                                                                                  comm_time(off, cluster).rows))
+    assert (estimate(on, _two_ranks(overlap=1.0)).parts["communication"]
+            < estimate(on, _two_ranks(overlap=0.0)).parts["communication"])
+
+
 def test_a_pipeline_is_priced_by_its_schedule():
     torch.manual_seed(0)
     model, batch = GPT(dataclasses.replace(CONFIG, n_layer=4)), example_batch(CONFIG, batch=8)

@@ -45,6 +45,10 @@ class CommEntry:
     logical_bytes: sympy.Expr
     stage: int | None = 0  # the pipeline stage whose rank performs it; None: every rank
     times: int = 1  # calls per step (micro-batches for what a stage graph does)
+    # the compute the eager runtime does while it is in flight, if any: WEIGHT_GRADIENTS for a
+    # tensor-parallel input gradient's reduction issued before its linears' weight-gradient taps
+    # (`passes/schedule_collectives.py`); the cost model hides it behind them
+    behind: str = ""
 
     @property
     def wire_bytes(self) -> sympy.Expr:
@@ -176,32 +180,38 @@ def _why(why: str, phase: str, planned_phase: str, region: str | None) -> str:
     return why if phase == planned_phase else f"{why}; run again by the recomputation of {region}"
 
 
+WEIGHT_GRADIENTS = "weight gradients"
+
+
 def build_comm_ledger(program: Any, mesh: Mesh, symbols: dict[sympy.Symbol, sympy.Symbol],
                       symbol_values: dict[sympy.Symbol, int]) -> CommLedger:
     from autopar.ir import COLLECTIVE, RULE, module_path
     from autopar.passes.recompute import RECOMPUTE
+    from autopar.passes.schedule_collectives import tapped_starts
 
     pipeline = program.pipeline
     micro = pipeline.microbatches if pipeline is not None else 1
     stage_index = 0
 
     def entry(phase: str, kind: str, axis: str, module: str, tensor: str, why: str, dtype: torch.dtype,
-              logical: sympy.Expr, *, times: int = 1, stage: int | None = -1) -> CommEntry:
+              logical: sympy.Expr, *, times: int = 1, stage: int | None = -1, behind: str = "") -> CommEntry:
         return CommEntry(phase=phase, kind=kind, axis=axis, link=mesh.link(axis), group_size=mesh.group_size(axis),
                          module=module, tensor=tensor, why=why, dtype=dtype,
                          logical_bytes=simplified(sympy.sympify(logical).subs(symbols)),
-                         stage=stage_index if stage == -1 else stage, times=times)
+                         stage=stage_index if stage == -1 else stage, times=times, behind=behind)
 
     entries = []
     for stage in program.stages:
         stage_index = stage.index
+        tapped = tapped_starts(stage.graph_module.graph)
         for node in stage.graph_module.graph.nodes:
             region = node.meta.get(RECOMPUTE)
             for info in node.meta.get(COLLECTIVE, []):
                 for phase in _phases(info.phase, region):
+                    behind = WEIGHT_GRADIENTS if node in tapped and phase == "backward" else ""
                     entries.append(entry(phase, info.kind, info.axis, info.module, info.tensor,
                                          _why(info.why, phase, info.phase, region), info.dtype, info.logical_bytes,
-                                         times=micro))
+                                         times=micro, behind=behind))
             rule = node.meta.get(RULE)
             for internal in (rule.internal if rule is not None else []):
                 for phase in _phases(internal.phase, region):

@@ -202,7 +202,8 @@ def ops_run(plan: "Plan", rank: int, *, stage: int | None = None, block: str | N
                     torch.autograd.backward(roots, grads)
             totals = recorder.block_totals
             plan._fake_runs[key] = RankOps(rank, chosen.index, recorder.totals["forward"], recorder.totals["backward"],
-                                           tracker.working(), (totals["forward"], totals["backward"]) if labels else None)
+                                           tracker.working(), (totals["forward"], totals["backward"]) if labels else None,
+                                           taps=recorder.totals["taps"], block_taps=totals["taps"] if labels else None)
             plan._fake_runs.setdefault(plain, plan._fake_runs[key])  # the same run, read without the split
     return plan._fake_runs[key]
 

@@ -10,7 +10,10 @@ compute (the communication ledger has them, exactly). Backward is what autograd 
 graph's outputs, so a recomputed region's forward appears again in it. The same run follows the
 storages backward allocates (`ledger/working_memory.py`): `RankOps.working`, the memory peak's
 backward working memory. Parameter gradients are taken as soon as they are accumulated (as the
-runtime takes them); ZeRO-3's gathered parameters are not followed.
+runtime takes them); ZeRO-3's gathered parameters are not followed. Backward's calls made inside
+a weight-gradient tap (`runtime/weight_gradients.py`, told by the autograd node running) are also
+totalled apart (`RankOps.taps`): the compute a tensor-parallel input gradient's reduction is in
+flight behind, which the cost model hides it behind (`step_cost.py`).
 
 `OpTotals.seconds(cluster)` prices the calls with a roofline per call — the larger of FLOPs /
 peak and bytes / memory bandwidth — plus the cluster's fixed cost per call; that is the compute
@@ -28,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from autopar.ledger.working_memory import Working
+from autopar.runtime.weight_gradients import TAP_BACKWARD
 
 if TYPE_CHECKING:
     from autopar.cluster import Cluster
@@ -72,6 +76,10 @@ class RankOps:
     working: "Working | None" = None  # what backward allocates beyond what was alive when it started
     # of which one block's calls (`fake_run.ops_run(..., block=)`): forward, backward
     block: "tuple[OpTotals, OpTotals] | None" = None
+    # of backward's calls, those of the weight-gradient taps (`runtime/weight_gradients.py`): what
+    # runs while a tensor-parallel input gradient's reduction is in flight; the block's share of them
+    taps: OpTotals = field(default_factory=OpTotals)
+    block_taps: "OpTotals | None" = None
 
 
 def _nbytes(values: Any) -> int:
@@ -83,14 +91,21 @@ def _nbytes(values: Any) -> int:
     return total
 
 
+def _in_tap() -> bool:
+    """Is autograd running a weight-gradient tap's backward (`weight_gradients._Tap`)?"""
+    node = torch._C._current_autograd_node()
+    return node is not None and node.name() == TAP_BACKWARD
+
+
 class _OpRecorder(TorchDispatchMode):
     """Records every call; with `in_block` (a callable: is this call one block's?) also that
-    block's calls apart (`block_totals`)."""
+    block's calls apart (`block_totals`); backward's calls inside a weight-gradient tap also
+    under "taps"."""
 
     def __init__(self, in_block: "Any | None" = None) -> None:
         super().__init__()
-        self.totals = {"forward": OpTotals(), "backward": OpTotals()}
-        self.block_totals = {"forward": OpTotals(), "backward": OpTotals()}
+        self.totals = {"forward": OpTotals(), "backward": OpTotals(), "taps": OpTotals()}
+        self.block_totals = {"forward": OpTotals(), "backward": OpTotals(), "taps": OpTotals()}
         self.phase = "forward"
         self.in_block = in_block
 
@@ -105,9 +120,13 @@ class _OpRecorder(TorchDispatchMode):
         if func.overloadpacket in flop_registry:
             flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
         nbytes = 0 if is_view else _nbytes((args, kwargs, out))
-        self.totals[self.phase].add(flops, nbytes)
-        if self.in_block is not None and self.in_block():
-            self.block_totals[self.phase].add(flops, nbytes)
+        tap = self.phase == "backward" and _in_tap()
+        in_block = self.in_block is not None and self.in_block()
+        for totals, counted in ((self.totals, True), (self.block_totals, in_block)):
+            if counted:
+                totals[self.phase].add(flops, nbytes)
+                if tap:
+                    totals["taps"].add(flops, nbytes)
         return out
 
 

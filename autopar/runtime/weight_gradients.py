@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 _ATTRIBUTE = "_autopar_weight_grad_later"
+TAP_BACKWARD = "_TapBackward"  # autograd's name of a tap's node: the op ledger counts its calls apart
 
 
 class Later:
