@@ -5,15 +5,17 @@ planner that plans every candidate (`step_cost.estimate` of real plans).
   tp with ZeRO 0/1/3, SP, GPipe, 1F1B and interleaved 1F1B (v = 2) is priced both ways (51
   that plan): the composed memory categories per rank (all held at once, the ledger's upper
   bound) equal the planned ones within 1% (measured −0.2% … +0.2%); the composed peak (the
-  largest moment, `ledger/peak.py`) the planned peak within 8% (measured −6.8% … +1.1%, the
+  largest moment, `ledger/peak.py`) the planned peak within 8% (measured −6.8% … +0.6%, the
   worst pipelines: a stage's backward working memory is composed for the last stage only — the
   loss's gradient over the vocabulary, the batch-scaled part scaled — while the planned peak
   also has a middle stage's, 0.1–0.4 MB on this model); the step time within 12% (measured
-  −9.8% … +1.8%, the worst an interleaved pipeline under ZeRO-1: op bytes scaled with the micro-batch from a one-sequence plan, weights
-  included, and the pipeline span by formula instead of `schedules.simulate`); the busiest
+  −9.8% … +11.4%: op bytes scaled with the micro-batch from a one-sequence plan, weights
+  included — the worst over, pp2 × tp2+SP at 2–4 sequences a micro-batch, whose planned SP
+  shards the batch without layout copies; the worst under an interleaved pipeline under ZeRO-1,
+  its span by formula instead of `schedules.simulate`); the busiest
   rank's wire bytes within 25% (measured 0 … +19%: the rest of the model's collectives counted
   on the last stage, ZeRO's gradient sync over cp as an all-reduce); the ranking's Spearman
-  correlation ≥ 0.95 (measured 0.995), and both pick the same winner.
+  correlation ≥ 0.95 (measured 0.970), and both pick the same winner.
 - On links whose latency dominates (500 µs, 1 GB/s), every pp × cp candidate's composed step is
   the planned one's within 8% (measured −5.1% … −1.8%): the stages' context-parallel ring sends,
   made at every micro-batch, are in both.
