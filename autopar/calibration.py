@@ -5,12 +5,19 @@ CPU, NCCL where there are GPUs, one thread each) that together:
 - time `torch.distributed.all_reduce` over all of them at logical sizes `SIZES` (after a warm-up,
   the median of `repeats` calls; each call's time is the slowest rank's, read after a barrier);
 - time a square fp32 matrix product on every rank at once (the ranks share the machine's cores
-  as training's ranks do), giving the per-rank throughput;
-- time a 32 MiB copy on every rank at once (memory bandwidth: read + write bytes over time) and
-  a one-element add under autograd (the fixed cost of one operator call);
+  as training's ranks do; `_per_call`: samples of many calls, longer than the scheduler's
+  slice, as for the copies and the small op below), giving the per-rank throughput;
+- time copies of 64 KiB to 32 MiB on every rank at once, each size in a loop of `LOOP_BYTES`
+  (memory bandwidth: read + write bytes over the time beyond a 4-byte copy's, which is the
+  call's fixed cost), one `Cluster.memory_curve` row per size: a CPU's caches serve the small
+  ones several times faster; the 32 MiB copy is also `memory_gbps`; and a one-element add under
+  autograd (the fixed cost of one operator call);
 - the same for every smaller group size n dividing the world: the world cut into groups of n
   consecutive ranks that all-reduce at once, one α-β fit per size (`Cluster.group_links`: ranks
   sharing fewer cores wait longer for a peer the more of them there are);
+- time a 4-byte message between ranks 0 and 1, back and forth, while the others wait at a
+  barrier: half a round trip is the α of a lone point-to-point message (`Cluster.p2p_latency_us`,
+  a pipeline's hand-over), which on ranks sharing cores is far below a collective's step;
 - time all-gather, reduce-scatter, all-to-all and broadcast of 4 MiB over the world: each
   kind's time over what the all-reduce's α and β predict for it is its `kind_factor` (1 on
   NCCL, whose bus bandwidth serves every kind; gloo implements some kinds less directly);
@@ -32,6 +39,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -40,7 +48,10 @@ from autopar.comm_kinds import KINDS, wire_bytes
 
 SIZES = tuple(4 ** k * 1024 for k in range(8))  # 1 KiB ... 16 MiB
 MATMUL_N = 512
+MATMUL_CALLS = 16  # per sample (`_per_call`)
 COPY_BYTES = 32 * 2 ** 20
+CURVE_BYTES = tuple(4 ** k * 64 * 1024 for k in range(4)) + (COPY_BYTES,)  # 64 KiB ... 4 MiB, 32 MiB
+LOOP_BYTES = 128 * 2 ** 20  # copied per sample: longer than the scheduler's slice, where ranks share cores
 OVERLAP_BYTES = 4 * 2 ** 20
 KIND_BYTES = 4 * 2 ** 20
 
@@ -105,42 +116,71 @@ def _group_samples(rank: int, world_size: int, sizes: tuple[int, ...], repeats: 
     return samples
 
 
-def _timed_matmul(n: int, repeats: int) -> float:
+def _timed_handover(rank: int, repeats: int, round_trips: int = 10) -> float:
+    """Half a round trip of a 4-byte message between ranks 0 and 1 while the other ranks wait at
+    the next barrier (median over `repeats` samples of `round_trips` each, after one unrecorded)."""
     import torch.distributed as dist
 
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    dist.barrier()  # every rank computes at once: the cores are shared as in training
+    message = torch.zeros(1)
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):
+        dist.barrier()
         start = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for _ in range(round_trips if rank < 2 else 0):
+            round_trip(rank, message)
+        times.append((time.perf_counter() - start) / (2 * round_trips))
+    return statistics.median(times[1:])
 
 
-def _timed_copy(nbytes: int, repeats: int) -> float:
+def round_trip(rank: int, message: torch.Tensor) -> None:
+    """`message` from rank 0 to rank 1 and back (ranks 0 and 1 only)."""
     import torch.distributed as dist
 
-    source, target = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
-    target.copy_(source)
+    if rank == 0:
+        dist.send(message, 1)
+        dist.recv(message, 1)
+    else:
+        dist.recv(message, 0)
+        dist.send(message, 0)
+
+
+def _per_call(call: Callable[[], object], calls: int, repeats: int) -> float:
+    """Seconds of one `call` with every rank calling at once: after a barrier, the median over
+    `repeats` samples of `calls` calls each. A sample outlasts the scheduler's slice, so that
+    where ranks share cores every sample sees them shared, as training does (one short call
+    often ran on a core its peer had left, and read the speed of a rank alone)."""
+    import torch.distributed as dist
+
+    call()
     dist.barrier()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        target.copy_(source)
-        times.append(time.perf_counter() - start)
+        for _ in range(calls):
+            call()
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
 
 
-def _timed_small_op(calls: int = 2000) -> float:
+def _timed_matmul(n: int, repeats: int) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return _per_call(lambda: torch.mm(a, b), MATMUL_CALLS, repeats)
+
+
+def _timed_copies(sizes: tuple[int, ...], repeats: int) -> dict[int, float]:
+    """Per size: seconds of one copy of that many bytes, every rank copying at once, beyond a
+    4-byte copy's time (median over `repeats` samples of a `LOOP_BYTES` loop each)."""
+    def per_copy(nbytes: int) -> float:
+        source, target = torch.ones(max(nbytes // 4, 1)), torch.empty(max(nbytes // 4, 1))
+        return _per_call(lambda: target.copy_(source), max(1, LOOP_BYTES // max(nbytes, 4096)), repeats)
+
+    fixed = per_copy(4)
+    return {size: max(per_copy(size) - fixed, 1e-9) for size in sizes}
+
+
+def _timed_small_op(repeats: int, calls: int = 5000) -> float:
     x = torch.ones(1, requires_grad=True)
-    for _ in range(100):
-        x + 1.0
-    start = time.perf_counter()
-    for _ in range(calls):
-        x + 1.0
-    return (time.perf_counter() - start) / calls
+    return _per_call(lambda: x + 1.0, calls, repeats)
 
 
 def _slowest(seconds: float) -> float:
@@ -190,8 +230,9 @@ def _timed_kinds(rank: int, world_size: int, repeats: int) -> dict[str, float]:
 def _calibration_rank(rank: int, world_size: int, sizes: tuple[int, ...], repeats: int) -> dict:
     samples = [(size, _timed_all_reduce(size, repeats)) for size in sizes]
     return {"samples": samples, "groups": _group_samples(rank, world_size, sizes, repeats), "matmul": _timed_matmul(MATMUL_N, repeats),
-            "copy": _timed_copy(COPY_BYTES, repeats), "small_op": _timed_small_op(),
-            "overlap": _overlap_times(repeats), "kinds": _timed_kinds(rank, world_size, repeats)}
+            "copies": _timed_copies(CURVE_BYTES, repeats), "small_op": _timed_small_op(repeats),
+            "overlap": _overlap_times(repeats), "kinds": _timed_kinds(rank, world_size, repeats),
+            "handover": _timed_handover(rank, repeats)}
 
 
 def overlap_share(communication: float, compute: float, both: float) -> float:
@@ -233,7 +274,8 @@ def calibrate(*, world_size: int = 4, sizes: tuple[int, ...] = SIZES, repeats: i
     samples = results[0]["samples"]  # every rank holds the same (slowest-rank) times
     alpha, beta = fit_alpha_beta(samples, world_size)
     matmul = max(r["matmul"] for r in results)
-    copy = max(r["copy"] for r in results)
+    copies = {size: max(r["copies"][size] for r in results) for size in CURVE_BYTES}
+    curve = tuple((2 * size, 2 * size / seconds / GB) for size, seconds in sorted(copies.items()))
     small_op = max(r["small_op"] for r in results)
     overlap = results[0]["overlap"]
     group_links = [(world_size, alpha * 1e6, beta / GB)]
@@ -248,7 +290,9 @@ def calibrate(*, world_size: int = 4, sizes: tuple[int, ...] = SIZES, repeats: i
     cluster = Cluster(nodes=1, gpus_per_node=world_size, memory_gb=round(_memory_gb_per_rank(world_size), 3),
                       intra_gbps=beta / GB, inter_gbps=beta / GB, peak_tflops=2 * MATMUL_N ** 3 / matmul / 1e12,
                       intra_latency_us=alpha * 1e6, inter_latency_us=alpha * 1e6,
-                      memory_gbps=2 * COPY_BYTES / copy / GB, op_overhead_us=small_op * 1e6,
+                      p2p_latency_us=results[0]["handover"] * 1e6,
+                      memory_gbps=2 * COPY_BYTES / copies[COPY_BYTES] / GB, memory_curve=curve,
+                      op_overhead_us=small_op * 1e6,
                       overlap=overlap_share(*overlap), processors=processors if processors < world_size else None,
                       group_links=tuple(sorted(group_links)), kind_factors=kind_factors, name=f"this machine, {world_size} ranks (measured)")
     fitted = tuple(cluster.collective_seconds("all_reduce", world_size, size, "intra") for size, _ in samples)

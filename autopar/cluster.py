@@ -11,8 +11,18 @@ describes it; `Cluster.preset(name)` gives the named ones (`PRESETS`); `autopar.
   the time, so one β serves every kind and group size;
 - `intra_latency_us` / `inter_latency_us`: α, the time of one step of a ring (a collective of n
   ranks takes `CommKind.latency_steps(n)` of them: all-reduce 2(n-1), all-gather n-1, a send 1);
+- `p2p_latency_us`: α of one point-to-point message between two ranks while the node's other
+  ranks are not in a collective with them — a pipeline's hand-over between stages, whose
+  peers compute or wait (`handover_seconds`). None: the link's α. On CPU ranks sharing cores the
+  two differ by much: a collective's every step waits for all of its peers to be scheduled, a
+  lone message for one that is waiting for it (`calibrate` measures both: ~1 ms against ~50 µs
+  on this 2-core machine with 4 ranks);
 - `peak_tflops`: dense matrix-product throughput, 10^12 floating-point operations per second;
 - `memory_gbps`: the accelerator memory's bandwidth, GB/s (what an elementwise op is bound by);
+- `memory_curve`: measured (bytes an op touches, GB/s) where the bandwidth depends on the size —
+  a CPU's caches serve a call on small tensors several times faster than its memory serves a
+  large copy (`calibrate` times copies from 64 KiB to 32 MiB); `bandwidth_for(nbytes)` reads it,
+  interpolated in log size; empty (the presets): `memory_gbps` for every size;
 - `op_overhead_us`: the fixed cost of one operator call (kernel launch, eager dispatch), µs;
 - `overlap`: the share of communication the runtime issues asynchronously (gradient buckets
   during backward, ZeRO-3's prefetched gathers) that actually hides behind compute: 1 where the
@@ -65,6 +75,8 @@ class Cluster:
     group_links: tuple[tuple[int, float, float], ...] = ()
     kind_factors: tuple[tuple[str, float], ...] = ()
     name: str = ""
+    p2p_latency_us: float | None = None
+    memory_curve: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
@@ -79,11 +91,18 @@ class Cluster:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise PlanError(f"cluster {self.label}: {name}={value!r}; a latency is a number >= 0")
+        if self.p2p_latency_us is not None and (not isinstance(self.p2p_latency_us, (int, float))
+                                                or not math.isfinite(self.p2p_latency_us) or self.p2p_latency_us < 0):
+            raise PlanError(f"cluster {self.label}: p2p_latency_us={self.p2p_latency_us!r}; a latency is a number >= 0 "
+                            f"(or None: the link's α)")
         if not isinstance(self.overlap, (int, float)) or not 0 <= self.overlap <= 1:
             raise PlanError(f"cluster {self.label}: overlap={self.overlap!r}; it is the share of asynchronous "
                             f"communication hidden behind compute, between 0 and 1")
         if self.processors is not None and (not isinstance(self.processors, int) or self.processors < 1):
             raise PlanError(f"cluster {self.label}: processors={self.processors!r}; a positive integer or None")
+        for row in self.memory_curve:
+            if len(row) != 2 or row[0] <= 0 or row[1] <= 0:
+                raise PlanError(f"cluster {self.label}: memory_curve row {row!r}; each is (bytes > 0, GB/s > 0)")
         for row in self.group_links:
             if len(row) != 3 or row[0] < 2 or row[1] < 0 or row[2] <= 0:
                 raise PlanError(f"cluster {self.label}: group_links row {row!r}; each is (group size >= 2, "
@@ -118,6 +137,10 @@ class Cluster:
         """Bytes per second of the accelerator's memory."""
         return self.memory_gbps * GB
 
+    def bandwidth_for(self, nbytes: float) -> float:
+        """Bytes per second for an op touching `nbytes` (`memory_curve`, else `memory_bandwidth`)."""
+        return bandwidth_at(self.memory_curve, self.memory_bandwidth, nbytes)
+
     @property
     def op_overhead(self) -> float:
         """Seconds of one operator call's fixed cost."""
@@ -137,6 +160,13 @@ class Cluster:
         """α of a link class, seconds per ring step (of that group size where measured)."""
         measured = self._group_link(link, group_size)
         return (measured[0] if measured else _per_link(self.intra_latency_us, self.inter_latency_us, link)) * 1e-6
+
+    def handover_seconds(self, logical_bytes: int, link: str) -> float:
+        """One point-to-point message of a pipeline's hand-over between stages: `p2p_latency_us`
+        plus its bytes over the link's β where the cluster states it, a send's α-β time otherwise."""
+        if self.p2p_latency_us is None:
+            return self.collective_seconds("send", 2, logical_bytes, link)
+        return self.p2p_latency_us * 1e-6 + logical_bytes / self.bandwidth(link, 2)
 
     @property
     def alone_speedup(self) -> float:
@@ -174,6 +204,21 @@ class Cluster:
         return PRESETS[name]
 
 
+def bandwidth_at(curve: tuple[tuple[int, float], ...], flat: float, nbytes: float) -> float:
+    """Bytes per second of `curve` ((bytes, GB/s) rows, ascending sizes) at `nbytes`: linear in
+    log size between two rows, the first row's below it, the last row's above; `flat` (bytes per
+    second) where there is no curve."""
+    if not curve:
+        return flat
+    if nbytes <= curve[0][0]:
+        return curve[0][1] * GB
+    for (low, low_gbps), (high, high_gbps) in zip(curve, curve[1:]):
+        if nbytes <= high:
+            share = math.log(nbytes / low) / math.log(high / low)
+            return (low_gbps + share * (high_gbps - low_gbps)) * GB
+    return curve[-1][1] * GB
+
+
 def _per_link(intra: float, inter: float, link: str) -> float:
     if link == "intra":
         return intra
@@ -201,9 +246,10 @@ def _a100_node(nodes: int) -> Cluster:
 
 # This 2-core CPU machine with 4 gloo ranks of one thread each, as `python benchmarks/calibrate.py
 # --world 4` measured it (2026-12-02, two runs: α 0.86-1.05 ms per ring step — four ranks share two
-# cores, so each step waits for a peer to be scheduled —, β 1.1-1.8 GB/s, 25-82 GFLOP/s per rank)
+# cores, so each step waits for a peer to be scheduled —, β 1.1-1.8 GB/s, 25-82 GFLOP/s per rank);
+# a lone message between two ranks 46-105 µs, median 60 (2026-12-04, eight calibrations)
 CPU2X4 = Cluster(nodes=1, gpus_per_node=4, memory_gb=6.3, intra_gbps=1.4, inter_gbps=1.4, peak_tflops=0.05,
-                 intra_latency_us=950, inter_latency_us=950, name="cpu2x4")
+                 intra_latency_us=950, inter_latency_us=950, p2p_latency_us=60, name="cpu2x4")
 
 PRESETS: dict[str, Cluster] = {
     **{f"h100x{n}": _h100_node(n) for n in (1, 8, 64, 1024)},

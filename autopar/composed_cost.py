@@ -117,7 +117,7 @@ class _Pricer:
 
 
 def _roofline(totals: OpTotals, cluster: Cluster, scale: float) -> float:
-    return totals.calls * cluster.op_overhead + scale * totals.roofline(cluster.peak_flops, cluster.memory_bandwidth)
+    return totals.seconds(cluster, scale)
 
 
 @lru_cache(maxsize=256)
@@ -424,7 +424,7 @@ def _gradient_and_optimizer(ledgers: BlockLedgers, candidate: Candidate, cluster
         gathers = micro if zero == 3 else 1
         for unit, count in zip(units, tensors):
             tail.behind_backward.append(price("reduce_scatter", "dp", unit, stage=at))
-            copy = RUNTIME_COPY_TRAFFIC * unit / cluster.memory_bandwidth + (2 + count) * cluster.op_overhead
+            copy = RUNTIME_COPY_TRAFFIC * unit / cluster.bandwidth_for(unit) + (2 + count) * cluster.op_overhead
             tail.copies += copy
             if zero < 3:
                 tail.after += price("all_gather", "dp", unit, stage=at)
@@ -437,8 +437,8 @@ def _gradient_and_optimizer(ledgers: BlockLedgers, candidate: Candidate, cluster
         synced = stage.blocks * per_block + (rest.grad_sync.get(axis, 0) if stage.last or stage.first else 0)
         tail.behind_backward += _bucketed(price, "all_reduce", axis, synced, cap, at)
     owned = math.ceil(full / dp) if zero >= 1 else full
-    tail.optimizer = (OPTIMIZER_CALLS * sum(tensors) * cluster.op_overhead
-                      + OPTIMIZER_TRAFFIC * owned / cluster.memory_bandwidth)
+    tail.optimizer = (OPTIMIZER_CALLS * sum(tensors) * cluster.op_overhead  # each tensor at the mean's bandwidth
+                      + OPTIMIZER_TRAFFIC * owned / cluster.bandwidth_for(owned / max(sum(tensors), 1)))
     return tail
 
 
@@ -446,12 +446,14 @@ def _pipelined(stages: list[_Stage], ranks: list[_Rank], candidate: Candidate, c
                ledgers: BlockLedgers, scale: float, micro: int) -> dict[str, float]:
     """The span of the schedule for per-rank work T_r (its stages' F + B per micro-batch):
     Σ_r T_r / v + (m − 1/v) · max_r T_r — GPipe's and 1F1B's (m + p − 1) · T, interleaving's
-    (m + (p − 1)/v) · T (Narayanan et al. 2021) for equal ranks — plus a send's latency per
-    stage boundary on the way down and back. (`schedules.simulate` runs every action; for
-    p · m · v in the thousands that is seconds per candidate, which the composed search cannot spend.)"""
+    (m + (p − 1)/v) · T (Narayanan et al. 2021) for equal ranks — plus a hand-over's latency
+    (`Cluster.handover_seconds`) per stage boundary on the way down and back.
+    (`schedules.simulate` runs every action; for p · m · v in the thousands that is seconds per
+    candidate, which the composed search cannot spend.)"""
     pp, chunks, virtual = len(ranks), len(stages), candidate.virtual
     boundary = ledgers.boundary_bytes * scale
-    send = price("send", "pp", boundary, 2 * micro * (chunks - 1))
+    price("send", "pp", boundary, 2 * micro * (chunks - 1))  # the wire bytes and per-kind seconds
+    send = cluster.handover_seconds(int(boundary), price.links.get("pp", "intra"))
     for rank in ranks:  # per micro-batch at each boundary of each of its stages: one transfer forward, one backward
         boundaries = sum((not s.first) + (not s.last) for s in rank.stages)
         price.stage_wire[rank.index] += 2 * micro * boundaries * price.wire("send", "pp", boundary)

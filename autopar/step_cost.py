@@ -23,8 +23,10 @@ rank per pipeline coordinate, the others' coordinates 0 — ranks of one stage r
   and the optimizer's and the step's collectives come after backward;
 - the pipeline: each stage's forward and backward per micro-batch (compute plus its blocking
   collectives plus the exposed part of its own ring sends — context parallelism's, which a
-  stage makes at every micro-batch; the pipeline's own sends are the latency between stages) run through the schedule's own action lists (`schedules.simulate`, a send's α-β
-  time as the latency between stages): the step's span, whose idle part is the bubble;
+  stage makes at every micro-batch) run through the schedule's own action lists
+  (`schedules.simulate`; the pipeline's own sends are the latency between stages, a hand-over's
+  time each: `Cluster.handover_seconds`, a lone message's α where the cluster measured one): the
+  step's span, whose idle part is the bubble;
 - memory: the largest of the step's moments (`ledger/peak.py`: backward starting, the first ZeRO
   unit's gradients handed over, the optimizer step), each the memory ledger's categories that
   live then: the predicted peak.
@@ -125,7 +127,8 @@ def _optimizer_seconds(ledger: Any, cluster: Cluster) -> float:
     for entry in ledger.entries:
         if entry.category == "optimizer state":
             param_bytes = (int(ledger.number(entry.bytes)) - 4) / 2
-            seconds += OPTIMIZER_CALLS * cluster.op_overhead + OPTIMIZER_TRAFFIC * param_bytes / cluster.memory_bandwidth
+            seconds += (OPTIMIZER_CALLS * cluster.op_overhead
+                        + OPTIMIZER_TRAFFIC * param_bytes / cluster.bandwidth_for(param_bytes))
     return seconds
 
 
@@ -139,7 +142,7 @@ def _runtime_copies(plan: Any, rows: list[CommTimeRow], cluster: Cluster) -> flo
     for row in rows:
         if row.module.startswith("unit "):
             count = params.get(int(row.module.split()[1]), 1)
-            seconds += row.calls * (RUNTIME_COPY_TRAFFIC * row.logical_bytes / cluster.memory_bandwidth
+            seconds += row.calls * (RUNTIME_COPY_TRAFFIC * row.logical_bytes / cluster.bandwidth_for(row.logical_bytes)
                                     + (2 + count) * cluster.op_overhead)
     return seconds
 
@@ -237,10 +240,11 @@ def _pipelined(plan: Any, cluster: Cluster, ranks: list[int], parts: dict[int, _
             return backward[action.stage] / speedup if action.kind == "B" else 0.0
         return (backward[action.stage] / 2 if split else backward[action.stage]) / speedup
 
-    sends = [call for rank in ranks for call in parts[rank].calls("p2p", axis=lambda a: a == layout.axis)]
+    handovers = [cluster.handover_seconds(row.logical_bytes, row.link) for rank in ranks for row in parts[rank].rows
+                 if row.calls and row.axis == layout.axis and _kind(row) == "p2p"]
     orders = schedules.actions(layout.schedule, degree=layout.degree, virtual=layout.virtual, microbatches=micro)
     timed = schedules.simulate(orders, cost, stages=layout.stages, split_backward=split,
-                               latency=max(sends, default=0.0), cores=cores)
+                               latency=max(handovers, default=0.0), cores=cores)
     span = max(t.end for t in timed)
     busy = defaultdict(float)
     for t in timed:

@@ -25,10 +25,12 @@ def main() -> None:
         c = result.cluster
         print(f"== {world} ranks")
         print(result.table())
-        print(f"fit: α {c.intra_latency_us:.1f} µs per ring step, β {c.intra_gbps:.3f} GB/s, worst error "
+        print(f"fit: α {c.intra_latency_us:.1f} µs per ring step (a lone message: {c.p2p_latency_us:.1f} µs), "
+              f"β {c.intra_gbps:.3f} GB/s, worst error "
               f"{result.worst_relative_residual:.0%}; matmul {c.peak_tflops * 1e3:.1f} GFLOP/s per rank "
               f"(all ranks at once), memory {c.memory_gb:.2f} GB per rank")
-        print(f"memory bandwidth {c.memory_gbps:.2f} GB/s per rank, {c.op_overhead_us:.1f} µs per operator call, "
+        print(f"memory bandwidth {c.memory_gbps:.2f} GB/s per rank (per op size, KiB touched, GB/s: "
+              f"{[(b // 1024, round(g, 1)) for b, g in c.memory_curve]}), {c.op_overhead_us:.1f} µs per operator call, "
               f"overlap {c.overlap:.2f} (4 MiB all-reduce {result.overlap_seconds[0] * 1e3:.1f} ms, matmuls "
               f"{result.overlap_seconds[1] * 1e3:.1f} ms, both {result.overlap_seconds[2] * 1e3:.1f} ms)\n")
 

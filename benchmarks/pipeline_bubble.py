@@ -72,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples`, `ben
 
 import autopar  # noqa: E402
 from autopar import schedules  # noqa: E402
+from autopar.calibration import round_trip  # noqa: E402
 from autopar.ledger.bubble import (build_bubble_ledger, measured_fractions, measured_timeline,  # noqa: E402
                                    waited_seconds)
 from autopar.runtime.launch import launch  # noqa: E402
@@ -138,12 +139,7 @@ def p2p_latency(settings: Settings, *, repeats: int = 20) -> float:
     rank, buffer, trips = dist.get_rank(), torch.zeros(shape), []
     for _ in range(repeats if rank < 2 else 0):
         start = time.perf_counter()
-        if rank == 0:
-            dist.send(buffer, 1)
-            dist.recv(buffer, 1)
-        else:
-            dist.recv(buffer, 0)
-            dist.send(buffer, 0)
+        round_trip(rank, buffer)
         trips.append(time.perf_counter() - start)
     dist.barrier()
     return statistics.median(trips) / 2 if trips else 0.0

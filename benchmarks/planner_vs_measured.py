@@ -171,8 +171,10 @@ def main() -> None:
         times = [r["seconds"] for r in measured]
         fastest = min(range(len(times)), key=times.__getitem__)
         c = cluster
-        print(f"== {world} ranks; cluster: α {c.intra_latency_us:.0f} µs, β {c.intra_gbps:.2f} GB/s, "
-              f"{c.peak_tflops * 1e3:.1f} GFLOP/s, {c.memory_gbps:.1f} GB/s memory, {c.op_overhead_us:.1f} µs per call, "
+        print(f"== {world} ranks; cluster: α {c.intra_latency_us:.0f} µs (a lone message {c.p2p_latency_us:.0f} µs), "
+              f"β {c.intra_gbps:.2f} GB/s, "
+              f"{c.peak_tflops * 1e3:.1f} GFLOP/s, {c.memory_gbps:.1f} GB/s memory (per op size, KiB touched: "
+              f"{[(b // 1024, round(g, 1)) for b, g in c.memory_curve]}), {c.op_overhead_us:.1f} µs per call, "
               f"overlap {c.overlap:.2f}, processors {c.processors}; per group size (n, α µs, β GB/s) "
               f"{[(n, round(a), round(b, 2)) for n, a, b in c.group_links]}; kind factors "
               f"{[(k, round(f, 2)) for k, f in c.kind_factors]}; search {result.seconds:.1f} s over {len(result.outcomes)} candidates "

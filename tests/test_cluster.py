@@ -11,6 +11,7 @@ cores are shared by the ranks; the bound catches a wrong unit or a wrong fit, wh
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -41,7 +42,33 @@ def test_a_collective_costs_ring_steps_times_alpha_plus_wire_bytes_over_beta():
     assert cluster.collective_seconds("all_reduce", 8, size, "intra") == pytest.approx(14 * 2e-6 + 2 * 7 / 8 * size / 100e9)
     assert cluster.collective_seconds("all_gather", 16, size, "inter") == pytest.approx(15 * 20e-6 + 15 / 16 * size / 10e9)
     assert cluster.collective_seconds("send", 2, size, "inter") == pytest.approx(20e-6 + size / 10e9)
+    assert cluster.handover_seconds(size, "inter") == cluster.collective_seconds("send", 2, size, "inter")
+    lone = dataclasses.replace(cluster, p2p_latency_us=1)  # a lone message's α replaces the link's, not its β
+    assert lone.handover_seconds(size, "inter") == pytest.approx(1e-6 + size / 10e9)
     assert cluster.collective_seconds("all_reduce", 1, size, "intra") == 0.0
+
+
+def test_an_op_is_priced_at_the_bandwidth_of_its_own_size_where_the_cluster_measured_a_curve():
+    """`memory_curve` rows (bytes, GB/s), linear in log size between them; no curve: `memory_gbps`.
+    The op ledger prices each call at its own size (`OpTotals.seconds`), the composed model at its
+    size times the batch it scales to."""
+    from autopar.ledger.op_cost import OpTotals
+
+    flat = Cluster(nodes=1, gpus_per_node=4, memory_gb=8, intra_gbps=1, inter_gbps=1, peak_tflops=1, memory_gbps=5,
+                   op_overhead_us=0)
+    cached = dataclasses.replace(flat, memory_curve=((2 ** 10, 80.0), (2 ** 20, 20.0), (2 ** 25, 5.0)))
+    assert flat.bandwidth_for(2 ** 10) == cached.bandwidth_for(2 ** 25) == 5e9
+    assert cached.bandwidth_for(16) == cached.bandwidth_for(2 ** 10) == 80e9  # below the first row: the first's
+    assert cached.bandwidth_for(2 ** 15) == pytest.approx(50e9)  # half way in log size from 1 KiB to 1 MiB
+    assert cached.bandwidth_for(2 ** 30) == 5e9
+    calls = OpTotals()
+    calls.add(0, 2 ** 15)  # bytes-bound
+    calls.add(4 * 10 ** 6, 2 ** 10)  # FLOPs-bound: 4 µs against 1 KiB at 80 GB/s
+    assert calls.seconds(flat) == pytest.approx(2 ** 15 / 5e9 + 4e-6)
+    assert calls.seconds(cached) == pytest.approx(2 ** 15 / 50e9 + 4e-6)
+    assert calls.seconds(cached, scale=2 ** 5) == pytest.approx(2 ** 20 / 20e9 + 2 ** 5 * 4e-6)
+    with pytest.raises(PlanError, match="memory_curve row"):
+        dataclasses.replace(flat, memory_curve=((2 ** 10, 0.0),))
 
 
 @pytest.mark.parametrize("changes, words", [
@@ -126,6 +153,39 @@ def _time_all_reduce(rank: int, world: int, nbytes: int) -> float:
     return statistics.median(times)
 
 
+def _time_copies(rank: int, world: int, nbytes: int) -> float:
+    """Seconds of one copy of `nbytes` beyond a 4-byte copy's (loops of 4096 copies, median of 7)."""
+    import torch.distributed as dist
+
+    def per_copy(size: int) -> float:
+        source, target, times = torch.ones(size // 4), torch.empty(size // 4), []
+        dist.barrier()
+        for _ in range(7):
+            start = time.perf_counter()
+            for _ in range(4096):
+                target.copy_(source)
+            times.append((time.perf_counter() - start) / 4096)
+        return statistics.median(times)
+
+    return per_copy(nbytes) - per_copy(4)
+
+
+def _time_round_trip(rank: int, world: int) -> float:
+    import torch.distributed as dist
+
+    message, peer, times = torch.zeros(1), 1 - rank, []
+    for _ in range(50):
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(message, peer)
+            dist.recv(message, peer)
+        else:
+            dist.recv(message, peer)
+            dist.send(message, peer)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[10:])
+
+
 @pytest.mark.timeout(300)
 def test_calibration_predicts_an_all_reduce_timed_apart_from_it():
     calibration = autopar.calibrate(world_size=2, repeats=5)
@@ -137,3 +197,11 @@ def test_calibration_predicts_an_all_reduce_timed_apart_from_it():
     measured = max(launch(_time_all_reduce, 2, nbytes, timeout_s=120))
     predicted = cluster.collective_seconds("all_reduce", 2, nbytes, "intra")
     assert measured / 3 <= predicted <= measured * 3, (predicted, measured, calibration.table())
+    # a lone message's α against half a round trip timed here, 4 bytes: within 4x (tens of µs, which
+    # the scheduler's wake-ups on two shared cores move by more than the all-reduce's milliseconds)
+    one_way = launch(_time_round_trip, 2, timeout_s=120)[0] / 2
+    assert one_way / 4 <= cluster.p2p_latency_us * 1e-6 <= one_way * 4, (cluster.p2p_latency_us, one_way)
+    # the memory curve at a cache-sized copy against 256 KiB copies timed here on both ranks at once
+    assert [size for size, _ in cluster.memory_curve] == sorted(size for size, _ in cluster.memory_curve)
+    copied = max(launch(_time_copies, 2, 2 ** 18, timeout_s=120))
+    assert copied / 3 <= 2 * 2 ** 18 / cluster.bandwidth_for(2 * 2 ** 18) <= copied * 3, (cluster.memory_curve, copied)

@@ -115,6 +115,23 @@ def test_a_composed_pipeline_pays_for_its_stages_context_ring_as_a_planned_one_d
                                                                          outcome.estimate.parts)
 
 
+def test_a_composed_pipeline_waits_a_lone_messages_latency_at_each_hand_over():
+    """`Cluster.p2p_latency_us` is the hand-over's α in the composed price as in `step_cost`: each
+    composed pipeline's step moves by exactly one change per stage boundary down and back."""
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=4, d_model=64, n_head=4, d_ff=256, seq_len=32)
+    model, batch = GPT(config), example_batch(config, batch=8)
+    space = SearchSpace(axes=("pp", "dp"), microbatch_multiples=(1,), virtual_stages=(1, 2))
+    stated = replace(NODE, p2p_latency_us=NODE.intra_latency_us + 1000)
+    link, lone = ({o.candidate.label: o for o in search(model, cluster, example_inputs=batch, space=space,
+                                                        method="blocks").outcomes} for cluster in (NODE, stated))
+    piped = [label for label, o in link.items() if o.estimate and o.candidate.degree("pp") > 1]
+    assert len(piped) >= 4
+    for label in piped:
+        chunks = link[label].candidate.degree("pp") * link[label].candidate.virtual
+        assert lone[label].estimate.seconds - link[label].estimate.seconds == pytest.approx(2 * (chunks - 1) * 1e-3)
+
+
 def test_a_405b_model_on_8192_accelerators_is_searched_from_two_plans_per_layout():
     from examples.scale import llama3_405b
 

@@ -40,6 +40,9 @@ CASES = {
     "cp4_allgather_noncausal": ("cp=4", [autopar.context_parallel(method="allgather")]),
     "cp4_alltoall_noncausal": ("cp=4", [autopar.context_parallel(method="alltoall", load_balance=False)]),
     "cp2_tp2": ("cp=2,tp=2", [autopar.context_parallel(), autopar.tensor_parallel()]),
+    # sequence parallelism where a second axis also shards the sequence: cp outside tp and inside it
+    "cp2_tp2_sp": ("cp=2,tp=2", [autopar.context_parallel(), autopar.tensor_parallel(), autopar.sequence_parallel()]),
+    "tp2_cp2_sp": ("tp=2,cp=2", [autopar.context_parallel(), autopar.tensor_parallel(), autopar.sequence_parallel()]),
     "dp2_cp2_fsdp": ("dp=2,cp=2", [autopar.fsdp(), autopar.context_parallel()]),
 }
 

@@ -141,6 +141,27 @@ def test_a_pipeline_is_priced_by_its_schedule():
     assert spans[8] < spans[2]  # more micro-batches, smaller bubble: (p-1)/(m+p-1)
 
 
+def test_a_pipelines_hand_over_waits_a_lone_messages_latency_where_the_cluster_states_one():
+    """Between two stages one rank sends to one other while the rest compute or wait — not a
+    collective step of all of them: `Cluster.p2p_latency_us` prices the hand-over where stated
+    (`calibrate` measures it; on this machine's shared cores ~50 µs against a collective step's
+    ~1 ms: with the step's α every 4-rank pipeline was priced 10–20% slow against dp × pp). The
+    first micro-batch crosses the boundary down and the last one's gradient up on the critical
+    path, so the span moves by at least twice the change."""
+    torch.manual_seed(0)
+    model, batch = GPT(dataclasses.replace(CONFIG, n_layer=4)), example_batch(CONFIG, batch=8)
+    pp = autopar.plan(model, "pp=2", strategies=[autopar.pipeline_parallel(microbatches=4)], example_inputs=batch)
+    slow = dict(intra_latency_us=2000, inter_latency_us=2000)
+    link = estimate(pp, _two_ranks(**slow))
+    stated = estimate(pp, _two_ranks(**slow, p2p_latency_us=2000))
+    lone = estimate(pp, _two_ranks(**slow, p2p_latency_us=50))
+    assert stated.parts == pytest.approx(link.parts)  # the same α as the link's: the same estimate
+    assert lone.parts["compute"] == pytest.approx(link.parts["compute"])
+    assert link.parts["bubble"] - lone.parts["bubble"] >= 2 * (2000 - 50) * 1e-6 * (1 - 1e-9)
+    with pytest.raises(PlanError, match="p2p_latency_us=-1; a latency is a number >= 0"):
+        _two_ranks(p2p_latency_us=-1)
+
+
 def test_a_pipeline_stage_pays_for_its_context_ring_at_every_micro_batch():
     """Context parallelism's ring sends are a stage's own work, made at every micro-batch: the
     pipeline's span holds the busiest stage's compute and all of its ring sends (nothing hides

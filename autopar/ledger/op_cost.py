@@ -16,7 +16,8 @@ totalled apart (`RankOps.taps`): the compute a tensor-parallel input gradient's 
 flight behind, which the cost model hides it behind (`step_cost.py`).
 
 `OpTotals.seconds(cluster)` prices the calls with a roofline per call — the larger of FLOPs /
-peak and bytes / memory bandwidth — plus the cluster's fixed cost per call; that is the compute
+peak and bytes / memory bandwidth (at the call's own size where the cluster measured a
+`memory_curve`: a CPU's caches) — plus the cluster's fixed cost per call; that is the compute
 part of the cost model (`autopar/cost.py`). One micro-batch under a pipeline: the stage graph is
 a micro-batch's.
 """
@@ -30,6 +31,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from autopar.cluster import bandwidth_at
 from autopar.ledger.working_memory import Working
 from autopar.runtime.weight_gradients import TAP_BACKWARD
 
@@ -55,16 +57,26 @@ class OpTotals:
         self.bytes += nbytes
         self.per_call.append((flops, nbytes))
 
-    def roofline(self, peak_flops: float, bandwidth: float) -> float:
-        """Seconds of the calls' own rooflines, without their fixed cost: remembered per (peak,
-        bandwidth, calls) — the planner prices every candidate of a layout on the same totals."""
-        key = (peak_flops, bandwidth, len(self.per_call))
+    def roofline(self, peak_flops: float, bandwidth: float, curve: tuple = (), scale: float = 1.0) -> float:
+        """Seconds of the calls' own rooflines, without their fixed cost, each call's FLOPs and
+        bytes times `scale` (the composed model's batch) and its bytes at the bandwidth of its own
+        size where the cluster has a `memory_curve` (`autopar.cluster.bandwidth_at`): remembered
+        per (peak, bandwidth, calls), and per curve and scale where there is a curve — the planner
+        prices every candidate of a layout on the same totals."""
+        if not curve:  # one bandwidth: the sum scales with the batch as a whole
+            key: tuple = (peak_flops, bandwidth, len(self.per_call))
+            if key not in self._rooflines:
+                self._rooflines[key] = sum(max(f / peak_flops, b / bandwidth) for f, b in self.per_call)
+            return scale * self._rooflines[key]
+        key = (peak_flops, bandwidth, curve, scale, len(self.per_call))
         if key not in self._rooflines:
-            self._rooflines[key] = sum(max(f / peak_flops, b / bandwidth) for f, b in self.per_call)
+            self._rooflines[key] = scale * sum(max(f / peak_flops, b / bandwidth_at(curve, bandwidth, scale * b))
+                                               for f, b in self.per_call)
         return self._rooflines[key]
 
-    def seconds(self, cluster: "Cluster") -> float:
-        return self.roofline(cluster.peak_flops, cluster.memory_bandwidth) + len(self.per_call) * cluster.op_overhead
+    def seconds(self, cluster: "Cluster", scale: float = 1.0) -> float:
+        return (self.roofline(cluster.peak_flops, cluster.memory_bandwidth, cluster.memory_curve, scale)
+                + len(self.per_call) * cluster.op_overhead)
 
 
 @dataclass(frozen=True)
