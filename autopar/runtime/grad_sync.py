@@ -4,8 +4,16 @@
 their gradients) by the axes they reduce over and by dtype, up to `cap_bytes` per bucket; the
 communication ledger uses the same buckets. `GradSynchronizer` registers post-accumulate-grad
 hooks: when a bucket's last gradient arrives its gradients are flattened and all-reduced over
-each axis (functional collectives); the end-of-backward callback waits for them and writes the
-reduced values back into `param.grad`.
+each axis (functional collectives), asynchronously while backward goes on; the end-of-backward
+callback waits for them and writes the reduced values back into `param.grad`.
+
+A bucket reduced over several axes (dp × cp, dp × ep, the norms of sequence parallelism under
+dp) all-reduces over one axis after the other, each on the previous one's result: its first
+axis is issued when the bucket is complete, and each later one when the next bucket is
+launched (its previous collective has had a bucket's worth of backward to finish) or at the end
+of backward — a chain of asynchronous collectives, where waiting on every axis but the last
+held backward up at each bucket. Every rank advances the chains at the same points, so each
+process group sees the same order of collectives on every rank.
 """
 from __future__ import annotations
 
@@ -74,6 +82,7 @@ class GradSynchronizer:
         self._flat = [torch.zeros(b.numel, dtype=b.dtype, device=self.params[b.params[0]].device) for b in buckets]
         self._ready: list[set[str]] = [set() for _ in buckets]
         self._launched: dict[int, torch.Tensor] = {}
+        self._axes_issued: dict[int, int] = {}  # bucket -> its axes issued so far (a chain, module docstring)
         self._callback_queued = False
         self.enabled = True  # False under ParallelModule.no_sync: gradients accumulate in param.grad
         for fqn in self._slot:
@@ -105,14 +114,25 @@ class GradSynchronizer:
         return hook
 
     def _launch(self, index: int) -> None:
-        bucket, flat = self.buckets[index], self._flat[index]
+        bucket = self.buckets[index]
         for fqn in bucket.params:
             if fqn not in self._ready[index]:  # unused in this step: contributes zeros
                 self._view(fqn).zero_()
-        for axis in bucket.axes[:-1]:
-            torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce_(flat, "sum", self.groups[axis]))
-        # the last (usually only) axis runs asynchronously while backward goes on; _finish waits
-        self._launched[index] = torch.ops._c10d_functional.all_reduce_(flat, "sum", self.groups[bucket.axes[-1]])
+        for earlier in list(self._axes_issued):  # the chains of earlier buckets move on by one axis
+            self._next_axis(earlier)
+        self._axes_issued[index] = 0
+        self._next_axis(index)
+
+    def _next_axis(self, index: int) -> None:
+        """Issue bucket `index`'s next axis (after waiting its previous one); nothing past its last."""
+        issued, axes = self._axes_issued[index], self.buckets[index].axes
+        if issued == len(axes):
+            return
+        if issued:
+            torch.ops._c10d_functional.wait_tensor(self._launched[index])
+        self._launched[index] = torch.ops._c10d_functional.all_reduce_(self._flat[index], "sum",
+                                                                        self.groups[axes[issued]])
+        self._axes_issued[index] = issued + 1
 
     def synchronise_all(self) -> None:
         """Reduce every bucket now: gradients accumulated without autograd's post-accumulate hooks
@@ -132,11 +152,15 @@ class GradSynchronizer:
         for index in range(len(self.buckets)):
             if index not in self._launched:
                 self._launch(index)
+        while any(self._axes_issued[i] < len(self.buckets[i].axes) for i in self._axes_issued):
+            for index in list(self._axes_issued):  # the chains' remaining axes, bucket by bucket in step
+                self._next_axis(index)
         for index, pending in self._launched.items():
             torch.ops._c10d_functional.wait_tensor(pending)
             for fqn in self.buckets[index].params:
                 self.params[fqn].grad = self._view(fqn)
         self._launched.clear()
+        self._axes_issued.clear()
         self._ready = [set() for _ in self.buckets]
         self._callback_queued = False
         progress.mark(3)
