@@ -1,7 +1,8 @@
 """The planner's predictions against runs: every candidate it prices is also run and timed.
 
-For each world size: `autopar.calibrate(world_size=N)` measures this machine (α, β, matmul
-throughput, memory bandwidth, per-call cost, overlap), `autopar.planner.search` plans and prices
+For each world size: `autopar.calibrate(world_size=N)` measures this machine (α, β, a lone
+message's α, matmul throughput, memory bandwidth per op size, per-call cost, overlap; printed in
+the header), `autopar.planner.search` plans and prices
 every candidate layout of the example GPT on that cluster, and then one launch of N gloo ranks
 (one thread each) runs every priced candidate that fits (16 per launch): parallelize
 (rank 0 plans, the others receive), four steps under `LiveStorages` (each step's peak of live
