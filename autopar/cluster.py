@@ -87,14 +87,12 @@ class Cluster:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise PlanError(f"cluster {self.label}: {name}={value!r}; it must be a positive number")
-        for name in ("intra_latency_us", "inter_latency_us", "op_overhead_us"):
+        for name in ("intra_latency_us", "inter_latency_us", "op_overhead_us", "p2p_latency_us"):
             value = getattr(self, name)
+            if value is None and name == "p2p_latency_us":  # the link's α
+                continue
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise PlanError(f"cluster {self.label}: {name}={value!r}; a latency is a number >= 0")
-        if self.p2p_latency_us is not None and (not isinstance(self.p2p_latency_us, (int, float))
-                                                or not math.isfinite(self.p2p_latency_us) or self.p2p_latency_us < 0):
-            raise PlanError(f"cluster {self.label}: p2p_latency_us={self.p2p_latency_us!r}; a latency is a number >= 0 "
-                            f"(or None: the link's α)")
         if not isinstance(self.overlap, (int, float)) or not 0 <= self.overlap <= 1:
             raise PlanError(f"cluster {self.label}: overlap={self.overlap!r}; it is the share of asynchronous "
                             f"communication hidden behind compute, between 0 and 1")

@@ -56,7 +56,6 @@ from functools import lru_cache
 from autopar.block_ledgers import BlockLedgers, Part
 from autopar.cluster import Cluster
 from autopar.comm_kinds import KINDS
-from autopar.ledger.op_cost import OpTotals
 from autopar.ledger.peak import PeakTerms, moments
 from autopar.search_space import Candidate
 from autopar.step_cost import OPTIMIZER_CALLS, OPTIMIZER_TRAFFIC, RUNTIME_COPY_TRAFFIC, StepEstimate, exposed_seconds
@@ -114,10 +113,6 @@ class _Pricer:
         if stage is not None:
             self.stage_wire[stage] += calls * self.wire(kind, axis, logical)
         return seconds
-
-
-def _roofline(totals: OpTotals, cluster: Cluster, scale: float) -> float:
-    return totals.seconds(cluster, scale)
 
 
 @lru_cache(maxsize=256)
@@ -181,7 +176,7 @@ def _rank_memory(ledgers: BlockLedgers, candidate: Candidate, rank: "_Rank", act
 
 
 def _stage_compute(part: Part, cluster: Cluster, scale: float) -> tuple[float, float]:
-    return _roofline(part.forward, cluster, scale), _roofline(part.backward, cluster, scale)
+    return part.forward.seconds(cluster, scale), part.backward.seconds(cluster, scale)
 
 
 def _blocking(part: Part, price: _Pricer, scale: float, times: float) -> tuple[float, float, list[float], float]:
@@ -204,7 +199,7 @@ def _blocking(part: Part, price: _Pricer, scale: float, times: float) -> tuple[f
             forward += calls * seconds
         else:
             backward += calls * seconds
-    backward += exposed_seconds(tapped, _roofline(part.taps, price.cluster, scale), price.cluster.overlap,
+    backward += exposed_seconds(tapped, part.taps.seconds(price.cluster, scale), price.cluster.overlap,
                                 unhidden=None)
     return forward, backward, sends, wire
 
