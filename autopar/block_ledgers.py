@@ -1,4 +1,4 @@
-"""One block's ledgers and the rest of the model's, for one in-node layout, read off two real plans.
+"""One block's ledgers and the rest of the model's, for one in-node layout, read off one real plan.
 
 The planner at scale (`autopar/composed_cost.py`) prices thousands of candidates for a model of
 a hundred layers on thousands of ranks; planning each is out of reach (a plan of a 405B-wide
@@ -6,33 +6,38 @@ model is seconds, not milliseconds). What differs between most candidates is ari
 ledger formulas already state — data parallelism's gradient collectives, ZeRO's shards, a
 pipeline's micro-batches and stage depth — while what a block costs under tensor, sequence,
 context and expert parallelism is the compiler's to say. So per in-node `Layout` (tp, sp, cp, ep,
-recompute) `measure_layout` plans the model cut to its first block and to its first two blocks
-(`repeated_blocks.truncated`; on the mesh of the layout's axes alone, one sequence per rank of
-the batch-sharding axes, i.e. `ep` sequences; without the fake-tensor run check, as they are only
-measured; the one-block model's trace is the two-block one's less its last block,
-`trace.reuse_shortened`: one export per search, not two) and takes, from the two
-plans' ledgers on rank 0:
+recompute) `measure_layout` plans the model cut to its first block (`repeated_blocks.truncated`;
+on the mesh of the layout's axes alone, one sequence per rank of the batch-sharding axes, i.e.
+`ep` sequences; without the fake-tensor run check, as it is only measured; its trace is the
+exported two-block model's less its last block, `trace.reuse_shortened`, which also tells
+whether the blocks are a chain) and tells the block (`block`) from the rest (`rest`) on rank 0:
 
-- what the placements state — parameter and buffer bytes, parameter tensors, the collectives
-  (communication ledger entries by phase, axis, kind and bytes per call, with their call counts)
-  and the gradient synchronisation per axis in bytes (bucketed by size, not by block) — as
-  `block` = two-block plan − one-block plan, `rest` = one-block plan − `block`;
-- what the fake runs say — forward and backward op totals (op ledger: calls, FLOPs, bytes,
-  matched as a multiset of calls), activation and transient bytes — from the two-block plan's
-  runs only: `block` is the second block's share of them (its calls, told apart by module in
-  forward and by autograd node in backward, `fake_run.ops_run(..., block=)`; the activations its
-  nodes produce), `rest` the runs less two blocks. Equal to the difference of the two plans' runs
-  (`tests/test_composed_cost.py` compares both) at half the fake-run work; where something
-  outside the blocks reads each block (the example MoE's auxiliary loss sums every block's), a
-  block's calls are not all inside it and both plans' runs are differenced instead;
+- what the placements state (`_attributed_state`) — parameter and buffer bytes, parameter
+  tensors, the collectives (communication ledger entries by phase, axis, kind and bytes per call,
+  with their call counts) and the gradient synchronisation per axis in bytes: the block's
+  parameters by name, the buffers only its nodes read, the collectives its nodes make
+  (`CommEntry.module`), its parameters' share of each gradient bucket;
+- what the fake run says — forward and backward op totals (op ledger: calls, FLOPs, bytes,
+  matched as a multiset of calls), the bytes autograd saved, the transient — from one run: the
+  block's calls told apart in forward by module and in backward by autograd node
+  (`fake_run.ops_run(..., block=)`), its saved bytes those its nodes allocated (read off the
+  autograd graph, `RankOps.saved`; where a recomputed region saves through hooks, the activation
+  ledger's saving run); the rest is the run less the block;
 - `first_params`: the rest's parameters that come before the blocks (the embedding; a
   pipeline's first stage holds them, the last stage the rest);
-- `boundary_bytes`: the value one block hands the next (a pipeline's send per micro-batch);
+- `boundary_bytes`: the value the block hands on (a pipeline's send per micro-batch);
 - for the peak's moments (`ledger/peak.py`): the rest's backward working memory (the loss's
   gradient over the vocabulary) and the largest parameter the optimizer updates.
 
-The cost of `search` therefore grows with the distinct layouts (two plans, one of them run), not with the
-layers or the ranks. The batch's first dimension of every tensor input is taken as the batch.
+`tests/test_composed_cost.py` checks all of it against the difference of the two-block and
+one-block plans (`_difference`, what an earlier version measured, planning and running both) to
+the call and the byte. Where something outside the blocks reads each block (the example MoE's
+auxiliary loss sums every block's), a block's calls are not all inside it: both plans are made
+and run and differenced instead.
+
+The cost of `search` therefore grows with the distinct layouts (one plan and one run each), not
+with the layers or the ranks. The batch's first dimension of every tensor input is taken as the
+batch.
 """
 from __future__ import annotations
 
@@ -156,6 +161,49 @@ def _state(plan: Any) -> Part:
                 comm=uses, grad_sync=synced)
 
 
+def _attributed_state(plan: Any, block: str) -> tuple[Part, Part]:
+    """(block, rest) of what one plan's placements state on rank 0, told apart by name and module:
+    the parameters under `block` (their local bytes), the buffers and constants only its nodes
+    read, the collectives its nodes make (`CommEntry.module`), and its parameters' share of each
+    gradient bucket (their local elements at the bucket's dtype). The same as the difference of
+    the one- and two-block plans (`tests/test_composed_cost.py`), with one plan instead of two."""
+    from autopar.ir import SPEC, local_numel, module_stack
+    from autopar.ledger.memory import _rank_placeholders
+
+    whole = _state(plan)
+    stages = plan.stages_of_rank(0)
+
+    def inside(path: str) -> bool:
+        return path == block or path.startswith(block + ".")
+
+    part = Part()
+    numels: dict[str, int] = {}
+    for node in _rank_placeholders(plan, stages):
+        info = plan.context.placeholders[node.name]
+        meta = node.meta[SPEC].tensor_meta
+        numel = int(plan.comm.number(local_numel(meta.shape, node.meta[SPEC].placements, plan.mesh.shape)))
+        if info.kind == "parameter":
+            numels[info.target] = numel
+            if node.users and inside(info.target):
+                part.param_bytes += numel * meta.dtype.itemsize
+                part.param_tensors += int(info.requires_grad)
+        elif node.users and all(any(inside(p) for p in module_stack(user)) for user in node.users):
+            part.buffer_bytes += numel * meta.dtype.itemsize
+    for entry in plan.comm.for_rank(0):
+        if entry.phase != "grad_sync" and inside(entry.module):
+            part.comm[CommUse(entry.phase, entry.axis, entry.kind, int(plan.comm.number(entry.logical_bytes)),
+                              entry.behind)] += entry.times
+    for bucket in (b for stage in stages for b in stage.buckets):
+        mine = sum(numels[name] for name in bucket.params if inside(name)) * bucket.dtype.itemsize
+        for axis in bucket.axes:
+            if mine:
+                part.grad_sync[axis] += mine
+    rest = Part(whole.param_bytes - part.param_bytes, whole.param_tensors - part.param_tensors,
+                whole.buffer_bytes - part.buffer_bytes, comm=whole.comm - part.comm,
+                grad_sync=whole.grad_sync - part.grad_sync)
+    return part, rest
+
+
 def _measured(plan: Any, block: str | None = None) -> tuple[Part, Part | None]:
     """What the plan's fake runs say on rank 0 (activations, the recomputed region's transient,
     the calls, backward's working memory), for the whole rank and, given `block`, for that module
@@ -167,15 +215,20 @@ def _measured(plan: Any, block: str | None = None) -> tuple[Part, Part | None]:
     from autopar.ledger.peak import largest_optimized
 
     transient = int(build_memory_ledger(plan, rank=0, activations=False).by_category()["transient"])
-    saved = saved_activations(plan, rank=0).entries  # the plans have no pipeline: one forward's
     ops = ops_run(plan, 0, block=block)
-    whole = Part(activation_bytes=sum(e.number for e in saved), transient_bytes=transient,
+    if ops.saved is not None:  # read off the ops run's autograd graph: no second forward
+        activations, inside = ops.saved
+    else:  # the plans have no pipeline: one forward's
+        saved = saved_activations(plan, rank=0).entries
+        activations = sum(e.number for e in saved)
+        inside = sum(e.number for e in saved if block is not None and (e.module == block
+                                                                        or e.module.startswith(block + ".")))
+    whole = Part(activation_bytes=activations, transient_bytes=transient,
                  forward=ops.forward, backward=ops.backward, taps=ops.taps, working_bytes=ops.working.bytes,
                  working_weights=ops.working.weight_gradients,
                  largest_param=largest_optimized(plan, plan.stages_of_rank(0), "adamw"))
     if block is None:
         return whole, None
-    inside = sum(e.number for e in saved if e.module == block or e.module.startswith(block + "."))
     forward, backward = ops.block
     return whole, Part(activation_bytes=inside, forward=forward, backward=backward, taps=ops.block_taps)
 
@@ -191,23 +244,23 @@ def _state_parts(two: Part, one: Part) -> tuple[Part, Part]:
     return block, rest
 
 
-def _parts(two: Part, one: Part, whole: Part, second: Part) -> tuple[Part, Part]:
-    """(block, rest): the state as the two plans' difference; what runs as the second block's share
-    of the two-block plan's runs, the rest as that plan's runs less two blocks."""
-    block, rest = _state_parts(two, one)
-    return (replace(block, activation_bytes=second.activation_bytes, forward=second.forward, backward=second.backward,
-                    taps=second.taps, largest_param=whole.largest_param),
-            replace(rest, activation_bytes=whole.activation_bytes - 2 * second.activation_bytes,
-                    transient_bytes=whole.transient_bytes, forward=_less(whole.forward, second.forward),
-                    backward=_less(whole.backward, second.backward), taps=_less(whole.taps, second.taps),
+def _parts(state: tuple[Part, Part], whole: Part, inside: Part) -> tuple[Part, Part]:
+    """(block, rest): the state as given (`_attributed_state`, or the two plans' difference); what
+    runs as the block's share of the one-block plan's runs (`inside`), the rest as those runs
+    (`whole`) less it."""
+    block, rest = state
+    return (replace(block, activation_bytes=inside.activation_bytes, forward=inside.forward, backward=inside.backward,
+                    taps=inside.taps, largest_param=whole.largest_param),
+            replace(rest, activation_bytes=whole.activation_bytes - inside.activation_bytes,
+                    transient_bytes=whole.transient_bytes, forward=_less(whole.forward, inside.forward),
+                    backward=_less(whole.backward, inside.backward), taps=_less(whole.taps, inside.taps),
                     working_bytes=whole.working_bytes,
                     working_weights=whole.working_weights, largest_param=whole.largest_param))
 
 
 def _less(whole: OpTotals, block: OpTotals) -> OpTotals:
-    """The calls of `whole` less two blocks' (matched as a multiset of (FLOPs, bytes))."""
-    calls = Counter(block.per_call)
-    return _totals(Counter(whole.per_call) - (calls + calls))
+    """The calls of `whole` less the block's (matched as a multiset of (FLOPs, bytes))."""
+    return _totals(Counter(whole.per_call) - Counter(block.per_call))
 
 
 def _figures(plan: Any) -> Part:
@@ -243,39 +296,71 @@ def measure_layout(model: torch.nn.Module, layout: Layout, *, example_inputs: Se
     the attention's data parallelism inside an expert-parallel group)."""
     path, blocks = _blocks_path(model)
     one, two, chain = layout_plans(model, layout, example_inputs=example_inputs, example_kwargs=example_kwargs)
-    if chain:  # the second block's calls and activations told apart in the two-block plan's runs
-        block, rest = _parts(_state(two), _state(one), *_measured(two, f"{path}.1"))
+    block_path = f"{path}.0"
+    if chain:  # the block told apart in the one-block plan: its parameters, collectives, calls, activations
+        block, rest = _parts(_attributed_state(one, block_path), *_measured(one, block_path))
     else:  # something outside the blocks reads each block (an auxiliary loss): what the second block adds
         block, rest = _difference(_figures(two), _figures(one))
     with truncated(model, path, 1):
         first = _before_blocks(model, path, one)
     return BlockLedgers(layout=layout, blocks=blocks, batch=1, block=block, rest=rest, first_params=sum(first),
-                        first_tensors=len(first), boundary_bytes=_boundary_bytes(two, path))
+                        first_tensors=len(first), boundary_bytes=_boundary_bytes(one, block_path))
 
 
 def layout_plans(model: torch.nn.Module, layout: Layout, *, example_inputs: Sequence[Any],
-                 example_kwargs: dict | None = None) -> tuple[Any, Any, bool]:
+                 example_kwargs: dict | None = None, both: bool = False) -> tuple[Any, Any, bool]:
     """The plans of `model` cut to one block and to two under `layout` (measured only, one sequence
     per rank of the batch-sharding axes), and whether the blocks are a chain: nothing outside them
     reads a block but the next one (`trace.reuse_shortened`: then the one-block trace is the
-    two-block one less its last block, and no second export is made)."""
+    two-block one less its last block, and no second export is made). Where they are a chain the
+    two-block model is traced but not planned (its plan is None) unless `both`: the one-block plan
+    tells its block apart (`_attributed_state`, `_measured`)."""
     from autopar.plan import plan as make_plan
     from autopar.search_space import Candidate
 
     path, _ = _blocks_path(model)
+    args, kwargs = _layout_inputs(layout, example_inputs, example_kwargs)
+    candidate = Candidate(layout.degrees, sequence_parallel=layout.sequence_parallel, recompute=layout.recompute)
+
+    def planned() -> Any:
+        return make_plan(model, layout.mesh_spec, strategies=candidate.strategies(), example_inputs=args,
+                         example_kwargs=kwargs, reuse_blocks=False, _measured_only=True)
+
+    chain = traced_blocks(model, layout, example_inputs=example_inputs, example_kwargs=example_kwargs)
+    with truncated(model, path, 1):
+        one = planned()
+    two = None
+    if both or not chain:
+        with truncated(model, path, 2):
+            two = planned()
+    return one, two, chain
+
+
+def _layout_inputs(layout: Layout, example_inputs: Sequence[Any], example_kwargs: dict | None) -> tuple:
+    """The inputs a layout's plans run: one sequence per rank of the batch-sharding axes."""
     args = _sliced(example_inputs, layout.ep)
     kwargs = (dict(zip(example_kwargs, _sliced(tuple(example_kwargs.values()), layout.ep)))
               if example_kwargs else None)
-    candidate = Candidate(layout.degrees, sequence_parallel=layout.sequence_parallel, recompute=layout.recompute)
-    plans, longer, chain = [], None, False
-    for keep in (2, 1):
-        with truncated(model, path, keep):
-            if longer is not None:
-                chain = reuse_shortened(model, args, kwargs, longer, path=path, count=2, reuse_blocks=False)
-            plans.append(make_plan(model, layout.mesh_spec, strategies=candidate.strategies(), example_inputs=args,
-                                   example_kwargs=kwargs, reuse_blocks=False, _measured_only=True))
+    return args, kwargs
+
+
+def traced_blocks(model: torch.nn.Module, layout: Layout, *, example_inputs: Sequence[Any],
+                  example_kwargs: dict | None = None) -> bool:
+    """Under `trace.reusing_traces()`: the model cut to two blocks exported (once) on the layout's
+    inputs and the one-block trace made from it; whether the blocks are a chain (`layout_plans`).
+    The planner calls it before measuring layouts in two processes, so that both share one export."""
+    from autopar.trace import trace_model
+
+    path, _ = _blocks_path(model)
+    args, kwargs = _layout_inputs(layout, example_inputs, example_kwargs)
+    with truncated(model, path, 2):
+        longer = reused_trace(model, args, kwargs, reuse_blocks=False)
+        if longer is None:
+            trace_model(model, args, kwargs, reuse_blocks=False)
             longer = reused_trace(model, args, kwargs, reuse_blocks=False)
-    return plans[1], plans[0], chain
+    with truncated(model, path, 1):
+        return longer is not None and reuse_shortened(model, args, kwargs, longer, path=path, count=2,
+                                                      reuse_blocks=False)
 
 
 def _before_blocks(model: torch.nn.Module, path: str, plan: Any) -> list[int]:
@@ -302,20 +387,19 @@ def plan_parameter_bytes(plan: Any) -> dict[str, int]:
     return result
 
 
-def _boundary_bytes(plan: Any, path: str) -> int:
-    """Rank 0's bytes of the value block 0 hands block 1 (the last output of block 0 that a node of
-    block 1 reads)."""
+def _boundary_bytes(plan: Any, block: str) -> int:
+    """Rank 0's bytes of the value `block` hands on (the largest output of it that a node outside
+    it reads: in a one-block plan what the next block would read)."""
     from autopar.ir import SPEC, local_numel, module_stack
 
     graph = plan.program.graph_module.graph
-    first, second = f"{path}.0", f"{path}.1"
     carried = 0
     for node in graph.nodes:
-        if second not in module_stack(node):
+        if block in module_stack(node):
             continue
         for arg in node.all_input_nodes:
             meta = getattr(arg.meta.get(SPEC), "tensor_meta", None)
-            if first in module_stack(arg) and second not in module_stack(arg):
+            if block in module_stack(arg):
                 if hasattr(meta, "shape"):
                     carried = max(carried, int(local_numel(meta.shape, arg.meta[SPEC].placements, plan.mesh.shape))
                                   * meta.dtype.itemsize)

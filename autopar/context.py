@@ -5,6 +5,8 @@ DTensor's sharding decisions (`passes/propagate_placements.py`), so that the pla
 only plans of one model under many layouts (`autopar/block_ledgers.py`: one and two blocks, with
 and without recomputation, the same tensor-parallel degree) ask DTensor each question once. A
 decision is keyed by the op and its argument specs, mesh included (equal meshes, equal keys).
+The same store keeps each tensor-parallel layout found in a traced graph (`shared_store`): every
+layout of one tensor-parallel degree finds the same one in the same graph.
 """
 from __future__ import annotations
 
@@ -46,6 +48,13 @@ def sharing_sharding_decisions(store: "dict | None" = None) -> Iterator[None]:
 
 def _sharding_decisions() -> dict:
     return {} if _SHARED_DECISIONS is None else _SHARED_DECISIONS
+
+
+def shared_store() -> "dict | None":
+    """The store `sharing_sharding_decisions()` shares, None outside it: besides DTensor's
+    decisions it keeps the tensor-parallel layouts found in a traced graph
+    (`strategies/find_layout.py`), keyed apart from them."""
+    return _SHARED_DECISIONS
 
 
 @dataclass

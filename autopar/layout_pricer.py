@@ -3,27 +3,32 @@ measured once.
 
 `BlockPricer(model, cluster, example_inputs)` is the `price` of `planner.search(method="blocks")`:
 a candidate's in-node `Layout` (tp, cp, ep, sp, recompute) is measured the first time a
-candidate needs it (`block_ledgers.measure_layout`: two small plans, sharing the search's
-traces) and every candidate sharing it is composed from those ledgers
+candidate needs it (`block_ledgers.measure_layout`: one small plan and its fake run, sharing the
+search's traces) and every candidate sharing it is composed from those ledgers
 (`composed_cost.composed_estimate`, ~1 ms). A layout the compiler refuses (or PyTorch fails on)
 refuses every candidate that needs it, with the message. `price_composed` prices one given
 candidate the same way (a published configuration the search's rules would not enumerate).
-Measuring layouts in forked worker processes was tried: 8 layouts of the 8B shape took 6.2 s on
-two workers against 7.7 s in one process (the workers' copy-on-write faults on the inherited
-heap eat most of the second core), not worth a process pool.
+`prefetch(candidates, recompute=)` measures every layout of the search's first pass at once,
+split between this process and a forked copy (`autopar/layout_workers.py`), and while the copy
+works the recomputation variants the second pass will likely ask for (composing this process's
+share to find them; those estimates are kept). A pool of workers measuring a few layouts each was
+tried before and gained 1.24× on 8 layouts; one fork after the export, with the heap warm,
+gains 1.5× on 27.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from dataclasses import replace
+from typing import Any, Iterable, Sequence
 
 import torch
 
-from autopar.block_ledgers import BlockLedgers, Layout, measure_layout
+from autopar.block_ledgers import BlockLedgers, Layout, measure_layout, traced_blocks
 from autopar.cluster import Cluster
 from autopar.composed_cost import composed_estimate
 from autopar.context import sharing_sharding_decisions
 from autopar.errors import PlanError
+from autopar.layout_workers import measured
 from autopar.search_space import Candidate
 from autopar.trace import reusing_traces
 
@@ -61,6 +66,7 @@ class BlockPricer:
         self.batch = global_batch(example_inputs, example_kwargs)
         self.layouts: dict[Layout, "BlockLedgers | str"] = {}
         self.decisions: dict = {}  # DTensor's sharding decisions, shared by every layout's plans
+        self.estimates: dict = {}  # candidate -> its composed estimate
 
     def measure(self, layout: Layout) -> "BlockLedgers | str":
         try:
@@ -77,6 +83,39 @@ class BlockPricer:
             self.layouts[layout] = self.measure(layout)
         return self.layouts[layout]
 
+    def prefetch(self, candidates: Iterable[Candidate], *, recompute: Sequence[str] = ()) -> None:
+        """Measure every layout these candidates need that is not measured yet, on two processes
+        where that is safe (`layout_workers.measured`); while the second works, the first measures
+        its layouts' variants with each `recompute` policy (what the search asks for next where a
+        layout does not fit)."""
+        chosen = [c for c in candidates if self._splits(c) is None]
+        wanted = [layout_of(c) for c in chosen]
+
+        def variants(measured_here: dict) -> list[Layout]:
+            """The recomputation variants the search's second pass will likely ask for: of the
+            layouts measured here, those with candidates that do not fit yet are faster than
+            every one that fits, fastest first (their estimates kept for the first pass)."""
+            priced = [(c, self._estimate(c, measured_here[layout_of(c)])) for c in chosen
+                      if not isinstance(measured_here.get(layout_of(c), ""), str)]
+            bound = min((e.seconds for _, e in priced if e.fits), default=float("inf"))
+            unfit = sorted(((e.seconds, c) for c, e in priced if not e.fits and e.seconds < bound), key=lambda x: x[0])
+            return [replace(layout_of(c), recompute=policy) for _, c in unfit for policy in recompute
+                    if c.recompute is None]
+
+        def export() -> None:  # once, before the fork: both processes plan copies of this trace
+            try:
+                traced_blocks(self.model, wanted[0], example_inputs=self.args, example_kwargs=self.kwargs)
+            except (PlanError, RuntimeError):  # each layout's measurement meets it and says so
+                pass
+
+        self.layouts.update(measured(self.measure, [layout for layout in wanted if layout not in self.layouts],
+                                     variants=variants if recompute else None, warm=export if wanted else None))
+
+    def _estimate(self, candidate: Candidate, ledgers: BlockLedgers) -> Any:
+        if candidate not in self.estimates:
+            self.estimates[candidate] = composed_estimate(ledgers, candidate, self.cluster, global_batch=self.batch)
+        return self.estimates[candidate]
+
     def _splits(self, candidate: Candidate) -> str | None:
         split = candidate.degree("dp") * candidate.degree("ep") * (candidate.microbatches or 1)
         if self.batch % split:
@@ -91,8 +130,7 @@ class BlockPricer:
         ledgers = self.ledgers(layout_of(candidate)) if refused is None else refused
         if isinstance(ledgers, str):
             return Outcome(candidate, refused=ledgers, seconds=time.perf_counter() - start)
-        return Outcome(candidate, composed_estimate(ledgers, candidate, self.cluster, global_batch=self.batch),
-                       seconds=time.perf_counter() - start)
+        return Outcome(candidate, self._estimate(candidate, ledgers), seconds=time.perf_counter() - start)
 
 
 def price_composed(model: torch.nn.Module, cluster: Cluster, candidate: Candidate, *, example_inputs: Sequence[Any],

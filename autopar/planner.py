@@ -13,7 +13,9 @@ only adds time (the forward again, its collectives again), so past that bound it
 (`SearchResult.pruned` names each candidate passed over, with both times). In a composed search
 that skips measuring most in-node layouts with recomputation (the 8B shape on 64 GPUs: 6 layouts
 measured instead of 12 in the exercise's space, 36 instead of 84 in the default one;
-`tests/test_composed_cost.py` checks the winner against pricing everything).
+`tests/test_composed_cost.py` checks the winner against pricing everything). A composed search
+measures the first pass's layouts at once, on two processes where that is safe
+(`BlockPricer.prefetch`, `autopar/layout_workers.py`).
 
 `SearchResult.best` is the winner (its plan kept; the others' dropped as they are priced, so a
 search holds one plan at a time besides the best), `table(top=)` the ranking with each
@@ -165,6 +167,8 @@ def search(model: torch.nn.Module, cluster: Cluster, *, example_inputs: Sequence
     pruned = list(enumeration.pruned)
     best: Outcome | None = None
     with reusing_traces(), _collecting_cycles_after(composed):
+        if composed:  # every layout the first pass needs, on both cores where that is safe
+            price.prefetch(enumeration.candidates, recompute=space.recompute)
         for candidate in enumeration.candidates:
             best = _recorded(price(candidate), outcomes, best, progress)
         # recomputation, for the candidates that do not fit, fastest first: it only adds time (the
@@ -196,7 +200,7 @@ def _collecting_cycles_after(deferred: bool) -> Iterator[None]:
     tensors, graph copies, action lists) and each collection walks the whole heap — torch's and
     sympy's modules included: on the 8B exercise (`benchmarks/planner_at_scale.py`) collections
     took 1.0–1.5 s of a 6 s first search. Its cyclic garbage is bounded — each in-node layout's
-    two small plans, dropped once measured, ~12 MB on that search — and goes at the next collection
+    small plan, dropped once measured, ~12 MB on that search — and goes at the next collection
     after it. A search that plans every candidate keeps the collector: its garbage is every plan."""
     paused = deferred and gc.isenabled()
     if paused:

@@ -35,6 +35,12 @@ class PassRecord:
 
 
 def run_passes(program: Program, ctx: CompileContext, passes: list[Pass]) -> tuple[Program, list[PassRecord]]:
+    """Run `passes` in order. A pass that refuses some combinations of strategies whatever the graph
+    says (its `refuses(ctx)` raises PlanError) is asked before any pass runs."""
+    for compiler_pass in passes:
+        refuses = getattr(compiler_pass, "refuses", None)
+        if refuses is not None:
+            refuses(ctx)
     records = []
     for compiler_pass in passes:
         before = program.node_count()

@@ -149,6 +149,13 @@ def _check_region(name: str, nodes: list[torch.fx.Node], declared) -> None:
                            fix="recompute smaller modules (module globs)")
 
 
+def refuses(ctx: CompileContext) -> None:
+    """What this pass refuses of the strategies alone, before any pass runs (`passes.run_passes`):
+    the planner meets these combinations by the dozen and need not propagate a graph to hear no."""
+    if ctx.strategy.recompute is not None:
+        _refuse_unsupported(ctx, ctx.strategy.recompute)
+
+
 def recompute(program: Program, ctx: CompileContext) -> Program:
     declared = ctx.strategy.recompute
     if declared is None:
@@ -262,3 +269,6 @@ def wrap_recomputed_regions(graph: torch.fx.Graph) -> None:
     for name, nodes in regions.items():
         order = {node: i for i, node in enumerate(graph.nodes)}
         _wrap(graph, name, _convex(nodes, order), order)
+
+
+recompute.refuses = refuses

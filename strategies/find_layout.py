@@ -38,7 +38,7 @@ import torch.fx
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from autopar.context import PlaceholderInfo
+from autopar.context import PlaceholderInfo, shared_store
 from autopar.errors import PlanError
 from autopar.ir import module_stack
 from autopar.strategies.check_layout import Candidate, check_candidates
@@ -261,7 +261,37 @@ def _tied_to_rejected(regions: list[_Region], rejected_weights: set[str]) -> lis
 
 def find_layout(gm: torch.fx.GraphModule, placeholders: dict[str, PlaceholderInfo], *, axis: str,
                 size: int) -> FoundLayout:
-    """The tensor-parallel layout of a traced graph on an axis of `size` ranks (module docstring)."""
+    """The tensor-parallel layout of a traced graph on an axis of `size` ranks (module docstring).
+    Within `context.sharing_sharding_decisions()` (the planner at scale) found once per graph and
+    size: every in-node layout of one tensor-parallel degree plans a copy of the same trace."""
+    store = shared_store()
+    if store is None:
+        return _find_layout(gm, placeholders, axis=axis, size=size)
+    key = ("tensor-parallel layout", _fingerprint(gm, placeholders), axis, size)
+    if key not in store:
+        try:
+            store[key] = _find_layout(gm, placeholders, axis=axis, size=size)
+        except PlanError as error:
+            store[key] = error
+    if isinstance(store[key], PlanError):
+        raise store[key]
+    return store[key]
+
+
+def _fingerprint(gm: torch.fx.GraphModule, placeholders: dict[str, PlaceholderInfo]) -> tuple:
+    """What `_find_layout` reads of a graph: each node's op, target, arguments, shape and module
+    stack, and what each placeholder is."""
+    rows = []
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+        rows.append((node.op, str(node.target), str(node.args), str(node.kwargs), str(shape),
+                     tuple(module_stack(node)), placeholders.get(node.name)))
+    return tuple(rows)
+
+
+def _find_layout(gm: torch.fx.GraphModule, placeholders: dict[str, PlaceholderInfo], *, axis: str,
+                 size: int) -> FoundLayout:
     ports = find_projections(gm, placeholders)
     kinds = classify(gm, placeholders, ports)
     found = _regions(components(gm, kinds, ports)) + _embedding_regions(gm, placeholders)

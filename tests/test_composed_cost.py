@@ -213,21 +213,32 @@ def test_plan_with_a_large_cluster_composes_the_search_and_plans_only_the_winner
                                     Layout(recompute="full"), Layout(tp=2, sequence_parallel=True, recompute="selective")],
                          ids=lambda layout: f"{layout.mesh_spec}{'+sp' if layout.sequence_parallel else ''}"
                                             f"{'+' + layout.recompute if layout.recompute else ''}")
-def test_the_second_blocks_share_of_the_two_block_runs_is_what_it_adds_to_the_one_block_plan(layout):
-    """A layout's block is read off the two-block plan's fake runs alone (its calls told apart by
-    module in forward and by autograd node in backward, its nodes' activations): the same to the
-    call and the byte as the difference of both plans' runs, which it replaces (a block's SP or
-    ring collectives' copies, a recomputed region's second forward, the head's gradient order)."""
-    from autopar.block_ledgers import _difference, _figures, _measured, _parts, _state, layout_plans
+def test_the_blocks_share_of_the_one_block_plan_is_what_a_second_block_adds(layout):
+    """A layout's block is read off the one-block plan alone: its parameters, buffers, collectives
+    and gradient buckets' share told apart by name and module, its calls by module in forward and
+    by autograd node in backward, its nodes' activations — the same to the call and the byte as
+    the difference of the two-block and one-block plans, which it replaces (a block's SP or ring
+    collectives and their copies, a recomputed region's second forward, the head's gradient
+    order, buckets that hold the block's and the rest's parameters together)."""
+    from autopar.block_ledgers import (_attributed_state, _boundary_bytes, _difference, _figures, _measured, _parts,
+                                       layout_plans)
+    from autopar.ledger.activations import saved_activations
+    from autopar.ledger.fake_run import ops_run
 
     torch.manual_seed(0)
     config = GPTConfig(n_layer=4, d_model=64, n_head=4, d_ff=256, seq_len=32)
     model, batch = GPT(config), example_batch(config, batch=8)
     with reusing_traces():
-        one, two, chain = layout_plans(model, layout, example_inputs=batch)
+        one, two, chain = layout_plans(model, layout, example_inputs=batch, both=True)
     assert chain, "the example GPT's blocks are a chain"
-    attributed = _parts(_state(two), _state(one), *_measured(two, "layers.1"))
+    attributed = _parts(_attributed_state(one, "layers.0"), *_measured(one, "layers.0"))
     differenced = _difference(_figures(two), _figures(one))
+    assert _boundary_bytes(one, "layers.0") == _boundary_bytes(two, "layers.0") > 0
+    # what autograd saved, read off the ops run's graph, is what the activation ledger's saving run counts
+    saved = saved_activations(one, rank=0).entries
+    read = ops_run(one, 0, block="layers.0").saved
+    assert read is None if layout.recompute else read == (
+        sum(e.number for e in saved), sum(e.number for e in saved if e.module.startswith("layers.0")))
     for mine, theirs in zip(attributed, differenced):
         assert Counter(mine.forward.per_call) == Counter(theirs.forward.per_call)
         assert Counter(mine.backward.per_call) == Counter(theirs.backward.per_call)

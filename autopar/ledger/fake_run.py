@@ -14,7 +14,11 @@ included — on fake tensors of the rank's local shapes at the traced hint sizes
   every ATen call with its FLOPs and bytes (`ledger/op_cost._OpRecorder`) and the most bytes
   backward allocates beyond what is alive when it starts (`ledger/working_memory.LiveFakeStorages`);
   with `block=` (a module path) also which calls are that module's (`_BlockCalls`: the planner at
-  scale reads a block's calls off a two-block plan's run, `autopar/block_ledgers.py`).
+  scale reads a block's calls off a one-block plan's run, `autopar/block_ledgers.py`) and, where
+  no recomputed region saves through hooks, the bytes autograd saved, the rank's and the
+  block's (`RankOps.saved`): read off the autograd graph the forward left (`_autograd_saved`,
+  no hook), each storage labelled by the graph node that allocated it — what the saving run
+  counts, without running the forward again (`tests/test_composed_cost.py` compares).
 
 Two runs, not one: a pack hook changes what autograd does — it keeps the saved tensor itself
 instead of its data, so backward unpacks it through a `detach` and accumulates gradients in
@@ -35,6 +39,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes
 
 from autopar.ledger.working_memory import LiveFakeStorages, gather_free_runner, taking_weight_gradients
 from autopar.passes.recompute import is_region_call
@@ -188,10 +193,14 @@ def ops_run(plan: "Plan", rank: int, *, stage: int | None = None, block: str | N
             chosen, _, gm, mode, inputs = _prepared(plan, rank, stage, None)
             labels = _BlockCalls(block) if block else None
             recorder, tracker = _OpRecorder(labels), LiveFakeStorages()
+            reads_saved = labels is not None and _saved_readable(plan, gm)
+            if reads_saved:
+                tracker.label = lambda: labels.current
             taking_weight_gradients(inputs, tracker)
             with mode, torch.enable_grad(), recorder, tracker:
                 outputs = gather_free_runner(gm, tracker, labels.around if labels else None)(*inputs)
                 roots = [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
+                saved = _autograd_saved(roots, tracker, _user_inputs(plan, chosen, inputs)) if reads_saved else None
                 grads = [torch.ones_like(o) for o in roots]
                 del outputs
                 recorder.phase = "backward"
@@ -203,9 +212,74 @@ def ops_run(plan: "Plan", rank: int, *, stage: int | None = None, block: str | N
             totals = recorder.block_totals
             plan._fake_runs[key] = RankOps(rank, chosen.index, recorder.totals["forward"], recorder.totals["backward"],
                                            tracker.working(), (totals["forward"], totals["backward"]) if labels else None,
-                                           taps=recorder.totals["taps"], block_taps=totals["taps"] if labels else None)
+                                           taps=recorder.totals["taps"], block_taps=totals["taps"] if labels else None,
+                                           saved=saved)
             plan._fake_runs.setdefault(plain, plan._fake_runs[key])  # the same run, read without the split
     return plan._fake_runs[key]
+
+
+def _saved_readable(plan: "Plan", gm: torch.fx.GraphModule) -> bool:
+    """Whether what autograd saves can be read off its graph after the forward: not where a
+    recomputed region saves through `saved_tensors_hooks` (reading a saved tensor would run the
+    region again) or an all-gather keeps its input for backward (the saving run counts the shard)."""
+    if any(is_region_call(node) for node in gm.graph.nodes):
+        return False
+    return not any(plan.strategy.regathers(axis) for axis in plan.mesh.names)
+
+
+def _user_inputs(plan: "Plan", chosen: Any, inputs: list) -> set[int]:
+    """Storage addresses of the stage's user inputs (tokens, labels: saved by the embedding and
+    the loss, activations of the rest); the other placeholders are state."""
+    placeholders = [n for n in chosen.graph_module.graph.nodes if n.op == "placeholder"]
+    return {value.untyped_storage()._cdata for node, value in zip(placeholders, inputs)
+            if isinstance(value, torch.Tensor) and getattr(plan.context.placeholders.get(node.name), "kind", None)
+            == "input"}
+
+
+_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _autograd_saved(roots: list[torch.Tensor], tracker: LiveFakeStorages, user_inputs: set[int]) -> tuple[int, int]:
+    """(bytes, the block's bytes) of the storages autograd saved for backward, read off the graph
+    from `roots` (each node's `_saved_*` values, a custom function's `saved_tensors`): those the
+    forward allocated (the block's where one of its nodes did, `tracker.labels`) and the user
+    inputs; parameters and buffers are state. What the activation ledger's saving run counts
+    (`saving_run`, `tests/test_composed_cost.py` compares), without running the forward again."""
+    with _disable_current_modes():  # reading a saved output makes a view of it: not a call of the run
+        storages = _saved_storages(roots)
+    total = inside = 0
+    for address, nbytes in storages.items():
+        allocation = tracker.live_at.get(address)
+        if allocation is not None:
+            total += nbytes
+            inside += nbytes if tracker.labels.get(allocation) else 0
+        elif address in user_inputs:
+            total += nbytes
+    return total, inside
+
+
+def _saved_storages(roots: list[torch.Tensor]) -> dict[int, int]:
+    """Storage address -> bytes of every tensor the autograd graph from `roots` saved."""
+    storages: dict[int, int] = {}
+    seen: set[int] = set()
+    pending = [r.grad_fn for r in roots if r.grad_fn is not None]
+    while pending:
+        function = pending.pop()
+        if id(function) in seen:
+            continue
+        seen.add(id(function))
+        kind = type(function)
+        if kind not in _SAVED_NAMES:
+            _SAVED_NAMES[kind] = tuple(name for name in dir(kind) if name.startswith("_saved_"))
+        values = [getattr(function, name) for name in _SAVED_NAMES[kind]]
+        if hasattr(function, "saved_tensors"):
+            values.append(function.saved_tensors)
+        for tensor in pytree.tree_leaves(values):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                storages[storage._cdata] = storage.nbytes()
+        pending.extend(nxt for nxt, _ in function.next_functions if nxt is not None)
+    return storages
 
 
 class _BlockCalls:

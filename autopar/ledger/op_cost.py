@@ -92,6 +92,9 @@ class RankOps:
     # runs while a tensor-parallel input gradient's reduction is in flight; the block's share of them
     taps: OpTotals = field(default_factory=OpTotals)
     block_taps: "OpTotals | None" = None
+    # with a block and without recomputed regions: bytes autograd saved for backward (the rank's,
+    # the block's), read off the autograd graph the forward left (`fake_run._autograd_saved`)
+    saved: "tuple[int, int] | None" = None
 
 
 def _nbytes(values: Any) -> int:

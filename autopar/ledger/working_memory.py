@@ -50,6 +50,9 @@ class LiveFakeStorages(TorchDispatchMode):
         self.paused = False
         self.weight_gradients: set[int] = set()  # allocations
         self.start = 0
+        # given: each allocation's label when it was made (`fake_run`: whether a block's node made it)
+        self.label: Callable[[], Any] | None = None
+        self.labels: dict[int, Any] = {}
 
     def backward_starts(self) -> None:
         self.start = len(self.events)
@@ -91,6 +94,8 @@ class LiveFakeStorages(TorchDispatchMode):
             self.sizes[allocation] = storage.nbytes()
             self.live += storage.nbytes()
             self.events.append((allocation, storage.nbytes()))
+            if self.label is not None:
+                self.labels[allocation] = self.label()
             weakref.finalize(storage, self._freed, address, allocation)
         return out
 

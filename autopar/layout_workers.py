@@ -1,0 +1,224 @@
+"""The planner at scale's in-node layouts measured on two cores: this process and one forked copy.
+
+A composed search's cost is measuring its in-node layouts (`block_ledgers.measure_layout`: one
+small plan and its fake run, 0.1–0.3 s each for the 8B shape), one after the other,
+while this machine (and CI's) has two cores. `measured(measure, layouts)` measures the first
+layout here (the search's one export and first calls, which the copy then inherits) — or runs
+what it is given to warm up with (the planner: the export alone) — forks once,
+and splits the rest between the two processes by an estimated cost (`_weight`: a
+context-parallel layout runs its attention once per ring step); the copy sends its results back
+pickled over a pipe and exits. Layouts of one mesh stay in one process: they ask DTensor the
+same questions and find the same tensor-parallel layout, and the stores that answer them once
+(`context.sharing_sharding_decisions`) are not shared across the fork.
+
+It forks only where that is safe and pays: `os.fork` exists, this process runs no other Python
+thread but tqdm's monitor (a fork copies the calling thread alone: a lock another thread held
+would never be released in the copy; a pytest-xdist worker has its channel's thread, so tests
+measure serially unless run in a process of their own; tqdm's monitor only takes tqdm's lock,
+which the copy replaces, `_own_progress_lock`), more than one CPU is usable, and at least `MIN_FORKED`
+layouts are left. The copy's numbers are the ones this process would compute (the fake runs are
+deterministic; `tests/test_layout_workers.py` compares both ways). If the copy dies, or does not
+answer within `timeout(own)` seconds, it is killed and this process measures what it did not
+return: nothing is lost and nothing hangs.
+
+The search's second pass (recomputation for what does not fit) depends on the first's results,
+so it runs in this process; meanwhile it is started early: once this process has measured its
+share, it measures its layouts' recomputation variants until the copy answers, and the copy
+takes the larger share (`VARIANTS_SHARE`: 0.35 was the fastest of 0.3–0.5 on the 8B default
+space).
+
+Measured on the 8B shape's default space (`benchmarks/planner_at_scale.py`): the 27 layouts after
+the first took 6.0 s in one process and 3.9 s split over two (the whole search's times: the
+README's "Planning time"). Workers were tried before on the whole search (forked pools
+of 8 layouts each, 1.24×): most of the gain here comes from forking once, after the export, with
+the heap already warm.
+"""
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import select
+import signal
+import threading
+import time
+from typing import Callable, Hashable, Sequence, TypeVar
+
+Item = TypeVar("Item", bound=Hashable)
+
+MIN_FORKED = 4  # fewer layouts left than this: not worth a fork
+VARIANTS_SHARE = 0.35  # this process's share of the cost where it measures variants while the copy works
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def can_fork() -> bool:
+    """Whether a fork is safe here (module docstring) and a second CPU would run it."""
+    others = [t for t in threading.enumerate() if t is not threading.current_thread()]
+    return hasattr(os, "fork") and all(t.name == TQDM_MONITOR for t in others) and usable_cpus() > 1
+
+
+# fx's Interpreter makes a (disabled) tqdm progress bar per run, which starts tqdm's monitor thread:
+# it only ever takes tqdm's lock, and the copy takes a lock of its own (`_own_progress_lock`)
+TQDM_MONITOR = "tqdm_monitor"
+
+
+def _own_progress_lock() -> None:
+    """tqdm's lock holds a multiprocessing semaphore the fork shares with the parent: a copy
+    killed while holding it (every fx Interpreter run takes it) would leave the parent waiting on
+    it for ever. The copy takes a lock of its own."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
+
+
+def timeout(own_seconds: float) -> float:
+    """How long the copy may take after this process finished its share of about the same cost."""
+    return 30.0 + 4.0 * own_seconds
+
+
+def _weight(layout: object) -> float:
+    """A layout's relative measuring cost: a ring of N ranks runs the attention N times (about
+    +40% per doubling on the 8B shape), recomputation runs a second forward."""
+    cp = getattr(layout, "cp", 1)
+    recompute = getattr(layout, "recompute", None)
+    return (1.0 + 0.4 * math.log2(cp)) * (1.3 if recompute else 1.0)
+
+
+def _group(layout: object) -> object:
+    """Layouts that share a mesh (sequence parallelism on and off, recomputation) go together."""
+    return getattr(layout, "mesh_spec", layout)
+
+
+def _stays_here(layout: object) -> bool:
+    """Layouts without context parallelism are measured by this process: the search's second pass
+    measures their recomputation variants here (context-parallel ones with recomputation are
+    refused at once), and finds DTensor's answers for their mesh and PyTorch's fake kernels for
+    their shapes already made."""
+    return getattr(layout, "cp", None) == 1
+
+
+def split(items: Sequence[Item], share: float = 0.5) -> tuple[list[Item], list[Item]]:
+    """(this process's, the copy's): groups of one mesh, those that stay here (`_stays_here`)
+    first, then the heaviest first, each to the side further below its share of the cost
+    (`share`: this process's)."""
+    groups: dict[object, list[Item]] = {}
+    for item in items:
+        groups.setdefault(_group(item), []).append(item)
+    sides: tuple[list[Item], list[Item]] = ([], [])
+    loads = [0.0, 0.0]
+    ordered = sorted(groups.values(), key=lambda g: (not _stays_here(g[0]), -sum(_weight(i) for i in g)))
+    for members in ordered:
+        side = 0 if _stays_here(members[0]) or loads[0] / share <= loads[1] / (1 - share) else 1
+        sides[side].extend(members)
+        loads[side] += sum(_weight(i) for i in members)
+    return sides
+
+
+def measured(measure: Callable[[Item], object], items: Sequence[Item], *, fork: bool | None = None,
+             variants: Callable[[dict], Sequence[Item]] | None = None,
+             warm: Callable[[], object] | None = None) -> dict:
+    """Each item's `measure(item)`, split with a forked copy where `fork` (default: `can_fork()`)
+    and at least `MIN_FORKED` items are given (module docstring). Before the fork `warm()` runs
+    (what both processes would otherwise each do first: the search's export) or, without it, the
+    first item is measured here.
+
+    `variants(results)`: given this process's results, the items likely to be asked for next (the
+    search's recomputation variants of the layouts whose candidates do not fit). Once this process
+    has measured its share it measures them, in order, until the copy has answered — on a core
+    that would otherwise wait — and returns them too; the copy then takes `VARIANTS_SHARE` of the
+    rest, not half."""
+    items = list(dict.fromkeys(items))
+    results: dict = {}
+    if not items:
+        return results
+    if warm is not None:
+        warm()
+        rest = items
+    else:
+        results[items[0]] = measure(items[0])
+        rest = items[1:]
+    if not (can_fork() if fork is None else fork) or len(rest) < MIN_FORKED:
+        results.update((item, measure(item)) for item in rest)
+        return results
+    mine, theirs = split(rest, VARIANTS_SHARE if variants is not None else 0.5)
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the copy: measure its share, send what it has, leave without the parent's exit handlers
+        os.close(reader)
+        _own_progress_lock()
+        _serve(measure, theirs, writer)
+    os.close(writer)
+    start = time.perf_counter()
+    try:
+        results.update((item, measure(item)) for item in mine)
+    except BaseException:
+        _stopped(pid)
+        os.close(reader)
+        raise
+    try:
+        waiting = [v for v in (variants(results) if variants is not None else ()) if v not in results]
+        for variant in dict.fromkeys(waiting):
+            if select.select([reader], [], [], 0)[0]:  # the copy has answered (or died)
+                break
+            results[variant] = measure(variant)
+        returned = _received(reader, pid, timeout(time.perf_counter() - start))
+    except BaseException:
+        _stopped(pid)
+        raise
+    finally:
+        os.close(reader)
+    results.update((item, value) for item, value in returned.items() if item in theirs)
+    results.update((item, measure(item)) for item in theirs if item not in results)  # what the copy did not return
+    return results
+
+
+def _serve(measure: Callable[[Item], object], items: list[Item], writer: int) -> None:
+    answered: dict = {}
+    try:
+        for item in items:
+            answered[item] = measure(item)
+    except BaseException:  # the parent measures the rest itself, and sees the error there
+        pass
+    try:
+        data = pickle.dumps(answered, protocol=pickle.HIGHEST_PROTOCOL)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(writer, view):]
+    finally:
+        os._exit(0)
+
+
+def _stopped(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
+def _received(reader: int, pid: int, seconds: float) -> dict:
+    """What the copy sent, read until it closes the pipe; {} if it sent nothing whole in `seconds`
+    (it is killed) or died."""
+    deadline = time.monotonic() + seconds
+    chunks = []
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([reader], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)  # reaped below
+                return {}
+            chunk = os.read(reader, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.waitpid(pid, 0)
+    try:
+        return pickle.loads(b"".join(chunks))
+    except Exception:  # cut short: the copy died while writing
+        return {}
