@@ -163,10 +163,11 @@ def _state(plan: Any) -> Part:
 
 def _attributed_state(plan: Any, block: str) -> tuple[Part, Part]:
     """(block, rest) of what one plan's placements state on rank 0, told apart by name and module:
-    the parameters under `block` (their local bytes), the buffers and constants only its nodes
-    read, the collectives its nodes make (`CommEntry.module`), and its parameters' share of each
-    gradient bucket (their local elements at the bucket's dtype). The same as the difference of
-    the one- and two-block plans (`tests/test_composed_cost.py`), with one plan instead of two."""
+    the parameters and buffers under `block` (their local bytes; a buffer registered outside the
+    blocks is one tensor however many blocks read it), the constants only its nodes read, the
+    collectives its nodes make (`CommEntry.module`), and its parameters' share of each gradient
+    bucket (their local elements at the bucket's dtype). The same as the difference of the one-
+    and two-block plans (`tests/test_composed_cost.py`), with one plan instead of two."""
     from autopar.ir import SPEC, local_numel, module_stack
     from autopar.ledger.memory import _rank_placeholders
 
@@ -187,7 +188,8 @@ def _attributed_state(plan: Any, block: str) -> tuple[Part, Part]:
             if node.users and inside(info.target):
                 part.param_bytes += numel * meta.dtype.itemsize
                 part.param_tensors += int(info.requires_grad)
-        elif node.users and all(any(inside(p) for p in module_stack(user)) for user in node.users):
+        elif inside(info.target) if info.kind == "buffer" else (  # a constant: the block's if only it reads it
+                node.users and all(any(inside(p) for p in module_stack(user)) for user in node.users)):
             part.buffer_bytes += numel * meta.dtype.itemsize
     for entry in plan.comm.for_rank(0):
         if entry.phase != "grad_sync" and inside(entry.module):

@@ -11,7 +11,8 @@ pickled over a pipe and exits. Layouts of one mesh stay in one process: they ask
 same questions and find the same tensor-parallel layout, and the stores that answer them once
 (`context.sharing_sharding_decisions`) are not shared across the fork.
 
-It forks only where that is safe and pays: `os.fork` exists, this process runs no other Python
+It forks only where that is safe and pays: on Linux (macOS's system libraries are not
+fork-safe, which is why Python spawns there), where this process runs no other Python
 thread but tqdm's monitor (a fork copies the calling thread alone: a lock another thread held
 would never be released in the copy; a pytest-xdist worker has its channel's thread, so tests
 measure serially unless run in a process of their own; tqdm's monitor only takes tqdm's lock,
@@ -40,6 +41,7 @@ import os
 import pickle
 import select
 import signal
+import sys
 import threading
 import time
 from typing import Callable, Hashable, Sequence, TypeVar
@@ -60,7 +62,8 @@ def usable_cpus() -> int:
 def can_fork() -> bool:
     """Whether a fork is safe here (module docstring) and a second CPU would run it."""
     others = [t for t in threading.enumerate() if t is not threading.current_thread()]
-    return hasattr(os, "fork") and all(t.name == TQDM_MONITOR for t in others) and usable_cpus() > 1
+    return (sys.platform.startswith("linux") and all(t.name == TQDM_MONITOR for t in others)
+            and usable_cpus() > 1)
 
 
 # fx's Interpreter makes a (disabled) tqdm progress bar per run, which starts tqdm's monitor thread:

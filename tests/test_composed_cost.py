@@ -247,3 +247,22 @@ def test_the_blocks_share_of_the_one_block_plan_is_what_a_second_block_adds(layo
     assert attributed[0].backward.calls > 0 and attributed[0].activation_bytes > 0
     # the weight-gradient taps (tp's q, k, v and up projections) are the block's; the rest's is the head's
     assert (attributed[0].taps.calls > 0) == (layout.tp > 1 and layout.recompute != "full")
+
+
+def test_a_blocks_own_buffer_is_told_apart_as_the_difference_of_two_plans_tells_it():
+    """The standard transformer registers its causal mask in every block's attention: the block's
+    buffer bytes read off the one-block plan by name are what a second block adds."""
+    from autopar.block_ledgers import _attributed_state, _difference, _figures, _measured, _parts, layout_plans
+    from examples.standard_transformer import example
+
+    model, batch = example(batch=4, seq=16)
+    layout = Layout(tp=2, sequence_parallel=True)
+    with reusing_traces():
+        one, two, chain = layout_plans(model, layout, example_inputs=batch, both=True)
+    assert chain
+    attributed = _parts(_attributed_state(one, "layers.0"), *_measured(one, "layers.0"))
+    differenced = _difference(_figures(two), _figures(one))
+    assert attributed[0].buffer_bytes > 0
+    for mine, theirs in zip(attributed, differenced):
+        assert mine == replace(theirs, forward=mine.forward, backward=mine.backward, taps=mine.taps)
+        assert Counter(mine.forward.per_call) == Counter(theirs.forward.per_call)

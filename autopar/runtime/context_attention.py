@@ -11,7 +11,8 @@ ring and allgather share one blockwise computation (`_ContextAttention`): the ra
 meet every key/value chunk of the sequence one block at a time; a block of query chunk a and
 key chunk b is skipped under a causal mask when b > a, runs with the causal (top-left) mask
 when b == a and unmasked when b < a. Each block gives an output and its row log-sum-exp; blocks
-are merged by log-sum-exp in fp32 (online softmax). Backward runs the block kernel's backward
+are merged by log-sum-exp in fp32 (online softmax: the outputs so far weighted by
+sigmoid(lse so far - the block's lse), one `lerp`). Backward runs the block kernel's backward
 with the merged output and log-sum-exp, which gives each block's exact share of dQ, dK and dV
 (the softmax of a row is normalised by the merged log-sum-exp).
 - ring (`_RingExchange`): forward passes K/V to the next rank and receives the previous rank's
@@ -196,9 +197,11 @@ class _ContextAttention(torch.autograd.Function):
                 if outs[i] is None:
                     outs[i], lses[i] = out, lse
                     continue
-                merged = torch.logaddexp(lses[i], lse)
-                outs[i] = outs[i] * torch.exp(lses[i] - merged).unsqueeze(-1) + out * torch.exp(lse - merged).unsqueeze(-1)
-                lses[i] = merged
+                # the earlier blocks' share of the merged softmax is exp(lse_a - logaddexp(lse_a, lse_b)),
+                # i.e. sigmoid(lse_a - lse_b): one weight and one lerp instead of two exps and a sum
+                weight = torch.sigmoid(lses[i] - lse).unsqueeze(-1)
+                outs[i] = torch.lerp(out, outs[i], weight)
+                lses[i] = torch.logaddexp(lses[i], lse)
         out = torch.cat(outs, dim=2).to(q.dtype)
         lse = torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
