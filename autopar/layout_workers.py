@@ -16,7 +16,8 @@ fork-safe, which is why Python spawns there), where this process runs no other P
 thread but tqdm's monitor (a fork copies the calling thread alone: a lock another thread held
 would never be released in the copy; a pytest-xdist worker has its channel's thread, so tests
 measure serially unless run in a process of their own; tqdm's monitor only takes tqdm's lock,
-which the copy replaces, `_own_progress_lock`), more than one CPU is usable, and at least `MIN_FORKED`
+which the copy replaces, `_own_progress_lock`), no process group is initialised here (gloo's and
+NCCL's threads live in C++), more than one CPU is usable, and at least `MIN_FORKED`
 layouts are left. The copy's numbers are the ones this process would compute (the fake runs are
 deterministic; `tests/test_layout_workers.py` compares both ways). If the copy dies, or does not
 answer within `timeout(own)` seconds, it is killed and this process measures what it did not
@@ -63,7 +64,15 @@ def can_fork() -> bool:
     """Whether a fork is safe here (module docstring) and a second CPU would run it."""
     others = [t for t in threading.enumerate() if t is not threading.current_thread()]
     return (sys.platform.startswith("linux") and all(t.name == TQDM_MONITOR for t in others)
-            and usable_cpus() > 1)
+            and not _in_process_group() and usable_cpus() > 1)
+
+
+def _in_process_group() -> bool:
+    """A rank of an initialised process group (a search planned on every rank) runs its backend's
+    threads in C++, which the thread check does not see: it measures in one process."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 # fx's Interpreter makes a (disabled) tqdm progress bar per run, which starts tqdm's monitor thread:

@@ -122,3 +122,14 @@ def test_a_search_that_forks_ranks_every_candidate_as_one_that_does_not():
                           env=dict(os.environ, PYTHONPATH=root))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "same" in done.stdout
+
+
+def test_a_rank_of_an_initialised_process_group_does_not_fork(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(layout_workers.threading, "enumerate", lambda: [layout_workers.threading.current_thread()])
+    monkeypatch.setattr(layout_workers, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    assert not layout_workers.can_fork()
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert layout_workers.can_fork() == sys.platform.startswith("linux")
