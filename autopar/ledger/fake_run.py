@@ -261,13 +261,13 @@ def _autograd_saved(roots: list[torch.Tensor], tracker: LiveFakeStorages, user_i
 def _saved_storages(roots: list[torch.Tensor]) -> dict[int, int]:
     """Storage address -> bytes of every tensor the autograd graph from `roots` saved."""
     storages: dict[int, int] = {}
-    seen: set[int] = set()
+    seen: set = set()  # the nodes themselves, held: a freed node wrapper's id could be given to the next
     pending = [r.grad_fn for r in roots if r.grad_fn is not None]
     while pending:
         function = pending.pop()
-        if id(function) in seen:
+        if function in seen:
             continue
-        seen.add(id(function))
+        seen.add(function)
         kind = type(function)
         if kind not in _SAVED_NAMES:
             _SAVED_NAMES[kind] = tuple(name for name in dir(kind) if name.startswith("_saved_"))
