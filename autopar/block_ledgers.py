@@ -22,7 +22,9 @@ whether the blocks are a chain) and tells the block (`block`) from the rest (`re
   block's calls told apart in forward by module and in backward by autograd node
   (`fake_run.ops_run(..., block=)`), its saved bytes those its nodes allocated (read off the
   autograd graph, `RankOps.saved`; where a recomputed region saves through hooks, the activation
-  ledger's saving run); the rest is the run less the block;
+  ledger's saving run) and, of them, those its attention cores' nodes allocated (the most
+  selective recomputation can free: `layout_pricer.BlockPricer.cannot_fit`); the rest is the run
+  less the block;
 - `first_params`: the rest's parameters that come before the blocks (the embedding; a
   pipeline's first stage holds them, the last stage the rest);
 - `boundary_bytes`: the value the block hands on (a pipeline's send per micro-batch);
@@ -96,6 +98,9 @@ class Part:
     working_bytes: int = 0  # backward's working memory beyond the saved activations (the rest: the loss's)
     working_weights: int = 0  # of which a parameter's gradient, alive for a moment (does not scale with the batch)
     largest_param: int = 0  # bytes of the largest parameter tensor the optimizer updates
+    # of `activation_bytes`, those the block's attention cores allocated: the most selective
+    # recomputation can free (0 where not told apart: `_measured`'s saving run)
+    core_activation_bytes: int = 0
 
 
 @dataclass
@@ -219,12 +224,13 @@ def _measured(plan: Any, block: str | None = None) -> tuple[Part, Part | None]:
     transient = int(build_memory_ledger(plan, rank=0, activations=False).by_category()["transient"])
     ops = ops_run(plan, 0, block=block)
     if ops.saved is not None:  # read off the ops run's autograd graph: no second forward
-        activations, inside = ops.saved
-    else:  # the plans have no pipeline: one forward's
+        activations, inside, cores = ops.saved
+    else:  # the plans have no pipeline: one forward's (the cores' share not told apart: no bound)
         saved = saved_activations(plan, rank=0).entries
         activations = sum(e.number for e in saved)
         inside = sum(e.number for e in saved if block is not None and (e.module == block
                                                                         or e.module.startswith(block + ".")))
+        cores = 0
     whole = Part(activation_bytes=activations, transient_bytes=transient,
                  forward=ops.forward, backward=ops.backward, taps=ops.taps, working_bytes=ops.working.bytes,
                  working_weights=ops.working.weight_gradients,
@@ -232,7 +238,8 @@ def _measured(plan: Any, block: str | None = None) -> tuple[Part, Part | None]:
     if block is None:
         return whole, None
     forward, backward = ops.block
-    return whole, Part(activation_bytes=inside, forward=forward, backward=backward, taps=ops.block_taps)
+    return whole, Part(activation_bytes=inside, forward=forward, backward=backward, taps=ops.block_taps,
+                       core_activation_bytes=cores)
 
 
 def _state_parts(two: Part, one: Part) -> tuple[Part, Part]:
@@ -252,7 +259,8 @@ def _parts(state: tuple[Part, Part], whole: Part, inside: Part) -> tuple[Part, P
     (`whole`) less it."""
     block, rest = state
     return (replace(block, activation_bytes=inside.activation_bytes, forward=inside.forward, backward=inside.backward,
-                    taps=inside.taps, largest_param=whole.largest_param),
+                    taps=inside.taps, largest_param=whole.largest_param,
+                    core_activation_bytes=inside.core_activation_bytes),
             replace(rest, activation_bytes=whole.activation_bytes - inside.activation_bytes,
                     transient_bytes=whole.transient_bytes, forward=_less(whole.forward, inside.forward),
                     backward=_less(whole.backward, inside.backward), taps=_less(whole.taps, inside.taps),

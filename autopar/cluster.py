@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from autopar.comm_kinds import KINDS, wire_bytes
+from autopar.comm_kinds import KINDS, wire_bytes, wire_factor
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
 
@@ -178,7 +178,7 @@ class Cluster:
         if group_size <= 1 and not KINDS[kind].peer:
             return 0.0
         if isinstance(logical_bytes, int):  # the planner's bytes at the hints: no symbolic form to keep
-            wire = float(KINDS[kind].wire_factor(group_size)) * logical_bytes
+            wire = wire_factor(kind, group_size) * logical_bytes
         else:
             wire = float(wire_bytes(kind, group_size, sympy.sympify(logical_bytes)))
         size = 2 if KINDS[kind].peer else group_size

@@ -21,6 +21,8 @@ keeps its own list.
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -56,6 +58,13 @@ KINDS: dict[str, CommKind] = {kind.name: kind for kind in (
     CommKind("send", True, lambda n: sympy.Integer(1), lambda n: 1),
     CommKind("recv", True, lambda n: sympy.Integer(1), lambda n: 1),
 )}
+
+
+@functools.lru_cache(maxsize=None)
+def wire_factor(kind: str, group_size: int) -> float:
+    """`KINDS[kind].wire_factor(group_size)` as a float, once per (kind, size): the planner's cost
+    model asks it for every collective of every candidate (sympy's exact form costs ~4 µs each)."""
+    return float(KINDS[kind].wire_factor(group_size))
 
 
 def wire_bytes(kind: str, group_size: int, logical: sympy.Expr) -> sympy.Expr:

@@ -55,7 +55,7 @@ from functools import lru_cache
 
 from autopar.block_ledgers import BlockLedgers, Part
 from autopar.cluster import Cluster
-from autopar.comm_kinds import KINDS
+from autopar.comm_kinds import KINDS, wire_factor
 from autopar.ledger.peak import PeakTerms, moments
 from autopar.search_space import Candidate
 from autopar.step_cost import OPTIMIZER_CALLS, OPTIMIZER_TRAFFIC, RUNTIME_COPY_TRAFFIC, StepEstimate, exposed_seconds
@@ -79,7 +79,7 @@ def axis_links(candidate: Candidate, cluster: Cluster) -> dict[str, str]:
 
 
 def _wire(kind: str, group: int, logical: float) -> float:
-    return float(KINDS[kind].wire_factor(group)) * logical
+    return wire_factor(kind, group) * logical
 
 
 class _Pricer:

@@ -8,23 +8,28 @@ search's traces) and every candidate sharing it is composed from those ledgers
 (`composed_cost.composed_estimate`, ~1 ms). A layout the compiler refuses (or PyTorch fails on)
 refuses every candidate that needs it, with the message. `price_composed` prices one given
 candidate the same way (a published configuration the search's rules would not enumerate).
-`prefetch(candidates, recompute=)` measures every layout of the search's first pass at once,
-split between this process and a forked copy (`autopar/layout_workers.py`), and while the copy
-works the recomputation variants the second pass will likely ask for (composing this process's
-share to find them; those estimates are kept). A pool of workers measuring a few layouts each was
-tried before and gained 1.24× on 8 layouts; one fork after the export, with the heap warm,
-gains 1.5× on 27.
+`prefetch(candidates, recompute=)` measures every layout of the search's first pass at once and
+composes its candidates, split between this process and a forked copy
+(`autopar/layout_workers.py`; each process composes the candidates of the layouts it measured,
+the copy's estimates come back with its ledgers), and while the copy works the recomputation
+variants the second pass will ask for: the second pass simulated on this process's own
+estimates (unfit candidates fastest first, each policy until one fits, while faster than the
+best that fits so far). `cannot_fit(variant)` says, without measuring it, when a selective
+variant cannot fit: the layout without recomputation with every byte its attention cores saved
+freed (`Part.core_activation_bytes`) still peaks above a rank's memory. A pool of workers
+measuring a few layouts each was tried before and gained 1.24× on 8 layouts; one fork after the
+export, with the heap warm, gains 1.5× on 27.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
 from autopar.block_ledgers import BlockLedgers, Layout, measure_layout, traced_blocks
-from autopar.cluster import Cluster
+from autopar.cluster import GB, Cluster
 from autopar.composed_cost import composed_estimate
 from autopar.context import sharing_sharding_decisions
 from autopar.errors import PlanError
@@ -84,23 +89,48 @@ class BlockPricer:
         return self.layouts[layout]
 
     def prefetch(self, candidates: Iterable[Candidate], *, recompute: Sequence[str] = ()) -> None:
-        """Measure every layout these candidates need that is not measured yet, on two processes
-        where that is safe (`layout_workers.measured`); while the second works, the first measures
-        its layouts' variants with each `recompute` policy (what the search asks for next where a
-        layout does not fit)."""
+        """Measure every layout these candidates need that is not measured yet, and compose the
+        candidates of each, on two processes where that is safe (`layout_workers.measured`: the
+        copy sends back its layouts' ledgers and its candidates' estimates, composed on its core);
+        while the second works, the first measures its layouts' variants with each `recompute`
+        policy (what the search asks for next where a layout does not fit)."""
         chosen = [c for c in candidates if self._splits(c) is None]
         wanted = [layout_of(c) for c in chosen]
+        of_layout: dict[Layout, list[Candidate]] = {}
+        for candidate, layout in zip(chosen, wanted):
+            of_layout.setdefault(layout, []).append(candidate)
 
-        def variants(measured_here: dict) -> list[Layout]:
-            """The recomputation variants the search's second pass will likely ask for: of the
-            layouts measured here, those with candidates that do not fit yet are faster than
-            every one that fits, fastest first (their estimates kept for the first pass)."""
-            priced = [(c, self._estimate(c, measured_here[layout_of(c)])) for c in chosen
-                      if not isinstance(measured_here.get(layout_of(c), ""), str)]
+        def measure_and_compose(layout: Layout) -> tuple:
+            """(the layout's ledgers or why it is refused, its candidates' estimates)."""
+            ledgers = self.measure(layout)
+            if isinstance(ledgers, str):
+                return ledgers, {}
+            return ledgers, {c: self._estimate(c, ledgers) for c in of_layout.get(layout, ())}
+
+        def variants(measured_here: dict) -> Iterator[Layout]:
+            """The recomputation variants the search's second pass will ask for, as far as the
+            layouts measured here tell, in its order: the candidates that do not fit, fastest first,
+            each with each policy until one fits (none that `cannot_fit`), while it is faster than
+            the best that fits so far. Read lazily: each variant's estimate, once it is measured
+            (`measured_here` gains it), may lower that bound."""
+            priced = [(c, self.estimates[c]) for c in chosen if c in self.estimates]
             bound = min((e.seconds for _, e in priced if e.fits), default=float("inf"))
-            unfit = sorted(((e.seconds, c) for c, e in priced if not e.fits and e.seconds < bound), key=lambda x: x[0])
-            return [replace(layout_of(c), recompute=policy) for _, c in unfit for policy in recompute
-                    if c.recompute is None]
+            for seconds, twin in sorted(((e.seconds, c) for c, e in priced if not e.fits), key=lambda x: x[0]):
+                for policy in recompute if twin.recompute is None else ():
+                    variant = replace(twin, recompute=policy)
+                    if seconds >= bound:
+                        break
+                    if self.cannot_fit(variant, measured_here.get(layout_of(twin), (None,))[0]) is not None:
+                        continue
+                    if layout_of(variant) not in measured_here:
+                        yield layout_of(variant)
+                    ledgers = measured_here.get(layout_of(variant), (None,))[0]
+                    if not isinstance(ledgers, BlockLedgers):  # refused: the next policy is priced
+                        continue
+                    estimate = self._estimate(variant, ledgers)
+                    if estimate.fits:
+                        bound = min(bound, estimate.seconds)
+                        break
 
         def export() -> None:  # once, before the fork: both processes plan copies of this trace
             try:
@@ -108,8 +138,32 @@ class BlockPricer:
             except (PlanError, RuntimeError):  # each layout's measurement meets it and says so
                 pass
 
-        self.layouts.update(measured(self.measure, [layout for layout in wanted if layout not in self.layouts],
-                                     variants=variants if recompute else None, warm=export if wanted else None))
+        results = measured(measure_and_compose, [layout for layout in wanted if layout not in self.layouts],
+                           variants=variants if recompute else None, warm=export if wanted else None)
+        for layout, (ledgers, estimates) in results.items():
+            self.layouts[layout] = ledgers
+            for candidate, estimate in estimates.items():
+                if candidate not in self.estimates:  # the copy's: they name a copy of the cluster
+                    self.estimates[candidate] = replace(estimate, cluster=self.cluster)
+
+    def cannot_fit(self, variant: Candidate, twin: "BlockLedgers | str | None" = None) -> str | None:
+        """Why a selective-recomputation variant cannot fit, known without measuring it (None where
+        it might): its layout without recomputation, measured, with every byte its blocks'
+        attention cores saved freed (`Part.core_activation_bytes`, the most recomputing the cores
+        can free: the cores' inputs stay saved and their run again only adds a transient) still
+        peaks above a rank's memory."""
+        if variant.recompute != "selective":
+            return None
+        twin = twin or self.layouts.get(replace(layout_of(variant), recompute=None))
+        if not isinstance(twin, BlockLedgers) or not twin.block.core_activation_bytes:
+            return None
+        block = replace(twin.block, activation_bytes=twin.block.activation_bytes - twin.block.core_activation_bytes)
+        floor = composed_estimate(replace(twin, block=block), variant, self.cluster, global_batch=self.batch)
+        if floor.fits:
+            return None
+        return (f"selective recomputation frees at most its attention cores' saved activations "
+                f"({twin.block.core_activation_bytes / GB:.3g} GB per block and sequence); with all of them freed it "
+                f"still peaks at {floor.peak_bytes / GB:.4g} GB per rank, more than {self.cluster.memory_gb:g} GB")
 
     def _estimate(self, candidate: Candidate, ledgers: BlockLedgers) -> Any:
         if candidate not in self.estimates:

@@ -4,12 +4,17 @@ A composed search's cost is measuring its in-node layouts (`block_ledgers.measur
 small plan and its fake run, 0.1–0.3 s each for the 8B shape), one after the other,
 while this machine (and CI's) has two cores. `measured(measure, layouts)` measures the first
 layout here (the search's one export and first calls, which the copy then inherits) — or runs
-what it is given to warm up with (the planner: the export alone) — forks once,
-and splits the rest between the two processes by an estimated cost (`_weight`: a
-context-parallel layout runs its attention once per ring step); the copy sends its results back
-pickled over a pipe and exits. Layouts of one mesh stay in one process: they ask DTensor the
-same questions and find the same tensor-parallel layout, and the stores that answer them once
-(`context.sharing_sharding_decisions`) are not shared across the fork.
+what it is given to warm up with (the planner: the export alone) — and forks once. This
+process first measures the layouts without context parallelism (up to half of the estimated
+cost, `split`: the search's second pass measures their recomputation variants here, with
+DTensor's answers for their meshes and PyTorch's fake kernels for their shapes already made),
+then the variants the second pass will ask for (`variants`, read lazily), while the copy works;
+the other layouts, in groups of one mesh (they ask DTensor the same questions, and the stores
+that answer them once, `context.sharing_sharding_decisions`, are not shared across the fork),
+heaviest first, are claimed one group at a time by whichever process is free (`_Claims`: two-byte
+records in a pipe both read), so that both finish together whatever a layout costs — the
+estimate (`_weight`: a context-parallel layout runs its attention once per ring step) only
+orders them. The copy sends its results back pickled over a pipe and exits.
 
 It forks only where that is safe and pays: on Linux (macOS's system libraries are not
 fork-safe, which is why Python spawns there), where this process runs no other Python
@@ -23,17 +28,13 @@ deterministic; `tests/test_layout_workers.py` compares both ways). If the copy d
 answer within `timeout(own)` seconds, it is killed and this process measures what it did not
 return: nothing is lost and nothing hangs.
 
-The search's second pass (recomputation for what does not fit) depends on the first's results,
-so it runs in this process; meanwhile it is started early: once this process has measured its
-share, it measures its layouts' recomputation variants until the copy answers, and the copy
-takes the larger share (`VARIANTS_SHARE`: 0.35 was the fastest of 0.3–0.5 on the 8B default
-space).
-
-Measured on the 8B shape's default space (`benchmarks/planner_at_scale.py`): the 27 layouts after
-the first took 6.0 s in one process and 3.9 s split over two (the whole search's times: the
-README's "Planning time"). Workers were tried before on the whole search (forked pools
-of 8 layouts each, 1.24×): most of the gain here comes from forking once, after the export, with
-the heap already warm.
+Measured on the 8B shape's default space (`benchmarks/planner_at_scale.py`, 2026-12-04): the
+first pass's 27 layouts after the export took 6.0 s in one process and 3.9 s split over two by
+a fixed share; with the groups claimed, the variants simulated (`BlockPricer.prefetch`) and the
+hopeless selective ones skipped (`BlockPricer.cannot_fit`), the first search went from
+5.3–5.6 s to 4.6–4.7 s on the same hour, both processes ending within 0.05 s of each other.
+Workers were tried before on the whole search (forked pools of 8 layouts each, 1.24×): most of
+the gain comes from forking once, after the export, with the heap already warm.
 """
 from __future__ import annotations
 
@@ -42,15 +43,15 @@ import os
 import pickle
 import select
 import signal
+import struct
 import sys
 import threading
 import time
-from typing import Callable, Hashable, Sequence, TypeVar
+from typing import Callable, Hashable, Iterable, Sequence, TypeVar
 
 Item = TypeVar("Item", bound=Hashable)
 
 MIN_FORKED = 4  # fewer layouts left than this: not worth a fork
-VARIANTS_SHARE = 0.35  # this process's share of the cost where it measures variants while the copy works
 
 
 def usable_cpus() -> int:
@@ -117,36 +118,68 @@ def _stays_here(layout: object) -> bool:
     return getattr(layout, "cp", None) == 1
 
 
-def split(items: Sequence[Item], share: float = 0.5) -> tuple[list[Item], list[Item]]:
-    """(this process's, the copy's): groups of one mesh, those that stay here (`_stays_here`)
-    first, then the heaviest first, each to the side further below its share of the cost
-    (`share`: this process's)."""
+def split(items: Sequence[Item]) -> tuple[list[Item], list[list[Item]]]:
+    """(what this process measures first: the groups that stay here, `_stays_here`, up to half of
+    the estimated cost; the other groups of one mesh, the heaviest first, for either process to
+    claim)."""
     groups: dict[object, list[Item]] = {}
     for item in items:
         groups.setdefault(_group(item), []).append(item)
-    sides: tuple[list[Item], list[Item]] = ([], [])
-    loads = [0.0, 0.0]
-    ordered = sorted(groups.values(), key=lambda g: (not _stays_here(g[0]), -sum(_weight(i) for i in g)))
-    for members in ordered:
-        side = 0 if _stays_here(members[0]) or loads[0] / share <= loads[1] / (1 - share) else 1
-        sides[side].extend(members)
-        loads[side] += sum(_weight(i) for i in members)
-    return sides
+    half = sum(_weight(item) for item in items) / 2
+    here: list[Item] = []
+    load = 0.0
+    shared = []
+    for members in groups.values():
+        weight = sum(_weight(item) for item in members)
+        if _stays_here(members[0]) and (load + weight <= half or not here):
+            here.extend(members)
+            load += weight
+        else:
+            shared.append(members)
+    return here, sorted(shared, key=lambda g: -sum(_weight(i) for i in g))
+
+
+class _Claims:
+    """The shared groups' indices, each taken once by whichever process asks first: two-byte
+    records in a pipe both processes read (a pipe's read of two bytes is whole: the kernel
+    serialises readers), closed for writing once filled, so that an empty pipe reads as the end."""
+
+    def __init__(self, count: int) -> None:
+        if count > CLAIMS_MAX:
+            raise ValueError(f"{count} groups to claim: at most {CLAIMS_MAX} fit a pipe's buffer")
+        self.reader, writer = os.pipe()
+        data = memoryview(b"".join(struct.pack("<H", index) for index in range(count)))
+        try:
+            while data:
+                data = data[os.write(writer, data):]
+        finally:
+            os.close(writer)
+
+    def next(self) -> int | None:
+        record = os.read(self.reader, 2)
+        return struct.unpack("<H", record)[0] if len(record) == 2 else None
+
+    def close(self) -> None:
+        os.close(self.reader)
+
+
+CLAIMS_MAX = 16_384  # 32 KiB of records: under a pipe's 64 KiB buffer, written before anyone reads
 
 
 def measured(measure: Callable[[Item], object], items: Sequence[Item], *, fork: bool | None = None,
-             variants: Callable[[dict], Sequence[Item]] | None = None,
+             variants: Callable[[dict], Iterable[Item]] | None = None,
              warm: Callable[[], object] | None = None) -> dict:
-    """Each item's `measure(item)`, split with a forked copy where `fork` (default: `can_fork()`)
-    and at least `MIN_FORKED` items are given (module docstring). Before the fork `warm()` runs
-    (what both processes would otherwise each do first: the search's export) or, without it, the
-    first item is measured here.
+    """Each item's `measure(item)`, with a forked copy where `fork` (default: `can_fork()`) and at
+    least `MIN_FORKED` items are given (module docstring). Before the fork `warm()` runs (what
+    both processes would otherwise each do first: the search's export) or, without it, the first
+    item is measured here.
 
-    `variants(results)`: given this process's results, the items likely to be asked for next (the
-    search's recomputation variants of the layouts whose candidates do not fit). Once this process
-    has measured its share it measures them, in order, until the copy has answered — on a core
-    that would otherwise wait — and returns them too; the copy then takes `VARIANTS_SHARE` of the
-    rest, not half."""
+    This process measures the items that stay here (`split`), then — given `variants(results)`,
+    an iterable read lazily, each item after the one before it was measured (the search's
+    recomputation variants its second pass will ask for, found from what this process measured)
+    — those, as long as the copy is still at work; then both processes claim the other groups
+    one at a time (`_Claims`) until none is left, so that they finish together, whatever each
+    layout costs."""
     items = list(dict.fromkeys(items))
     results: dict = {}
     if not items:
@@ -157,46 +190,47 @@ def measured(measure: Callable[[Item], object], items: Sequence[Item], *, fork: 
     else:
         results[items[0]] = measure(items[0])
         rest = items[1:]
-    if not (can_fork() if fork is None else fork) or len(rest) < MIN_FORKED:
+    here, shared = split(rest)
+    if not (can_fork() if fork is None else fork) or len(rest) < MIN_FORKED or not shared:
         results.update((item, measure(item)) for item in rest)
         return results
-    mine, theirs = split(rest, VARIANTS_SHARE if variants is not None else 0.5)
+    claims = _Claims(len(shared))
     reader, writer = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the copy: measure its share, send what it has, leave without the parent's exit handlers
+    if pid == 0:  # the copy: claim groups, send what it has, leave without the parent's exit handlers
         os.close(reader)
         _own_progress_lock()
-        _serve(measure, theirs, writer)
+        _serve(measure, shared, claims, writer)
     os.close(writer)
     start = time.perf_counter()
     try:
-        results.update((item, measure(item)) for item in mine)
-    except BaseException:
-        _stopped(pid)
-        os.close(reader)
-        raise
-    try:
-        waiting = [v for v in (variants(results) if variants is not None else ()) if v not in results]
-        for variant in dict.fromkeys(waiting):
-            if select.select([reader], [], [], 0)[0]:  # the copy has answered (or died)
+        results.update((item, measure(item)) for item in here)
+        for variant in variants(results) if variants is not None else ():
+            if variant in results:
+                continue
+            if select.select([reader], [], [], 0)[0]:  # the copy has answered (or died): nothing left to claim
                 break
             results[variant] = measure(variant)
+        while (index := claims.next()) is not None:
+            results.update((item, measure(item)) for item in shared[index])
         returned = _received(reader, pid, timeout(time.perf_counter() - start))
     except BaseException:
         _stopped(pid)
         raise
     finally:
         os.close(reader)
-    results.update((item, value) for item, value in returned.items() if item in theirs)
-    results.update((item, measure(item)) for item in theirs if item not in results)  # what the copy did not return
+        claims.close()
+    results.update((item, value) for item, value in returned.items() if item in rest and item not in results)
+    results.update((item, measure(item)) for item in rest if item not in results)  # what the copy did not return
     return results
 
 
-def _serve(measure: Callable[[Item], object], items: list[Item], writer: int) -> None:
+def _serve(measure: Callable[[Item], object], shared: list[list[Item]], claims: _Claims, writer: int) -> None:
     answered: dict = {}
     try:
-        for item in items:
-            answered[item] = measure(item)
+        while (index := claims.next()) is not None:
+            for item in shared[index]:
+                answered[item] = measure(item)
     except BaseException:  # the parent measures the rest itself, and sees the error there
         pass
     try:

@@ -10,9 +10,12 @@ not by peak memory. A candidate that does not fit is planned again with recomput
 memory is what recomputation buys — after every candidate has been priced without it, fastest
 first, and only while its time without recomputation is below the best that fits: recomputation
 only adds time (the forward again, its collectives again), so past that bound it cannot win
-(`SearchResult.pruned` names each candidate passed over, with both times). In a composed search
-that skips measuring most in-node layouts with recomputation (the 8B shape on 64 GPUs: 6 layouts
-measured instead of 12 in the exercise's space, 36 instead of 84 in the default one;
+(`SearchResult.pruned` names each candidate passed over, with both times). A composed search
+also passes over a selective-recomputation variant that cannot fit even if it freed every byte
+its attention cores saved (`BlockPricer.cannot_fit`, read off the layout measured without
+recomputation), and goes on to the next policy. Together they skip measuring most in-node layouts with
+recomputation (the 8B shape on 64 GPUs: 5 layouts measured instead of 12 in the exercise's
+space, 33 instead of 84 in the default one, besides 8 refused before any pass runs;
 `tests/test_composed_cost.py` checks the winner against pricing everything). A composed search
 measures the first pass's layouts at once, on two processes where that is safe
 (`BlockPricer.prefetch`, `autopar/layout_workers.py`).
@@ -183,6 +186,10 @@ def search(model: torch.nn.Module, cluster: Cluster, *, example_inputs: Sequence
                     pruned.append(Pruned(variant, f"without recomputation it does not fit and already takes "
                                                   f"{twin.estimate.seconds * 1e3:,.2f} ms, no less than the best that "
                                                   f"fits ({best.candidate.label}, {best.estimate.seconds * 1e3:,.2f} ms)"))
+                    continue
+                cannot = price.cannot_fit(variant) if composed else None
+                if cannot is not None:  # the next policy recomputes more
+                    pruned.append(Pruned(variant, cannot))
                     continue
                 outcome = price(variant)
                 best = _recorded(outcome, outcomes, best, progress)

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _square(n: int) -> tuple[int, int]:
+    time.sleep(0.02)
     return n * n, os.getpid()
 
 
@@ -28,6 +29,20 @@ def test_items_split_with_a_forked_copy_give_what_one_process_gives():
     assert {n: value for n, (value, _) in results.items()} == {n: n * n for n in range(12)}
     pids = {pid for _, pid in results.values()}
     assert os.getpid() in pids and len(pids) == 2, "both processes measured some"
+
+
+def test_groups_are_claimed_by_whichever_process_is_free():
+    parent = os.getpid()
+
+    def slow_in_the_copy(layout: Layout) -> int:
+        time.sleep(0.5 if os.getpid() != parent else 0.02)
+        return os.getpid()
+
+    layouts = [Layout(tp=1, cp=2 ** (1 + n % 3), ep=2 ** (n // 3)) for n in range(12)]  # 12 meshes, none stays here
+    results = layout_workers.measured(slow_in_the_copy, layouts, fork=True, warm=lambda: None)
+    assert set(results) == set(layouts)
+    here = sum(pid == parent for pid in results.values())
+    assert here >= 10, f"this process measured {here} of 12 while the copy took 0.5 s each: claims are not dynamic"
 
 
 def test_what_a_dying_copy_does_not_return_is_measured_here():
@@ -58,25 +73,41 @@ def test_a_copy_that_does_not_answer_is_killed_and_its_share_measured_here(monke
 def test_variants_are_measured_here_while_the_copy_works():
     parent = os.getpid()
 
-    def slow_in_the_copy(n: int) -> int:
+    def slow_in_the_copy(layout: Layout) -> int:
         if os.getpid() != parent:
             time.sleep(0.3)
-        return n
+        return layout.tp
 
+    def variants(here: dict):  # read lazily: each after the one before it was measured
+        for layout in [layout for layout in here if layout.recompute is None and layout.cp == 1]:
+            yield Layout(tp=layout.tp, recompute="full")
+            assert Layout(tp=layout.tp, recompute="full") in here
+
+    layouts = [Layout(tp=t, cp=c) for t in (1, 2, 4) for c in (1, 2, 4)]
     warmed = []
-    results = layout_workers.measured(slow_in_the_copy, list(range(8)), fork=True, warm=lambda: warmed.append(1),
-                                      variants=lambda here: [100 + n for n in here if n < 100])
-    assert warmed == [1] and all(results[n] == n for n in range(8))
-    assert any(n >= 100 for n in results), "this process measured variants while the copy slept"
-    assert all(n - 100 in results for n in results if n >= 100), "variants of what was measured"
+    results = layout_workers.measured(slow_in_the_copy, layouts, fork=True, warm=lambda: warmed.append(1),
+                                      variants=variants)
+    assert warmed == [1] and all(results[layout] == layout.tp for layout in layouts)
+    measured_variants = [layout for layout in results if layout.recompute]
+    assert measured_variants, "this process measured variants while the copy slept"
+    assert all(Layout(tp=v.tp) in results for v in measured_variants), "variants of what was measured here"
 
 
 def test_layouts_of_one_mesh_stay_together_and_those_without_context_parallelism_stay_here():
     layouts = [Layout(tp=t, cp=c, sequence_parallel=sp) for t in (2, 4) for c in (1, 2, 4) for sp in (False, True)]
-    mine, theirs = layout_workers.split(layouts)
-    assert sorted(mine + theirs, key=repr) == sorted(layouts, key=repr)
-    assert {l.mesh_spec for l in mine}.isdisjoint({l.mesh_spec for l in theirs})
-    assert all(l.cp > 1 for l in theirs) and theirs
+    here, shared = layout_workers.split(layouts)
+    assert sorted(here + [l for g in shared for l in g], key=repr) == sorted(layouts, key=repr)
+    assert all(len({l.mesh_spec for l in group}) == 1 for group in shared), "a group is one mesh"
+    assert {l.mesh_spec for l in here}.isdisjoint({l.mesh_spec for g in shared for l in g})
+    assert here and all(l.cp == 1 for l in here) and all(l.cp > 1 for g in shared for l in g)
+    weights = [sum(layout_workers._weight(l) for l in g) for g in shared]
+    assert weights == sorted(weights, reverse=True), "the heaviest groups are claimed first"
+
+
+def test_without_context_parallelism_half_stays_here_and_half_is_claimed():
+    layouts = [Layout(tp=t, sequence_parallel=sp) for t in (1, 2, 4, 8) for sp in (False, True)]
+    here, shared = layout_workers.split(layouts)
+    assert len(here) == 4 and sum(len(g) for g in shared) == 4
 
 
 SEARCH = textwrap.dedent('''

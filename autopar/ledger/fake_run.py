@@ -15,10 +15,11 @@ included — on fake tensors of the rank's local shapes at the traced hint sizes
   backward allocates beyond what is alive when it starts (`ledger/working_memory.LiveFakeStorages`);
   with `block=` (a module path) also which calls are that module's (`_BlockCalls`: the planner at
   scale reads a block's calls off a one-block plan's run, `autopar/block_ledgers.py`) and, where
-  no recomputed region saves through hooks, the bytes autograd saved, the rank's and the
-  block's (`RankOps.saved`): read off the autograd graph the forward left (`_autograd_saved`,
-  no hook), each storage labelled by the graph node that allocated it — what the saving run
-  counts, without running the forward again (`tests/test_composed_cost.py` compares).
+  no recomputed region saves through hooks, the bytes autograd saved, the rank's, the
+  block's and the block's attention cores' (`RankOps.saved`): read off the autograd graph the
+  forward left (`_autograd_saved`, no hook), each storage labelled by the graph node that
+  allocated it — what the saving run counts, without running the forward again
+  (`tests/test_composed_cost.py` compares).
 
 Two runs, not one: a pack hook changes what autograd does — it keeps the saved tensor itself
 instead of its data, so backward unpacks it through a `detach` and accumulates gradients in
@@ -42,7 +43,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
 from autopar.ledger.working_memory import LiveFakeStorages, gather_free_runner, taking_weight_gradients
-from autopar.passes.recompute import is_region_call
+from autopar.passes.recompute import attention_cores, is_region_call
 from autopar.runtime.collectives import regathered_source
 
 if TYPE_CHECKING:
@@ -195,7 +196,9 @@ def ops_run(plan: "Plan", rank: int, *, stage: int | None = None, block: str | N
             recorder, tracker = _OpRecorder(labels), LiveFakeStorages()
             reads_saved = labels is not None and _saved_readable(plan, gm)
             if reads_saved:
-                tracker.label = lambda: labels.current
+                kinds = {name: info.kind for name, info in plan.context.placeholders.items()}
+                labels.cores = {node for core in attention_cores(gm.graph, kinds) for node in core}
+                tracker.label = labels.label
             taking_weight_gradients(inputs, tracker)
             with mode, torch.enable_grad(), recorder, tracker:
                 outputs = gather_free_runner(gm, tracker, labels.around if labels else None)(*inputs)
@@ -240,22 +243,25 @@ _SAVED_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def _autograd_saved(roots: list[torch.Tensor], tracker: LiveFakeStorages, user_inputs: set[int]) -> tuple[int, int]:
-    """(bytes, the block's bytes) of the storages autograd saved for backward, read off the graph
-    from `roots` (each node's `_saved_*` values, a custom function's `saved_tensors`): those the
-    forward allocated (the block's where one of its nodes did, `tracker.labels`) and the user
-    inputs; parameters and buffers are state. What the activation ledger's saving run counts
+    """(bytes, the block's bytes, of which its attention cores') of the storages autograd saved for
+    backward, read off the graph from `roots` (each node's `_saved_*` values, a custom function's
+    `saved_tensors`): those the forward allocated (the block's where one of its nodes did,
+    `tracker.labels`; an attention core's where a node of one did, `_BlockCalls.label`) and the
+    user inputs; parameters and buffers are state. What the activation ledger's saving run counts
     (`saving_run`, `tests/test_composed_cost.py` compares), without running the forward again."""
     with _disable_current_modes():  # reading a saved output makes a view of it: not a call of the run
         storages = _saved_storages(roots)
-    total = inside = 0
+    total = inside = cores = 0
     for address, nbytes in storages.items():
         allocation = tracker.live_at.get(address)
         if allocation is not None:
+            label = tracker.labels.get(allocation)
             total += nbytes
-            inside += nbytes if tracker.labels.get(allocation) else 0
+            inside += nbytes if label else 0
+            cores += nbytes if label == CORE else 0
         elif address in user_inputs:
             total += nbytes
-    return total, inside
+    return total, inside, cores
 
 
 def _saved_storages(roots: list[torch.Tensor]) -> dict[int, int]:
@@ -282,6 +288,9 @@ def _saved_storages(roots: list[torch.Tensor]) -> dict[int, int]:
     return storages
 
 
+CORE = "attention core"  # a storage's label: allocated by a node of one of the block's attention cores
+
+
 class _BlockCalls:
     """Which calls of an ops run are one block's (the module `block`, e.g. `layers.1`): in forward,
     the calls of the graph nodes inside it (their module stack); in backward, the calls autograd
@@ -294,6 +303,8 @@ class _BlockCalls:
 
     def __init__(self, block: str) -> None:
         self.block, self.prefix = block, block + "."
+        self.cores: set[torch.fx.Node] = set()  # the attention cores' nodes (`label`)
+        self.in_core = False
         self.ends: list[int] = []  # the last autograd number of each run of graph nodes with one label
         self.labels: list[bool] = []
         self.last = -1
@@ -304,7 +315,7 @@ class _BlockCalls:
         from autopar.ir import module_stack
 
         inside = any(path == self.block or path.startswith(self.prefix) for path in module_stack(node))
-        self.current = inside
+        self.current, self.in_core = inside, inside and node in self.cores
         result = run(node)
         newest = max((t.grad_fn._sequence_nr() for t in pytree.tree_leaves(result)
                       if isinstance(t, torch.Tensor) and t.grad_fn is not None), default=-1)
@@ -316,6 +327,12 @@ class _BlockCalls:
                 self.labels.append(inside)
             self.last = newest
         return result
+
+    def label(self) -> "bool | str":
+        """What a storage allocated now is: the block's (True; `CORE` inside one of its attention
+        cores, what selective recomputation could free at most) or not (False). Forward only: a
+        storage autograd saves was allocated by the forward."""
+        return CORE if self.in_core and not self.backward else self()
 
     def __call__(self) -> bool:
         if self.backward:

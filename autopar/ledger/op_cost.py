@@ -27,12 +27,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from autopar.cluster import bandwidth_at
-from autopar.ledger.working_memory import Working
+from autopar.ledger.working_memory import Working, tensors_in
 from autopar.runtime.weight_gradients import TAP_BACKWARD
 
 if TYPE_CHECKING:
@@ -93,17 +92,32 @@ class RankOps:
     taps: OpTotals = field(default_factory=OpTotals)
     block_taps: "OpTotals | None" = None
     # with a block and without recomputed regions: bytes autograd saved for backward (the rank's,
-    # the block's), read off the autograd graph the forward left (`fake_run._autograd_saved`)
-    saved: "tuple[int, int] | None" = None
+    # the block's, the block's attention cores'), read off the autograd graph the forward left
+    # (`fake_run._autograd_saved`)
+    saved: "tuple[int, int, int] | None" = None
 
 
 def _nbytes(values: Any) -> int:
     seen, total = set(), 0
-    for value in pytree.tree_leaves(values):
-        if isinstance(value, torch.Tensor) and id(value) not in seen:
+    for value in tensors_in(values):
+        if id(value) not in seen:
             seen.add(id(value))
             total += value.numel() * value.element_size()
     return total
+
+
+def _kind(func: Any) -> "tuple[bool, bool, Any]":
+    """(counted: a computation, not a collective; a view, which moves no bytes; its FLOP formula or
+    None), once per op: the recorder asks for every call."""
+    if func not in _KINDS:
+        returns = func._schema.returns
+        _KINDS[func] = (func.namespace not in _NOT_COMPUTE,
+                        any(r.alias_info is not None and not r.alias_info.is_write for r in returns),
+                        flop_registry.get(func.overloadpacket))
+    return _KINDS[func]
+
+
+_KINDS: dict = {}
 
 
 def _in_tap() -> bool:
@@ -127,13 +141,10 @@ class _OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.namespace in _NOT_COMPUTE:
+        counted, is_view, formula = _kind(func)
+        if not counted:
             return out
-        schema = func._schema
-        is_view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
-        flops = 0
-        if func.overloadpacket in flop_registry:
-            flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+        flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
         nbytes = 0 if is_view else _nbytes((args, kwargs, out))
         tap = self.phase == "backward" and _in_tap()
         in_block = self.in_block is not None and self.in_block()
