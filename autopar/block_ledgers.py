@@ -98,8 +98,8 @@ class Part:
     working_bytes: int = 0  # backward's working memory beyond the saved activations (the rest: the loss's)
     working_weights: int = 0  # of which a parameter's gradient, alive for a moment (does not scale with the batch)
     largest_param: int = 0  # bytes of the largest parameter tensor the optimizer updates
-    # of `activation_bytes`, those the block's attention cores allocated: the most selective
-    # recomputation can free (0 where not told apart: `_measured`'s saving run)
+    # of `activation_bytes`, those its attention cores allocated: the most selective recomputation
+    # can free (0 where not told apart: `_measured`'s saving run)
     core_activation_bytes: int = 0
 
 
@@ -224,14 +224,14 @@ def _measured(plan: Any, block: str | None = None) -> tuple[Part, Part | None]:
     transient = int(build_memory_ledger(plan, rank=0, activations=False).by_category()["transient"])
     ops = ops_run(plan, 0, block=block)
     if ops.saved is not None:  # read off the ops run's autograd graph: no second forward
-        activations, inside, cores = ops.saved
+        activations, inside, cores, inside_cores = ops.saved
     else:  # the plans have no pipeline: one forward's (the cores' share not told apart: no bound)
         saved = saved_activations(plan, rank=0).entries
         activations = sum(e.number for e in saved)
         inside = sum(e.number for e in saved if block is not None and (e.module == block
                                                                         or e.module.startswith(block + ".")))
-        cores = 0
-    whole = Part(activation_bytes=activations, transient_bytes=transient,
+        cores = inside_cores = 0
+    whole = Part(activation_bytes=activations, transient_bytes=transient, core_activation_bytes=cores,
                  forward=ops.forward, backward=ops.backward, taps=ops.taps, working_bytes=ops.working.bytes,
                  working_weights=ops.working.weight_gradients,
                  largest_param=largest_optimized(plan, plan.stages_of_rank(0), "adamw"))
@@ -239,7 +239,7 @@ def _measured(plan: Any, block: str | None = None) -> tuple[Part, Part | None]:
         return whole, None
     forward, backward = ops.block
     return whole, Part(activation_bytes=inside, forward=forward, backward=backward, taps=ops.block_taps,
-                       core_activation_bytes=cores)
+                       core_activation_bytes=inside_cores)
 
 
 def _state_parts(two: Part, one: Part) -> tuple[Part, Part]:
@@ -262,6 +262,7 @@ def _parts(state: tuple[Part, Part], whole: Part, inside: Part) -> tuple[Part, P
                     taps=inside.taps, largest_param=whole.largest_param,
                     core_activation_bytes=inside.core_activation_bytes),
             replace(rest, activation_bytes=whole.activation_bytes - inside.activation_bytes,
+                    core_activation_bytes=whole.core_activation_bytes - inside.core_activation_bytes,
                     transient_bytes=whole.transient_bytes, forward=_less(whole.forward, inside.forward),
                     backward=_less(whole.backward, inside.backward), taps=_less(whole.taps, inside.taps),
                     working_bytes=whole.working_bytes,

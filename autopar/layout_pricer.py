@@ -148,17 +148,20 @@ class BlockPricer:
 
     def cannot_fit(self, variant: Candidate, twin: "BlockLedgers | str | None" = None) -> str | None:
         """Why a selective-recomputation variant cannot fit, known without measuring it (None where
-        it might): its layout without recomputation, measured, with every byte its blocks'
-        attention cores saved freed (`Part.core_activation_bytes`, the most recomputing the cores
-        can free: the cores' inputs stay saved and their run again only adds a transient) still
-        peaks above a rank's memory."""
+        it might): its layout without recomputation, measured, with every byte its attention
+        cores saved freed, the blocks' and any outside them (`Part.core_activation_bytes`, the
+        most recomputing the cores can free: the cores' inputs stay saved and their run again only
+        adds a transient) still peaks above a rank's memory."""
         if variant.recompute != "selective":
             return None
         twin = twin or self.layouts.get(replace(layout_of(variant), recompute=None))
-        if not isinstance(twin, BlockLedgers) or not twin.block.core_activation_bytes:
+        if not isinstance(twin, BlockLedgers) or not (twin.block.core_activation_bytes
+                                                      or twin.rest.core_activation_bytes):
             return None
-        block = replace(twin.block, activation_bytes=twin.block.activation_bytes - twin.block.core_activation_bytes)
-        floor = composed_estimate(replace(twin, block=block), variant, self.cluster, global_batch=self.batch)
+        freed = [replace(part, activation_bytes=part.activation_bytes - part.core_activation_bytes)
+                 for part in (twin.block, twin.rest)]
+        floor = composed_estimate(replace(twin, block=freed[0], rest=freed[1]), variant, self.cluster,
+                                  global_batch=self.batch)
         if floor.fits:
             return None
         return (f"selective recomputation frees at most its attention cores' saved activations "

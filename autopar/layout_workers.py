@@ -195,8 +195,18 @@ def measured(measure: Callable[[Item], object], items: Sequence[Item], *, fork: 
         results.update((item, measure(item)) for item in rest)
         return results
     claims = _Claims(len(shared))
-    reader, writer = os.pipe()
-    pid = os.fork()
+    try:
+        reader, writer = os.pipe()
+    except BaseException:
+        claims.close()
+        raise
+    try:
+        pid = os.fork()
+    except BaseException:
+        for descriptor in (reader, writer):
+            os.close(descriptor)
+        claims.close()
+        raise
     if pid == 0:  # the copy: claim groups, send what it has, leave without the parent's exit handlers
         os.close(reader)
         _own_progress_lock()

@@ -293,6 +293,41 @@ def test_selective_recomputation_frees_no_more_than_the_attention_cores_saved(la
     assert 0 < cores < plain.block.activation_bytes
     floor = plain.block.activation_bytes - cores
     assert floor <= selective.block.activation_bytes < plain.block.activation_bytes
+    # no attention outside the blocks here: the rest saves what it saved
+    assert plain.rest.core_activation_bytes == 0
+    assert selective.rest.activation_bytes >= plain.rest.activation_bytes - plain.rest.core_activation_bytes
+
+
+def test_attention_outside_the_blocks_is_counted_as_the_rests_cores():
+    """A core outside the repeated blocks (an attention-pooling head) is the rest's: selective
+    recomputation frees it too, so `cannot_fit` subtracts it as well."""
+    from autopar.block_ledgers import measure_layout
+
+    class Pooled(torch.nn.Module):
+        def __init__(self, config: GPTConfig) -> None:
+            super().__init__()
+            self.gpt = GPT(config)
+            self.query = torch.nn.Parameter(torch.randn(1, config.n_head, 1, config.d_model // config.n_head))
+
+        def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            hidden = self.gpt.embed_tokens(tokens) + self.gpt.embed_positions(positions)
+            for block in self.gpt.layers:
+                hidden = block(hidden)
+            b, s, d = hidden.shape
+            heads = hidden.view(b, s, self.query.shape[1], -1).transpose(1, 2)
+            pooled = torch.nn.functional.scaled_dot_product_attention(self.query.expand(b, -1, -1, -1), heads, heads)
+            return (pooled.float().square().mean() - targets.float().mean()).square()
+
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=2, d_model=64, n_head=4, d_ff=256, seq_len=32)
+    model, batch = Pooled(config), example_batch(config, batch=2)
+    with reusing_traces():
+        plain = measure_layout(model, Layout(), example_inputs=batch)
+        selective = measure_layout(model, Layout(recompute="selective"), example_inputs=batch)
+    assert plain.block.core_activation_bytes > 0 and plain.rest.core_activation_bytes > 0
+    for mine, theirs in ((plain.block, selective.block), (plain.rest, selective.rest)):
+        assert theirs.activation_bytes >= mine.activation_bytes - mine.core_activation_bytes
 
 
 def test_a_selective_variant_that_cannot_fit_is_pruned_unmeasured():

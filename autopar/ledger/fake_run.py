@@ -243,25 +243,26 @@ _SAVED_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def _autograd_saved(roots: list[torch.Tensor], tracker: LiveFakeStorages, user_inputs: set[int]) -> tuple[int, int]:
-    """(bytes, the block's bytes, of which its attention cores') of the storages autograd saved for
-    backward, read off the graph from `roots` (each node's `_saved_*` values, a custom function's
-    `saved_tensors`): those the forward allocated (the block's where one of its nodes did,
-    `tracker.labels`; an attention core's where a node of one did, `_BlockCalls.label`) and the
-    user inputs; parameters and buffers are state. What the activation ledger's saving run counts
+    """(bytes, the block's bytes, of the bytes the attention cores', of the block's its cores') of
+    the storages autograd saved for backward, read off the graph from `roots` (each node's
+    `_saved_*` values, a custom function's `saved_tensors`): those the forward allocated (the
+    block's where one of its nodes did, an attention core's where a node of one did:
+    `tracker.labels`, `_BlockCalls.label`) and the user inputs; parameters and buffers are state. What the activation ledger's saving run counts
     (`saving_run`, `tests/test_composed_cost.py` compares), without running the forward again."""
     with _disable_current_modes():  # reading a saved output makes a view of it: not a call of the run
         storages = _saved_storages(roots)
-    total = inside = cores = 0
+    total = inside = cores = inside_cores = 0
     for address, nbytes in storages.items():
         allocation = tracker.live_at.get(address)
         if allocation is not None:
-            label = tracker.labels.get(allocation)
+            block, core = tracker.labels.get(allocation, (False, False))
             total += nbytes
-            inside += nbytes if label else 0
-            cores += nbytes if label == CORE else 0
+            inside += nbytes if block else 0
+            cores += nbytes if core else 0
+            inside_cores += nbytes if block and core else 0
         elif address in user_inputs:
             total += nbytes
-    return total, inside, cores
+    return total, inside, cores, inside_cores
 
 
 def _saved_storages(roots: list[torch.Tensor]) -> dict[int, int]:
@@ -288,9 +289,6 @@ def _saved_storages(roots: list[torch.Tensor]) -> dict[int, int]:
     return storages
 
 
-CORE = "attention core"  # a storage's label: allocated by a node of one of the block's attention cores
-
-
 class _BlockCalls:
     """Which calls of an ops run are one block's (the module `block`, e.g. `layers.1`): in forward,
     the calls of the graph nodes inside it (their module stack); in backward, the calls autograd
@@ -303,7 +301,7 @@ class _BlockCalls:
 
     def __init__(self, block: str) -> None:
         self.block, self.prefix = block, block + "."
-        self.cores: set[torch.fx.Node] = set()  # the attention cores' nodes (`label`)
+        self.cores: set[torch.fx.Node] = set()  # the attention cores' nodes, in the block or not (`label`)
         self.in_core = False
         self.ends: list[int] = []  # the last autograd number of each run of graph nodes with one label
         self.labels: list[bool] = []
@@ -315,7 +313,7 @@ class _BlockCalls:
         from autopar.ir import module_stack
 
         inside = any(path == self.block or path.startswith(self.prefix) for path in module_stack(node))
-        self.current, self.in_core = inside, inside and node in self.cores
+        self.current, self.in_core = inside, node in self.cores
         result = run(node)
         newest = max((t.grad_fn._sequence_nr() for t in pytree.tree_leaves(result)
                       if isinstance(t, torch.Tensor) and t.grad_fn is not None), default=-1)
@@ -328,11 +326,11 @@ class _BlockCalls:
             self.last = newest
         return result
 
-    def label(self) -> "bool | str":
-        """What a storage allocated now is: the block's (True; `CORE` inside one of its attention
-        cores, what selective recomputation could free at most) or not (False). Forward only: a
-        storage autograd saves was allocated by the forward."""
-        return CORE if self.in_core and not self.backward else self()
+    def label(self) -> tuple[bool, bool]:
+        """What a storage allocated now is: (the block's, an attention core's — what selective
+        recomputation could free at most). A core's only in forward: a storage autograd saves
+        was allocated by the forward."""
+        return self(), self.in_core and not self.backward
 
     def __call__(self) -> bool:
         if self.backward:
