@@ -34,7 +34,7 @@ from autopar.composed_cost import composed_estimate
 from autopar.context import sharing_sharding_decisions
 from autopar.errors import PlanError
 from autopar.layout_workers import measured
-from autopar.search_space import Candidate
+from autopar.search_space import Candidate, Pruned
 from autopar.trace import reusing_traces
 
 
@@ -146,7 +146,7 @@ class BlockPricer:
                 if candidate not in self.estimates:  # the copy's: they name a copy of the cluster
                     self.estimates[candidate] = replace(estimate, cluster=self.cluster)
 
-    def cannot_fit(self, variant: Candidate, twin: "BlockLedgers | str | None" = None) -> str | None:
+    def cannot_fit(self, variant: Candidate, twin: "BlockLedgers | str | None" = None) -> "Pruned | None":
         """Why a selective-recomputation variant cannot fit, known without measuring it (None where
         it might): its layout without recomputation, measured, with every byte its attention
         cores saved freed, the blocks' and any outside them (`Part.core_activation_bytes`, the
@@ -164,9 +164,10 @@ class BlockPricer:
                                   global_batch=self.batch)
         if floor.fits:
             return None
-        return (f"selective recomputation frees at most its attention cores' saved activations "
-                f"({twin.block.core_activation_bytes / GB:.3g} GB per block and sequence); with all of them freed it "
-                f"still peaks at {floor.peak_bytes / GB:.4g} GB per rank, more than {self.cluster.memory_gb:g} GB")
+        return Pruned(variant, f"selective recomputation frees at most its attention cores' saved activations "
+                               f"({twin.block.core_activation_bytes / GB:.3g} GB per block and sequence); with all of "
+                               f"them freed it still peaks at {floor.peak_bytes / GB:.4g} GB per rank, more than "
+                               f"{self.cluster.memory_gb:g} GB", peak_at_least=floor.peak_bytes)
 
     def _estimate(self, candidate: Candidate, ledgers: BlockLedgers) -> Any:
         if candidate not in self.estimates:

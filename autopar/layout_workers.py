@@ -223,10 +223,13 @@ def measured(measure: Callable[[Item], object], items: Sequence[Item], *, fork: 
             results[variant] = measure(variant)
         while (index := claims.next()) is not None:
             results.update((item, measure(item)) for item in shared[index])
-        returned = _received(reader, pid, timeout(time.perf_counter() - start))
     except BaseException:
         _stopped(pid)
+        os.close(reader)
+        claims.close()
         raise
+    try:
+        returned = _received(reader, pid, timeout(time.perf_counter() - start))  # the copy reaped, whatever happens
     finally:
         os.close(reader)
         claims.close()
@@ -259,7 +262,8 @@ def _stopped(pid: int) -> None:
 
 def _received(reader: int, pid: int, seconds: float) -> dict:
     """What the copy sent, read until it closes the pipe; {} if it sent nothing whole in `seconds`
-    (it is killed) or died."""
+    (it is killed) or died. The copy is reaped on every way out (killed first where this read was
+    interrupted), so that nobody signals its pid again."""
     deadline = time.monotonic() + seconds
     chunks = []
     try:
@@ -272,6 +276,9 @@ def _received(reader: int, pid: int, seconds: float) -> dict:
             if not chunk:
                 break
             chunks.append(chunk)
+    except BaseException:  # interrupted: the copy is not waited for
+        os.kill(pid, signal.SIGKILL)
+        raise
     finally:
         os.waitpid(pid, 0)
     try:

@@ -189,13 +189,13 @@ def search(model: torch.nn.Module, cluster: Cluster, *, example_inputs: Sequence
                     continue
                 cannot = price.cannot_fit(variant) if composed else None
                 if cannot is not None:  # the next policy recomputes more
-                    pruned.append(Pruned(variant, cannot))
+                    pruned.append(cannot)
                     continue
                 outcome = price(variant)
                 best = _recorded(outcome, outcomes, best, progress)
                 if outcome.fits:
                     break
-    _fail_if_nothing_fits(outcomes, cluster)
+    _fail_if_nothing_fits(outcomes, cluster, pruned)
     ranked = sorted(outcomes, key=_rank_key)
     return SearchResult(cluster, ranked, pruned, time.perf_counter() - start)
 
@@ -255,14 +255,21 @@ def _rank_key(outcome: Outcome) -> tuple:
     return (0, outcome.estimate.seconds)
 
 
-def _fail_if_nothing_fits(outcomes: list[Outcome], cluster: Cluster) -> None:
+def _fail_if_nothing_fits(outcomes: list[Outcome], cluster: Cluster, pruned: Sequence[Pruned] = ()) -> None:
     priced = [o for o in outcomes if o.estimate is not None]
     if not priced:
         reasons = "\n".join(f"  {o.candidate.label}: {o.refused}" for o in outcomes)
         raise PlanError(f"the compiler refused every candidate layout of {cluster.world_size} ranks:\n{reasons}")
     if not any(o.fits for o in priced):
         smallest = min(priced, key=lambda o: o.estimate.peak_bytes)
-        raise PlanError(f"the model fits nowhere on {cluster.label}: the smallest peak any candidate needs is "
-                        f"{smallest.estimate.peak_bytes / GB:.4g} GB per rank ({smallest.candidate.label}), and a "
+        least = smallest.estimate.peak_bytes
+        # a variant passed over unmeasured (`BlockPricer.cannot_fit`) may need less: its floor is named
+        below = [p for p in pruned if p.peak_at_least is not None and p.peak_at_least < least]
+        lowest = min(below, key=lambda p: p.peak_at_least) if below else None
+        what = ("any candidate needs is" if lowest is None else "a priced candidate needs is")
+        floor = ("" if lowest is None else f"; {lowest.candidate.label}, passed over unmeasured, needs at least "
+                                           f"{lowest.peak_at_least / GB:.4g} GB")
+        raise PlanError(f"the model fits nowhere on {cluster.label}: the smallest peak {what} "
+                        f"{least / GB:.4g} GB per rank ({smallest.candidate.label}{floor}), and a "
                         f"rank has {cluster.memory_gb:g} GB\n  fix: more ranks or more memory per rank, a smaller "
                         f"batch, or bf16 parameters")

@@ -137,6 +137,7 @@ class ModelFacts:
 class Pruned:
     candidate: Candidate
     reason: str
+    peak_at_least: int | None = None  # bytes per rank it needs at least, where known (`BlockPricer.cannot_fit`)
 
 
 @dataclass

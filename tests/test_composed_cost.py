@@ -358,3 +358,19 @@ def test_a_selective_variant_that_cannot_fit_is_pruned_unmeasured():
             assert pruned.candidate.recompute == "selective"
             assert not price(pruned.candidate).fits, pruned
     assert not any(o.candidate.recompute == "selective" for o in result.outcomes)
+
+
+def test_fitting_nowhere_names_the_floor_of_a_variant_passed_over_unmeasured():
+    """Where nothing fits, the error's smallest peak is the priced candidates'; a selective variant
+    passed over unmeasured may need less, so its floor is named beside it."""
+    import re
+
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=4, d_model=64, n_head=4, d_ff=256, seq_len=128)
+    model, batch = GPT(config), example_batch(config, batch=16)
+    space = SearchSpace(axes=("dp", "tp"), zero_stages=(0,), sequence_parallel=(False,), recompute=("selective",))
+    with pytest.raises(PlanError, match="passed over unmeasured, needs at least") as raised:
+        search(model, replace(NODE, memory_gb=0.001), example_inputs=batch, space=space, method="blocks")
+    priced, floor = (float(x) for x in re.search(r"needs is ([\d.]+) GB .*needs at least ([\d.]+) GB",
+                                                 str(raised.value)).groups())
+    assert floor < priced and "a priced candidate" in str(raised.value)
