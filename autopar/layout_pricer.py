@@ -72,6 +72,7 @@ class BlockPricer:
         self.layouts: dict[Layout, "BlockLedgers | str"] = {}
         self.decisions: dict = {}  # DTensor's sharding decisions, shared by every layout's plans
         self.estimates: dict = {}  # candidate -> its composed estimate
+        self.floors: dict = {}  # selective variant -> why it cannot fit, or None (`cannot_fit`)
 
     def measure(self, layout: Layout) -> "BlockLedgers | str":
         try:
@@ -158,6 +159,12 @@ class BlockPricer:
         if not isinstance(twin, BlockLedgers) or not (twin.block.core_activation_bytes
                                                       or twin.rest.core_activation_bytes):
             return None
+        if variant not in self.floors:  # asked while prefetching and again by the second pass
+            self.floors[variant] = self._floor(variant, twin)
+        return self.floors[variant]
+
+    def _floor(self, variant: Candidate, twin: BlockLedgers) -> "Pruned | None":
+        """`cannot_fit` for a measured twin: the twin composed with its cores' bytes freed."""
         freed = [replace(part, activation_bytes=part.activation_bytes - part.core_activation_bytes)
                  for part in (twin.block, twin.rest)]
         floor = composed_estimate(replace(twin, block=freed[0], rest=freed[1]), variant, self.cluster,

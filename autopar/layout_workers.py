@@ -38,6 +38,7 @@ the gain comes from forking once, after the export, with the heap already warm.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pickle
@@ -194,45 +195,36 @@ def measured(measure: Callable[[Item], object], items: Sequence[Item], *, fork: 
     if not (can_fork() if fork is None else fork) or len(rest) < MIN_FORKED or not shared:
         results.update((item, measure(item)) for item in rest)
         return results
-    claims = _Claims(len(shared))
-    try:
+    with contextlib.ExitStack() as opened:  # the copy never leaves `_serve`: only this process closes them
+        claims = _Claims(len(shared))
+        opened.callback(claims.close)
         reader, writer = os.pipe()
-    except BaseException:
-        claims.close()
-        raise
-    try:
-        pid = os.fork()
-    except BaseException:
-        for descriptor in (reader, writer):
-            os.close(descriptor)
-        claims.close()
-        raise
-    if pid == 0:  # the copy: claim groups, send what it has, leave without the parent's exit handlers
-        os.close(reader)
-        _own_progress_lock()
-        _serve(measure, shared, claims, writer)
-    os.close(writer)
-    start = time.perf_counter()
-    try:
-        results.update((item, measure(item)) for item in here)
-        for variant in variants(results) if variants is not None else ():
-            if variant in results:
-                continue
-            if select.select([reader], [], [], 0)[0]:  # the copy has answered (or died): nothing left to claim
-                break
-            results[variant] = measure(variant)
-        while (index := claims.next()) is not None:
-            results.update((item, measure(item)) for item in shared[index])
-    except BaseException:
-        _stopped(pid)
-        os.close(reader)
-        claims.close()
-        raise
-    try:
+        opened.callback(os.close, reader)
+        try:
+            pid = os.fork()
+        except BaseException:
+            os.close(writer)
+            raise
+        if pid == 0:  # the copy: claim groups, send what it has, leave without the parent's exit handlers
+            os.close(reader)
+            _own_progress_lock()
+            _serve(measure, shared, claims, writer)
+        os.close(writer)
+        start = time.perf_counter()
+        try:
+            results.update((item, measure(item)) for item in here)
+            for variant in variants(results) if variants is not None else ():
+                if variant in results:
+                    continue
+                if select.select([reader], [], [], 0)[0]:  # the copy has answered (or died): nothing left to claim
+                    break
+                results[variant] = measure(variant)
+            while (index := claims.next()) is not None:
+                results.update((item, measure(item)) for item in shared[index])
+        except BaseException:
+            _stopped(pid)
+            raise
         returned = _received(reader, pid, timeout(time.perf_counter() - start))  # the copy reaped, whatever happens
-    finally:
-        os.close(reader)
-        claims.close()
     results.update((item, value) for item, value in returned.items() if item in rest and item not in results)
     results.update((item, measure(item)) for item in rest if item not in results)  # what the copy did not return
     return results
