@@ -36,7 +36,10 @@ implement for a planned model:
   reduce-scatters per unit behind backward and all-gathers after the optimizer (ZeRO-3: forward
   gathers behind forward, backward gathers behind backward), the cluster's `overlap` share
   hidden; the layout's own gradient synchronisation (over cp, or tp for SP's replicated norms)
-  in buckets behind backward; a pipeline send per stage boundary per micro-batch as latency;
+  in buckets behind backward, under plain data parallelism joined with dp's into one all-reduce
+  over the flattened group where their links agree (`Mesh.sync_keys`; a layout key is taken
+  whole, its axes' links in the candidate not told apart); a pipeline send per stage boundary
+  per micro-batch as latency;
 - the pipeline's span for stage costs F_s + B_s (compute, blocking collectives and the
   exposed part of the stage's own ring sends — context parallelism's, each micro-batch's — per
   micro-batch): Σ_s (F_s + B_s) + (m − 1) · max_s (F_s + B_s), the GPipe/1F1B span, plus the
@@ -57,6 +60,7 @@ from autopar.block_ledgers import BlockLedgers, Part
 from autopar.cluster import Cluster
 from autopar.comm_kinds import KINDS, wire_factor
 from autopar.ledger.peak import PeakTerms, moments
+from autopar.mesh import JOIN
 from autopar.search_space import Candidate
 from autopar.step_cost import OPTIMIZER_CALLS, OPTIMIZER_TRAFFIC, RUNTIME_COPY_TRAFFIC, StepEstimate, exposed_seconds
 
@@ -92,8 +96,15 @@ class _Pricer:
         self.by_kind: dict[str, float] = defaultdict(float)
         self.seconds: dict[tuple[str, str, int], float] = {}
 
+    def group(self, key: str) -> int:
+        """The group size of an axis or of a key over several (`cp+tp`, `Mesh.sync_keys`)."""
+        return math.prod(self.sizes.get(part, 1) for part in key.split(JOIN))
+
+    def link(self, key: str) -> str:
+        return "inter" if any(self.links.get(part, "intra") == "inter" for part in key.split(JOIN)) else "intra"
+
     def wire(self, kind: str, axis: str, logical: float) -> float:
-        group = self.sizes.get(axis, 1)
+        group = self.group(axis)
         if group <= 1 and not KINDS[kind].peer:
             return 0.0
         return _wire(kind, 2 if KINDS[kind].peer else group, logical)
@@ -101,13 +112,12 @@ class _Pricer:
     def __call__(self, kind: str, axis: str, logical: float, calls: float = 1, stage: int | None = None) -> float:
         """Seconds of one call; `calls` per step on `stage` (None: counted by the caller) go to the
         stage's wire bytes and the per-kind seconds."""
-        group = self.sizes.get(axis, 1)
+        group = self.group(axis)
         if group <= 1 and not KINDS[kind].peer:
             return 0.0
         key = (kind, axis, int(logical))
         if key not in self.seconds:
-            link = self.links.get(axis, "intra")
-            self.seconds[key] = self.cluster.collective_seconds(kind, group, int(logical), link)
+            self.seconds[key] = self.cluster.collective_seconds(kind, group, int(logical), self.link(axis))
         seconds = self.seconds[key]
         self.by_kind[f"{axis} {kind}"] += calls * seconds
         if stage is not None:
@@ -413,8 +423,16 @@ def _gradient_and_optimizer(ledgers: BlockLedgers, candidate: Candidate, cluster
     units = [block.param_bytes] * stage.blocks + ([rest_params] if rest_params else [])
     tensors = [block.param_tensors] * stage.blocks + ([_rest_tensors(ledgers, stage.first, stage.last)]
                                                       if rest_params else [])
+    synced = {key: stage.blocks * per_block + (rest.grad_sync.get(key, 0) if stage.last or stage.first else 0)
+              for key, per_block in block.grad_sync.items()}
     if dp > 1 and zero == 0:
-        tail.behind_backward += _bucketed(price, "all_reduce", "dp", full, cap, at)
+        # a gradient the layout reduces over axes on dp's link too goes in one all-reduce over the
+        # flattened group, as `Mesh.sync_keys` buckets it; dp's own all-reduce carries the rest
+        joined = {key: nbytes for key, nbytes in synced.items() if price.link(key) == price.link("dp")}
+        for key, nbytes in joined.items():
+            tail.behind_backward += _bucketed(price, "all_reduce", f"dp{JOIN}{key}", nbytes, cap, at)
+            del synced[key]
+        tail.behind_backward += _bucketed(price, "all_reduce", "dp", max(full - sum(joined.values()), 0), cap, at)
     elif dp > 1:
         gathers = micro if zero == 3 else 1
         for unit, count in zip(units, tensors):
@@ -428,9 +446,8 @@ def _gradient_and_optimizer(ledgers: BlockLedgers, candidate: Candidate, cluster
                 tail.behind_forward += [price("all_gather", "dp", unit, gathers, stage=at)] * gathers
                 tail.behind_backward += [price("all_gather", "dp", unit, gathers, stage=at)] * gathers
                 tail.copies += 2 * gathers * copy
-    for axis, per_block in block.grad_sync.items():
-        synced = stage.blocks * per_block + (rest.grad_sync.get(axis, 0) if stage.last or stage.first else 0)
-        tail.behind_backward += _bucketed(price, "all_reduce", axis, synced, cap, at)
+    for key, nbytes in synced.items():
+        tail.behind_backward += _bucketed(price, "all_reduce", key, nbytes, cap, at)
     owned = math.ceil(full / dp) if zero >= 1 else full
     tail.optimizer = (OPTIMIZER_CALLS * sum(tensors) * cluster.op_overhead  # each tensor at the mean's bandwidth
                       + OPTIMIZER_TRAFFIC * owned / cluster.bandwidth_for(owned / max(sum(tensors), 1)))

@@ -4,6 +4,11 @@
 many consecutive ranks share a node, so each axis knows whether its groups stay inside a node
 (`intra`) or cross nodes (`inter`). `device_mesh()` builds the matching torch DeviceMesh: a
 real one under an initialised process group, or a plan-only one (no backend) for planning.
+
+Collectives name their process group by a group key: an axis name (`dp`), `axis@i,j` for the
+ranks at coordinates i, j of an axis (a tied parameter's pipeline stages), or `a+b` for the
+ranks of several axes at once (the flattened group of `sync_keys`: one all-reduce over dp × cp
+instead of one per axis). `group_members`, `group_size` and `link` answer for every form.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.errors import PlanError
 
 KNOWN_AXES = ("pp", "dp", "dp_rep", "dp_shard", "cp", "ep", "tp")
+JOIN = "+"  # between the axes of a group key over several axes (`dp+cp`)
 
 
 @dataclass(frozen=True)
@@ -114,26 +120,59 @@ class Mesh:
 
     @staticmethod
     def split_group(key: str) -> tuple[str, tuple[int, ...] | None]:
-        """A group key is an axis name, or `axis@i,j` for the ranks at coordinates i, j of the axis
-        (a tied parameter's pipeline stages): (axis, coordinates or None)."""
+        """A group key's axis part (an axis name, or `a+b` for several) and the coordinates after
+        its `@`, or None (module docstring)."""
         axis, _, coordinates = key.partition("@")
         return axis, tuple(int(c) for c in coordinates.split(",")) if coordinates else None
 
+    def group_members(self, rank: int, key: str) -> list[int]:
+        """The global ranks of `rank`'s group for a group key (module docstring), ascending for a
+        key over several axes."""
+        axis, coordinates = self.split_group(key)
+        if JOIN not in axis:
+            return self.group_ranks(rank, axis, coordinates)
+        members = [rank]
+        for part in axis.split(JOIN):
+            members = [member for r in members for member in self.group_ranks(r, part)]
+        return sorted(members)
+
     def group_size(self, key: str) -> int:
         axis, coordinates = self.split_group(key)
-        return len(coordinates) if coordinates is not None else self.size(axis)
+        if coordinates is not None:
+            return len(coordinates)
+        return math.prod(self.size(part) for part in axis.split(JOIN))
+
+    def sync_keys(self, axes: "tuple[str, ...] | list[str]") -> tuple[str, ...]:
+        """The group keys a gradient partial over `axes` is all-reduced over, one after the other.
+
+        Plain axes on the same link become one key (`dp+cp`, in mesh order): one all-reduce over
+        the flattened group moves 2(ab−1)/ab of the gradient per rank where one per axis moves
+        2(a−1)/a + 2(b−1)/b, in fewer calls (Megatron's data-parallel group with context
+        parallelism, torchtitan's flattened dp_shard_cp mesh do the same). Axes on different links
+        stay apart, the node-local one first: a ring over both would run every one of its
+        2(ab−1) steps at the slow link's pace, where the chain runs only the cross-node axis's
+        there. Sub-groups (`pp@0,3`) stay apart, last. Axes of size 1 are dropped from a joined
+        key."""
+        plain = [a for a in self.names if a in axes]
+        keys = []
+        for link in ("intra", "inter"):
+            joined = [a for a in plain if self.link(a) == link]
+            if len(joined) > 1:
+                joined = [a for a in joined if self.size(a) > 1] or joined[:1]
+            if joined:
+                keys.append(JOIN.join(joined))
+        return tuple(keys) + tuple(a for a in axes if a not in plain)
 
     def link(self, key: str) -> str:
-        """'intra' if every group along the axis (or `axis@i,j` sub-group) stays inside one node, else 'inter'."""
+        """'intra' if every group of the key (an axis, `axis@i,j`, `a+b`) stays inside one node, else 'inter'."""
         if key not in self._links:
             self._links[key] = self._find_link(key)
         return self._links[key]
 
     def _find_link(self, key: str) -> str:
         per_node = self.ranks_per_node or self.world_size
-        axis, coordinates = self.split_group(key)
         for rank in range(self.world_size):
-            nodes = {member // per_node for member in self.group_ranks(rank, axis, coordinates)}
+            nodes = {member // per_node for member in self.group_members(rank, key)}
             if len(nodes) > 1:
                 return "inter"
         return "intra"

@@ -244,7 +244,7 @@ def _stage_buckets(stage: Stage, context: CompileContext, mesh: Mesh, cap_bytes:
         if node.op == "placeholder" and info.kind == "parameter":
             spec = node.meta[SPEC]
             numel = math.prod(local_shape(spec.tensor_meta.shape, spec.placements, mesh.shape))
-            params.append((info.target, numel, spec.tensor_meta.dtype, tuple(node.meta.get(GRAD_SYNC, ()))))
+            params.append((info.target, numel, spec.tensor_meta.dtype, mesh.sync_keys(node.meta.get(GRAD_SYNC, ()))))
     return plan_buckets(params, cap_bytes=cap_bytes)
 
 

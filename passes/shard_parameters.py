@@ -69,7 +69,7 @@ def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declar
         if not node.users or axis not in sync or len(spec.tensor_meta.shape) == 0:
             continue  # unread, not data-parallel on the axis, or 0-d: stays replicated
         shape = tuple(local_shape(spec.tensor_meta.shape, spec.placements, ctx.mesh.shape))
-        extra = tuple(a for a in sync if a != axis)
+        extra = ctx.mesh.sync_keys([a for a in sync if a != axis])
         key = (_unit_name(info.target, declared.units), extra, spec.tensor_meta.dtype)
         groups.setdefault(key, []).append((UnitParam(info.target, node.name, shape, rows_per_rank(shape[0], size)), node))
     units = []

@@ -44,7 +44,7 @@ CASES = {
     "cp2_tp2_sp": ("cp=2,tp=2", [autopar.context_parallel(), autopar.tensor_parallel(), autopar.sequence_parallel()]),
     "tp2_cp2_sp": ("tp=2,cp=2", [autopar.context_parallel(), autopar.tensor_parallel(), autopar.sequence_parallel()]),
     "dp2_cp2_fsdp": ("dp=2,cp=2", [autopar.fsdp(), autopar.context_parallel()]),
-    # every gradient bucket reduced over dp and then cp (`runtime/grad_sync.py`'s chains)
+    # every gradient bucket reduced once over the flattened dp+cp group (`Mesh.sync_keys`)
     "dp2_cp2": ("dp=2,cp=2", [autopar.data_parallel(), autopar.context_parallel()]),
 }
 

@@ -49,3 +49,26 @@ def test_unknown_axis_names_the_axis_and_the_mesh():
 def test_node_size_fills_in_but_never_overrides_a_declared_one():
     assert Mesh.parse(Mesh(dp=2, tp=2), ranks_per_node=2).link("dp") == "inter"
     assert Mesh.parse("dp=2,tp=2;node=4", ranks_per_node=2).link("dp") == "intra"
+
+
+def test_a_gradient_partial_over_several_axes_is_reduced_once_per_link():
+    # all inside one node: one key over both axes, in mesh order, whatever order they come in
+    mesh = Mesh(dp=2, cp=2, tp=2)
+    assert mesh.sync_keys(("cp", "dp")) == ("dp+cp",)
+    assert mesh.sync_keys(("tp", "cp", "dp")) == ("dp+cp+tp",)
+    assert mesh.sync_keys(("dp",)) == ("dp",)
+    # dp crosses nodes, cp does not: the node-local reduction first, the two kept apart
+    across = Mesh(dp=2, cp=2, tp=2, ranks_per_node=4)
+    assert across.sync_keys(("dp", "cp", "tp")) == ("cp+tp", "dp")
+    # a pipeline sub-group stays its own step, last; an axis of one rank joins nothing
+    assert mesh.sync_keys(("dp", "pp@0,1")) == ("dp", "pp@0,1")
+    assert Mesh(dp=1, cp=2).sync_keys(("dp", "cp")) == ("cp",)
+
+
+def test_a_key_over_several_axes_is_their_flattened_group():
+    mesh = Mesh(dp=2, cp=2, tp=2, ranks_per_node=4)
+    assert mesh.group_size("dp+cp") == 4 and mesh.group_size("cp+tp") == 4
+    # rank 5 = (dp 1, cp 0, tp 1): its dp × cp group varies dp and cp, keeps tp
+    assert mesh.group_members(5, "dp+cp") == [1, 3, 5, 7]
+    assert mesh.group_members(5, "cp+tp") == [4, 5, 6, 7]
+    assert mesh.link("cp+tp") == "intra" and mesh.link("dp+cp") == "inter"

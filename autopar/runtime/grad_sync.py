@@ -7,9 +7,11 @@ hooks: when a bucket's last gradient arrives its gradients are flattened and all
 each axis (functional collectives), asynchronously while backward goes on; the end-of-backward
 callback waits for them and writes the reduced values back into `param.grad`.
 
-A bucket reduced over several axes (dp × cp, dp × ep, the norms of sequence parallelism under
-dp) all-reduces over one axis after the other, each on the previous one's result: its first
-axis is issued when the bucket is complete, and each later one when the next bucket is
+A bucket's `axes` are group keys (`Mesh.sync_keys`): a gradient partial over several axes on
+one link (dp × cp, dp × ep, the norms of sequence parallelism under dp) is one key, all-reduced
+once over the flattened group. Axes on different links stay apart, and such a bucket
+all-reduces over one key after the other, each on the previous one's result: its first
+key is issued when the bucket is complete, and each later one when the next bucket is
 launched (its previous collective has had a bucket's worth of backward to finish) or at the end
 of backward — a chain of asynchronous collectives, where waiting on every axis but the last
 held backward up at each bucket. Every rank advances the chains at the same points, so each

@@ -64,15 +64,15 @@ def _unshard(tensor: torch.Tensor, placement: Any, group: str, size: int) -> tor
     return torch.cat([pieces[r][k] for k in range(placement.split_factor) for r in range(size)], dim=dim)
 
 
-def tie_groups(plan: Plan) -> dict[str, str]:
-    """Process groups for `pp@i,j` keys (a parameter held by several pipeline stages): created on
-    every rank in the same order (torch.distributed.new_group is collective); name by key."""
-    keys = sorted({axis for stage in plan.stages for bucket in stage.buckets for axis in bucket.axes if "@" in axis}
-                  | {axis for unit in plan.units for axis in unit.extra_axes if "@" in axis})
+def sync_groups(plan: Plan) -> dict[str, str]:
+    """Process groups for the gradient reductions' keys that are no mesh axis: `pp@i,j` (a
+    parameter held by several pipeline stages), `dp+cp` (several axes at once, `Mesh.sync_keys`).
+    Created on every rank in the same order (torch.distributed.new_group is collective); name by key."""
+    keys = sorted(({key for stage in plan.stages for bucket in stage.buckets for key in bucket.axes}
+                   | {key for unit in plan.units for key in unit.extra_axes}) - set(plan.mesh.names))
     names = {}
     for key in keys:
-        axis, coordinates = plan.mesh.split_group(key)
-        slices = sorted({tuple(plan.mesh.group_ranks(rank, axis, coordinates)) for rank in range(plan.mesh.world_size)})
+        slices = sorted({tuple(plan.mesh.group_members(rank, key)) for rank in range(plan.mesh.world_size)})
         for ranks in slices:
             group = dist.new_group(list(ranks))
             if dist.get_rank() in ranks:
@@ -96,7 +96,7 @@ class ParallelModule(torch.nn.Module):
         self._forwards = 0  # forwards run: the step number in progress marks (runtime/progress.py)
         if dist.is_initialized():
             progress.install()
-        self.groups = dict(groups, **tie_groups(plan)) if plan.pipeline is not None else dict(groups)
+        self.groups = dict(groups, **sync_groups(plan))
         self._placements = plan.parameter_placements()
         stages = plan.stages_of_rank(rank)
         self._unit_of = {p.fqn: (u, p) for stage in stages for u in stage.units for p in u.params}
