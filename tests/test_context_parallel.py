@@ -46,6 +46,12 @@ CASES = {
     "dp2_cp2_fsdp": ("dp=2,cp=2", [autopar.fsdp(), autopar.context_parallel()]),
     # every gradient bucket reduced once over the flattened dp+cp group (`Mesh.sync_keys`)
     "dp2_cp2": ("dp=2,cp=2", [autopar.data_parallel(), autopar.context_parallel()]),
+    # SP's norms partial over dp, cp and tp: one all-reduce over all eight ranks, the rest over
+    # dp+cp; under FSDP the norms' shards all-reduced over cp+tp after the reduce-scatter
+    "dp2_cp2_tp2_sp": ("dp=2,cp=2,tp=2", [autopar.data_parallel(), autopar.context_parallel(),
+                                          autopar.tensor_parallel(), autopar.sequence_parallel()]),
+    "dp2_cp2_tp2_sp_fsdp": ("dp=2,cp=2,tp=2", [autopar.fsdp(), autopar.context_parallel(),
+                                               autopar.tensor_parallel(), autopar.sequence_parallel()]),
 }
 
 
@@ -103,7 +109,7 @@ def _check_runs(runs: list[tuple[str, str]], world: int) -> None:
             raise AssertionError(f"{model} {name} ({CASES[name][0]}): {error}") from None
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_context_parallel_gpt_matches_single_device(world):
     """Example GPT: every case of CASES on `world` ranks, causal and not."""
     _check_runs(GPT_RUNS, world)
