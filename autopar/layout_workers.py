@@ -143,16 +143,23 @@ def split(items: Sequence[Item]) -> tuple[list[Item], list[list[Item]]]:
 class _Claims:
     """The shared groups' indices, each taken once by whichever process asks first: two-byte
     records in a pipe both processes read (a pipe's read of two bytes is whole: the kernel
-    serialises readers), closed for writing once filled, so that an empty pipe reads as the end."""
+    serialises readers), closed for writing once filled, so that an empty pipe reads as the end.
+
+    The records are written before anyone reads, without blocking: a pipe holds 64 KiB (32,768
+    groups), but as little as one page where the user is over `pipe-user-pages-soft`. The
+    groups that do not fit are never claimed: `measured` measures them here at the end. Each
+    write is at most PIPE_BUF bytes, which a non-blocking pipe takes whole or not at all, so no
+    record is ever cut in two."""
 
     def __init__(self, count: int) -> None:
-        if count > CLAIMS_MAX:
-            raise ValueError(f"{count} groups to claim: at most {CLAIMS_MAX} fit a pipe's buffer")
         self.reader, writer = os.pipe()
-        data = memoryview(b"".join(struct.pack("<H", index) for index in range(count)))
+        os.set_blocking(writer, False)
+        data = b"".join(struct.pack("<H", index) for index in range(min(count, 1 << 16)))
         try:
-            while data:
-                data = data[os.write(writer, data):]
+            for start in range(0, len(data), select.PIPE_BUF):
+                os.write(writer, data[start:start + select.PIPE_BUF])
+        except BlockingIOError:  # the pipe is full: the rest stay unclaimed
+            pass
         finally:
             os.close(writer)
 
@@ -162,9 +169,6 @@ class _Claims:
 
     def close(self) -> None:
         os.close(self.reader)
-
-
-CLAIMS_MAX = 16_384  # 32 KiB of records: under a pipe's 64 KiB buffer, written before anyone reads
 
 
 def measured(measure: Callable[[Item], object], items: Sequence[Item], *, fork: bool | None = None,

@@ -7,6 +7,8 @@ Each row runs on four local CPU processes (gloo, one thread each, `autopar.runti
 | zero3 | `zero(stage=3)` on dp=4                   | FSDP2: `fully_shard` on each `model.layers[i]`, then the     |
 |       |                                           | root, 1-D DeviceMesh of 4, reshard_after_forward=True        |
 | zero2 | `zero(stage=2)` on dp=4                   | DDP (PyTorch has no ZeRO-2 of replicated parameters)         |
+| zero2_fsdp | the same                             | FSDP2 as zero3's with reshard_after_forward=False (SHARD_GRAD_OP: |
+|       |                                           | one all-gather and one reduce-scatter per step, as ZeRO-2)   |
 | zero1 | `zero(stage=1)` on dp=4                   | DDP + `ZeroRedundancyOptimizer(AdamW)` (PyTorch's ZeRO-1)    |
 
 Both programs start from the same weights (`torch.manual_seed(0)` before each is built) and
@@ -120,14 +122,21 @@ def adamw(params, settings: Settings) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=settings.lr)
 
 
-def pytorch_fsdp2(settings: Settings, global_batch: tuple, rank: int) -> Program:
+def pytorch_fsdp2(settings: Settings, global_batch: tuple, rank: int, *, reshard: bool = True) -> Program:
     mesh = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("dp",))
     model = build_model(settings)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     model = compiled(model, settings)
     return Program(model, adamw(model.parameters(), settings), batch_slice(global_batch, index=rank, parts=WORLD_SIZE))
+
+
+def pytorch_fsdp2_grad_op(settings: Settings, global_batch: tuple, rank: int) -> Program:
+    """FSDP2 keeping each unit gathered from forward to backward (FSDP's SHARD_GRAD_OP, which its
+    documentation likens to ZeRO-2): one all-gather and one reduce-scatter of the parameters per
+    step, as autopar's ZeRO-2 moves; its parameters sharded between steps, where ZeRO-2 keeps them."""
+    return pytorch_fsdp2(settings, global_batch, rank, reshard=False)
 
 
 def pytorch_ddp(settings: Settings, global_batch: tuple, rank: int) -> Program:
@@ -152,6 +161,8 @@ ROWS = {
     "zero3": Row(3, pytorch_fsdp2, "FSDP2 fully_shard(layers[i]) then fully_shard(root), mesh (4,), "
                                    "reshard_after_forward=True"),
     "zero2": Row(2, pytorch_ddp, "DDP (no PyTorch ZeRO-2 with replicated parameters; FSDP2 shards them)"),
+    "zero2_fsdp": Row(2, pytorch_fsdp2_grad_op, "FSDP2 as zero3's, reshard_after_forward=False (FSDP's SHARD_GRAD_OP: "
+                                                "the same all-gather and reduce-scatter per step as ZeRO-2)"),
     "zero1": Row(1, pytorch_ddp_zero1, "DDP + ZeroRedundancyOptimizer(optimizer_class=AdamW)"),
 }
 

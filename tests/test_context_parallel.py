@@ -46,6 +46,9 @@ CASES = {
     "dp2_cp2_fsdp": ("dp=2,cp=2", [autopar.fsdp(), autopar.context_parallel()]),
     # every gradient bucket reduced once over the flattened dp+cp group (`Mesh.sync_keys`)
     "dp2_cp2": ("dp=2,cp=2", [autopar.data_parallel(), autopar.context_parallel()]),
+    # declared as two nodes of two ranks: dp crosses them, cp does not, so every bucket is
+    # reduced over cp and then over dp (`runtime/grad_sync.py`'s chains), not over dp+cp
+    "dp2_cp2_two_nodes": ("dp=2,cp=2;node=2", [autopar.data_parallel(), autopar.context_parallel()]),
     # SP's norms partial over dp, cp and tp: one all-reduce over all eight ranks, the rest over
     # dp+cp; under FSDP the norms' shards all-reduced over cp+tp after the reduce-scatter
     "dp2_cp2_tp2_sp": ("dp=2,cp=2,tp=2", [autopar.data_parallel(), autopar.context_parallel(),

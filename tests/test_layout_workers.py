@@ -45,6 +45,33 @@ def test_groups_are_claimed_by_whichever_process_is_free():
     assert here >= 10, f"this process measured {here} of 12 while the copy took 0.5 s each: claims are not dynamic"
 
 
+def test_claims_that_do_not_fit_the_pipe_are_left_unclaimed_not_waited_for():
+    """More groups than a pipe holds (64 KiB of two-byte records): writing them all before anyone
+    reads would block for ever; the records that fit are claimable, whole and in order."""
+    claims = layout_workers._Claims(40_000)
+    try:
+        taken = []
+        while (index := claims.next()) is not None:
+            taken.append(index)
+    finally:
+        claims.close()
+    assert 0 < len(taken) < 40_000 and taken == list(range(len(taken)))
+
+
+def test_groups_a_full_pipe_leaves_unclaimed_are_measured_here(monkeypatch):
+    """As if the pipe held one group's record: the copy or this process claims it, the rest are
+    measured here at the end — nothing waits, nothing is lost."""
+    real = layout_workers._Claims
+
+    def one_record(count: int):
+        return real(min(count, 1))
+
+    monkeypatch.setattr(layout_workers, "_Claims", one_record)
+    layouts = [Layout(tp=1, cp=2 ** (1 + n % 3), ep=2 ** (n // 3)) for n in range(12)]
+    results = layout_workers.measured(lambda layout: layout.cp * 10 + layout.ep, layouts, fork=True, warm=lambda: None)
+    assert results == {layout: layout.cp * 10 + layout.ep for layout in layouts}
+
+
 def test_what_a_dying_copy_does_not_return_is_measured_here():
     parent = os.getpid()
 
