@@ -60,7 +60,7 @@ from autopar.block_ledgers import BlockLedgers, Part
 from autopar.cluster import Cluster
 from autopar.comm_kinds import KINDS, wire_factor
 from autopar.ledger.peak import PeakTerms, moments
-from autopar.mesh import JOIN
+from autopar.mesh import JOIN, joined_by_link
 from autopar.search_space import Candidate
 from autopar.step_cost import OPTIMIZER_CALLS, OPTIMIZER_TRAFFIC, RUNTIME_COPY_TRAFFIC, StepEstimate, exposed_seconds
 
@@ -102,6 +102,12 @@ class _Pricer:
 
     def link(self, key: str) -> str:
         return "inter" if any(self.links.get(part, "intra") == "inter" for part in key.split(JOIN)) else "intra"
+
+    def sync_keys(self, axes: list[str]) -> tuple[str, ...]:
+        """The keys the runtime reduces a gradient partial over `axes` over on this candidate's mesh
+        (`Mesh.sync_keys`): a layout's key, measured on a mesh inside one node, split where the
+        candidate lays its axes on different links."""
+        return joined_by_link(axes, lambda axis: self.links.get(axis, "intra"), lambda axis: self.sizes.get(axis, 1))
 
     def wire(self, kind: str, axis: str, logical: float) -> float:
         group = self.group(axis)
@@ -293,7 +299,7 @@ def _peak_terms(ledgers: BlockLedgers, candidate: Candidate, rank: "_Rank", stag
     elif zero == 0 and dp > 1:  # data-parallel buckets stay
         persistent = grads
     else:  # the layout's own buckets (cp, SP's norms) stay; a parameter's own gradient, ZeRO-2/3's shards are the step's
-        synced = rank.blocks * max(block.grad_sync.values(), default=0) + max(rest.grad_sync.values(), default=0)
+        synced = rank.blocks * sum(block.grad_sync.values()) + sum(rest.grad_sync.values())  # disjoint keys
         persistent = min(grads, synced) if zero == 0 else 0
     steady = memory["parameters"] + memory["model buffers"] + memory["optimizer state"] + persistent
     step_gradients = grads - persistent
@@ -423,16 +429,19 @@ def _gradient_and_optimizer(ledgers: BlockLedgers, candidate: Candidate, cluster
     units = [block.param_bytes] * stage.blocks + ([rest_params] if rest_params else [])
     tensors = [block.param_tensors] * stage.blocks + ([_rest_tensors(ledgers, stage.first, stage.last)]
                                                       if rest_params else [])
-    synced = {key: stage.blocks * per_block + (rest.grad_sync.get(key, 0) if stage.last or stage.first else 0)
-              for key, per_block in block.grad_sync.items()}
+    # the layout's own reductions (its keys are disjoint: each parameter under one), the rest's
+    # keys too where the stage holds the rest
+    synced = {key: stage.blocks * block.grad_sync.get(key, 0) + (rest.grad_sync.get(key, 0)
+                                                                 if stage.last or stage.first else 0)
+              for key in sorted(block.grad_sync.keys() | rest.grad_sync.keys())}
     if dp > 1 and zero == 0:
-        # a gradient the layout reduces over axes on dp's link too goes in one all-reduce over the
-        # flattened group, as `Mesh.sync_keys` buckets it; dp's own all-reduce carries the rest
-        joined = {key: nbytes for key, nbytes in synced.items() if price.link(key) == price.link("dp")}
-        for key, nbytes in joined.items():
-            tail.behind_backward += _bucketed(price, "all_reduce", f"dp{JOIN}{key}", nbytes, cap, at)
-            del synced[key]
-        tail.behind_backward += _bucketed(price, "all_reduce", "dp", max(full - sum(joined.values()), 0), cap, at)
+        # a gradient the layout reduces is partial over dp too: reduced over dp and the key's axes
+        # together where their links agree (`Mesh.sync_keys`); dp's own all-reduce carries the rest
+        for key, nbytes in synced.items():
+            for chained in price.sync_keys(["dp", *key.split(JOIN)]):
+                tail.behind_backward += _bucketed(price, "all_reduce", chained, nbytes, cap, at)
+        tail.behind_backward += _bucketed(price, "all_reduce", "dp", max(full - sum(synced.values()), 0), cap, at)
+        synced = {}
     elif dp > 1:
         gathers = micro if zero == 3 else 1
         for unit, count in zip(units, tensors):
@@ -446,8 +455,10 @@ def _gradient_and_optimizer(ledgers: BlockLedgers, candidate: Candidate, cluster
                 tail.behind_forward += [price("all_gather", "dp", unit, gathers, stage=at)] * gathers
                 tail.behind_backward += [price("all_gather", "dp", unit, gathers, stage=at)] * gathers
                 tail.copies += 2 * gathers * copy
+    shard = dp if zero and dp > 1 else 1  # ZeRO reduces a unit's extra axes on its shard, after the reduce-scatter
     for key, nbytes in synced.items():
-        tail.behind_backward += _bucketed(price, "all_reduce", key, nbytes, cap, at)
+        for chained in price.sync_keys(key.split(JOIN)):
+            tail.behind_backward += _bucketed(price, "all_reduce", chained, math.ceil(nbytes / shard), cap, at)
     owned = math.ceil(full / dp) if zero >= 1 else full
     tail.optimizer = (OPTIMIZER_CALLS * sum(tensors) * cluster.op_overhead  # each tensor at the mean's bandwidth
                       + OPTIMIZER_TRAFFIC * owned / cluster.bandwidth_for(owned / max(sum(tensors), 1)))

@@ -32,7 +32,8 @@ def _with_method(strategies: Sequence[Any], method: str) -> tuple[list[Any], str
 
 def compare_context_methods(model: Any, mesh: Any, *, strategies: Sequence[Any], example_inputs: Sequence[Any],
                             **plan_options: Any) -> list[dict[str, Any]]:
-    """One row per method: communication on the context axis per step and memory of rank 0."""
+    """One row per method: communication on the context axis per step (a flattened group's that
+    includes it, `dp+cp`, counted with it) and memory of rank 0."""
     from autopar.plan import plan
 
     rows = []
@@ -45,10 +46,10 @@ def compare_context_methods(model: Any, mesh: Any, *, strategies: Sequence[Any],
             continue
         comm, memory = the_plan.comm, build_memory_ledger(the_plan).by_category()
         rows.append({"method": method, "axis": axis,
-                     "forward bytes": comm.number(comm.total(axis=axis, phase="forward")),
-                     "backward bytes": comm.number(comm.total(axis=axis, phase="backward")),
-                     "wire bytes": comm.number(comm.total(axis=axis, wire=True)),
-                     "calls": comm.count(axis=axis),
+                     "forward bytes": comm.number(comm.total(axis=axis, phase="forward", joined=True)),
+                     "backward bytes": comm.number(comm.total(axis=axis, phase="backward", joined=True)),
+                     "wire bytes": comm.number(comm.total(axis=axis, wire=True, joined=True)),
+                     "calls": comm.count(axis=axis, joined=True),
                      "activations": memory["activations"],
                      "held": sum(v for k, v in memory.items() if k != "transient")})
     return rows

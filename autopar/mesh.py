@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -22,6 +23,20 @@ from autopar.errors import PlanError
 
 KNOWN_AXES = ("pp", "dp", "dp_rep", "dp_shard", "cp", "ep", "tp")
 JOIN = "+"  # between the axes of a group key over several axes (`dp+cp`)
+
+
+def joined_by_link(axes: "Sequence[str]", link: "Callable[[str], str]", size: "Callable[[str], int]") -> tuple[str, ...]:
+    """`axes` (in mesh order) as group keys reduced one after the other: those on one link joined
+    into one key, node-local first; an axis of size 1 left out of a joined key (`Mesh.sync_keys`,
+    and the planner's pricing of a candidate's mesh, `composed_cost`)."""
+    keys = []
+    for where in ("intra", "inter"):
+        joined = [a for a in axes if link(a) == where]
+        if len(joined) > 1:
+            joined = [a for a in joined if size(a) > 1] or joined[:1]
+        if joined:
+            keys.append(JOIN.join(joined))
+    return tuple(keys)
 
 
 @dataclass(frozen=True)
@@ -136,6 +151,23 @@ class Mesh:
             members = [member for r in members for member in self.group_ranks(r, part)]
         return sorted(members)
 
+    def group_slices(self, key: str) -> list[tuple[int, ...]]:
+        """Every group of a key, each ascending, in a fixed order (the same on every rank: process
+        groups are created in it). O(world size): the offsets inside a group plus the offsets of
+        the other axes' coordinates, not one group per rank."""
+        axis, coordinates = self.split_group(key)
+        parts = axis.split(JOIN)
+        strides = {name: math.prod(self.shape[i + 1:]) for i, name in enumerate(self.names)}
+        inside = [0]
+        for part in parts:
+            chosen = coordinates if coordinates is not None else range(self.size(part))
+            inside = [offset + c * strides[part] for offset in inside for c in chosen]
+        outside = [0]
+        for name in self.names:
+            if name not in parts:
+                outside = [offset + c * strides[name] for offset in outside for c in range(self.size(name))]
+        return sorted(tuple(sorted(base + offset for offset in inside)) for base in outside)
+
     def group_size(self, key: str) -> int:
         axis, coordinates = self.split_group(key)
         if coordinates is not None:
@@ -154,14 +186,7 @@ class Mesh:
         there. Sub-groups (`pp@0,3`) stay apart, last. Axes of size 1 are dropped from a joined
         key."""
         plain = [a for a in self.names if a in axes]
-        keys = []
-        for link in ("intra", "inter"):
-            joined = [a for a in plain if self.link(a) == link]
-            if len(joined) > 1:
-                joined = [a for a in joined if self.size(a) > 1] or joined[:1]
-            if joined:
-                keys.append(JOIN.join(joined))
-        return tuple(keys) + tuple(a for a in axes if a not in plain)
+        return joined_by_link(plain, self.link, self.size) + tuple(a for a in axes if a not in plain)
 
     def link(self, key: str) -> str:
         """'intra' if every group of the key (an axis, `axis@i,j`, `a+b`) stays inside one node, else 'inter'."""
@@ -171,10 +196,8 @@ class Mesh:
 
     def _find_link(self, key: str) -> str:
         per_node = self.ranks_per_node or self.world_size
-        for rank in range(self.world_size):
-            nodes = {member // per_node for member in self.group_members(rank, key)}
-            if len(nodes) > 1:
-                return "inter"
+        if any(len({member // per_node for member in group}) > 1 for group in self.group_slices(key)):
+            return "inter"
         return "intra"
 
     def check_world_size(self, world_size: int) -> None:

@@ -3,7 +3,8 @@
 `compare_stages` plans the model once per stage with the data-parallel axis' strategy replaced
 (stage 0 = `data_parallel`, 1-3 = `zero(stage=k)`, other axes' strategies kept) and tabulates,
 per rank, the memory ledger's categories and the bytes moved per step on that axis (logical S
-and NCCL bus-bandwidth wire bytes). `autopar plan ... --compare-stages` prints it.
+and NCCL bus-bandwidth wire bytes; a reduction over a flattened group that includes the axis,
+`dp+cp`, counted with it). `autopar plan ... --compare-stages` prints it.
 """
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def compare_stages(model: Any, mesh: Any, *, strategies: Sequence[Any], example_
         comm = the_plan.comm
         rows.append({"stage": stage, **memory,
                      "held": sum(v for k, v in memory.items() if k != "transient"),
-                     "comm bytes": comm.number(comm.total(axis=axis)),
-                     "comm wire bytes": comm.number(comm.total(axis=axis, wire=True))})
+                     "comm bytes": comm.number(comm.total(axis=axis, joined=True)),
+                     "comm wire bytes": comm.number(comm.total(axis=axis, wire=True, joined=True))})
     return rows
 
 

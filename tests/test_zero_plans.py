@@ -121,3 +121,23 @@ def test_cli_compares_stages_side_by_side(capsys):
     held = {name: int(row[7].replace(",", "")) for name, row in rows.items()}
     assert held["DDP"] > held["ZeRO-1"] > held["ZeRO-2"] > held["ZeRO-3"]
     assert rows["DDP"][9] == rows["ZeRO-1"][9] == rows["ZeRO-2"][9]  # same wire bytes: 2(N-1)/N Psi
+
+
+def test_comparing_stages_under_context_parallelism_counts_the_flattened_gradient_reduction():
+    """Under dp × cp plain data parallelism reduces its gradients over the flattened dp+cp group,
+    ZeRO over dp (then its shards over cp): a per-axis question about dp counts the dp+cp
+    reduction with it, or DDP's row would show no gradient bytes at all."""
+    from autopar.stage_compare import compare_stages
+
+    config = GPTConfig(vocab_size=128, seq_len=32, n_layer=2, n_head=4, d_model=32, d_ff=64)
+    strategies = [autopar.data_parallel(), autopar.context_parallel()]
+    ddp = plan_gpt("dp=2,cp=2", strategies, config)
+    gradients = sum(b.numel * b.dtype.itemsize for b in ddp.buckets)
+    assert {b.axes for b in ddp.buckets} == {("dp+cp",)}
+    assert ddp.comm.total(axis="dp", phase="grad_sync") == 0
+    assert ddp.comm.total(axis="dp", phase="grad_sync", joined=True) == gradients
+    assert ddp.comm.total(axis="cp", phase="grad_sync", joined=True) == gradients
+    rows = compare_stages(GPT(config), "dp=2,cp=2", strategies=strategies, example_inputs=example_batch(config),
+                          stages=(0, 2))
+    assert rows[0]["comm bytes"] >= gradients  # DDP: its gradients, over dp+cp
+    assert rows[1]["comm bytes"] >= 2 * gradients  # ZeRO-2: reduce-scatter and all-gather over dp

@@ -28,7 +28,7 @@ from tabulate import tabulate
 
 from autopar.comm_kinds import wire_bytes
 from autopar.ir import simplified
-from autopar.mesh import Mesh
+from autopar.mesh import JOIN, Mesh
 
 
 @dataclass(frozen=True)
@@ -67,19 +67,27 @@ class CommLedger:
         value = sympy.sympify(expr).subs(self.symbol_values)
         return int(value) if value.is_number else value
 
-    def _chosen(self, axis: str | None, phase: str | None, kind: str | None) -> list[CommEntry]:
-        return [e for e in self.entries if (axis is None or e.axis == axis) and (phase is None or e.phase == phase)
+    def _chosen(self, axis: str | None, phase: str | None, kind: str | None, joined: bool = False) -> list[CommEntry]:
+        def on_axis(entry: CommEntry) -> bool:
+            if axis is None or entry.axis == axis:
+                return True
+            return joined and axis in Mesh.split_group(entry.axis)[0].split(JOIN)
+
+        return [e for e in self.entries if on_axis(e) and (phase is None or e.phase == phase)
                 and (kind is None or e.kind == kind)]
 
     def total(self, *, axis: str | None = None, phase: str | None = None, kind: str | None = None,
-              wire: bool = False) -> sympy.Expr:
-        """Bytes per step (each entry times its calls per step), summed over every stage."""
-        chosen = self._chosen(axis, phase, kind)
+              wire: bool = False, joined: bool = False) -> sympy.Expr:
+        """Bytes per step (each entry times its calls per step), summed over every stage. `axis`
+        is a group key; with `joined`, also the keys over several axes that include it (`dp+cp`
+        for dp: what a question about one axis, such as comparing ZeRO stages, must count)."""
+        chosen = self._chosen(axis, phase, kind, joined)
         return sympy.simplify(sum((e.times * (e.wire_bytes if wire else e.logical_bytes)) for e in chosen)
                               or sympy.Integer(0))
 
-    def count(self, *, axis: str | None = None, phase: str | None = None, kind: str | None = None) -> int:
-        return sum(e.times for e in self._chosen(axis, phase, kind))
+    def count(self, *, axis: str | None = None, phase: str | None = None, kind: str | None = None,
+              joined: bool = False) -> int:
+        return sum(e.times for e in self._chosen(axis, phase, kind, joined))
 
     def for_rank(self, rank: int) -> list[CommEntry]:
         """The entries `rank` performs: those of its pipeline stages and those of every rank."""

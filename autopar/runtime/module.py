@@ -72,7 +72,7 @@ def sync_groups(plan: Plan) -> dict[str, str]:
                    | {key for unit in plan.units for key in unit.extra_axes}) - set(plan.mesh.names))
     names = {}
     for key in keys:
-        slices = sorted({tuple(plan.mesh.group_members(rank, key)) for rank in range(plan.mesh.world_size)})
+        slices = plan.mesh.group_slices(key)
         for ranks in slices:
             group = dist.new_group(list(ranks))
             if dist.get_rank() in ranks:
