@@ -8,7 +8,7 @@ real one under an initialised process group, or a plan-only one (no backend) for
 Collectives name their process group by a group key: an axis name (`dp`), `axis@i,j` for the
 ranks at coordinates i, j of an axis (a tied parameter's pipeline stages), or `a+b` for the
 ranks of several axes at once (the flattened group of `sync_keys`: one all-reduce over dp × cp
-instead of one per axis). `group_members`, `group_size` and `link` answer for every form.
+instead of one per axis). `group_slices`, `group_size` and `link` answer for every form.
 """
 from __future__ import annotations
 
@@ -139,17 +139,6 @@ class Mesh:
         its `@`, or None (module docstring)."""
         axis, _, coordinates = key.partition("@")
         return axis, tuple(int(c) for c in coordinates.split(",")) if coordinates else None
-
-    def group_members(self, rank: int, key: str) -> list[int]:
-        """The global ranks of `rank`'s group for a group key (module docstring), ascending for a
-        key over several axes."""
-        axis, coordinates = self.split_group(key)
-        if JOIN not in axis:
-            return self.group_ranks(rank, axis, coordinates)
-        members = [rank]
-        for part in axis.split(JOIN):
-            members = [member for r in members for member in self.group_ranks(r, part)]
-        return sorted(members)
 
     def group_slices(self, key: str) -> list[tuple[int, ...]]:
         """Every group of a key, each ascending, in a fixed order (the same on every rank: process

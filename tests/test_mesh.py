@@ -69,6 +69,9 @@ def test_a_key_over_several_axes_is_their_flattened_group():
     mesh = Mesh(dp=2, cp=2, tp=2, ranks_per_node=4)
     assert mesh.group_size("dp+cp") == 4 and mesh.group_size("cp+tp") == 4
     # rank 5 = (dp 1, cp 0, tp 1): its dp × cp group varies dp and cp, keeps tp
-    assert mesh.group_members(5, "dp+cp") == [1, 3, 5, 7]
-    assert mesh.group_members(5, "cp+tp") == [4, 5, 6, 7]
+    assert (1, 3, 5, 7) in mesh.group_slices("dp+cp")
+    assert mesh.group_slices("cp+tp") == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert mesh.group_slices("dp+cp") == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    # a sub-group of an axis: the ranks at those coordinates, for each coordinate of the others
+    assert Mesh(pp=4, dp=2).group_slices("pp@0,3") == [(0, 6), (1, 7)]
     assert mesh.link("cp+tp") == "intra" and mesh.link("dp+cp") == "inter"
