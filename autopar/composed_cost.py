@@ -58,7 +58,7 @@ from functools import lru_cache
 
 from autopar.block_ledgers import BlockLedgers, Part
 from autopar.cluster import Cluster
-from autopar.comm_kinds import KINDS, wire_factor
+from autopar.comm_kinds import KINDS, gradient_exchange_kind, wire_factor
 from autopar.ledger.peak import PeakTerms, moments
 from autopar.mesh import JOIN, joined_by_link
 from autopar.search_space import Candidate
@@ -316,11 +316,13 @@ def _peak_terms(ledgers: BlockLedgers, candidate: Candidate, rank: "_Rank", stag
     regather = regather_acts = handover = handover_acts = 0
     # the rest's whole gradients after the blocks (the head's) wait for the embedding's (ledger/peak.py)
     pending = rest.param_bytes - ledgers.first_params if ledgers.first_params and rank.blocks else 0
+    # stages 2/3 exchanging gradients by all-to-all: a receive buffer of the unit's size (ledger/peak.py)
+    exchanged = zero > 1 and gradient_exchange_kind("auto") == "all_to_all"
     if zero == 3 and pp == 1 and rank.blocks:
         regather = 2 * block.param_bytes + rest_kept + pending
         regather_acts = int(in_flight - scale * rest.activation_bytes)
     if zero >= 1 and pp == 1:
-        handover = 2 * unit_bytes + (rest_kept + block.param_bytes if zero == 3 and rank.blocks else 0) + pending
+        handover = (3 if exchanged else 2) * unit_bytes + (rest_kept + block.param_bytes if zero == 3 and rank.blocks else 0) + pending
         handover_acts = int(in_flight - scale * (rest.activation_bytes + (block.activation_bytes if rank.blocks else 0)))
     largest = math.ceil(block.largest_param / dp) if zero else block.largest_param
     regathered = params + math.ceil(params / dp) if zero in (1, 2) else 0
@@ -445,7 +447,7 @@ def _gradient_and_optimizer(ledgers: BlockLedgers, candidate: Candidate, cluster
     elif dp > 1:
         gathers = micro if zero == 3 else 1
         for unit, count in zip(units, tensors):
-            tail.behind_backward.append(price("reduce_scatter", "dp", unit, stage=at))
+            tail.behind_backward.append(price(gradient_exchange_kind("auto"), "dp", unit, stage=at))
             copy = RUNTIME_COPY_TRAFFIC * unit / cluster.bandwidth_for(unit) + (2 + count) * cluster.op_overhead
             tail.copies += copy
             if zero < 3:

@@ -55,6 +55,9 @@ class ShardUnit:
     reduce_dtype: torch.dtype = torch.float32  # gradients are reduce-scattered in this dtype
     backward_prefetch: bool = False  # backward: the previous block's all-gather is launched early
     pipeline_stage: int = 0  # the pipeline stage whose graph gathers it (0 without a pipeline)
+    # how the gradients reach their owners: "reduce_scatter", or "all_to_all" of the rank-major
+    # pieces, each owner summing the n it receives (`comm_kinds.gradient_exchange_kind`)
+    reduce_kind: str = "reduce_scatter"
 
     @property
     def shard_numel(self) -> int:

@@ -315,11 +315,13 @@ PEAK_CANDIDATES = [("dp=2", lambda: [autopar.data_parallel()]),
                    ("pp=2", lambda: [autopar.pipeline_parallel(schedule="gpipe", microbatches=2)])]
 # on four ranks the peak of sharded units sits where backward gathers the last block again, or
 # (a pipeline's last stage) where a micro-batch's backward hands a block's gradients over
-FOUR_RANK_PEAK_CANDIDATES = [("dp=4", lambda: [autopar.zero(stage=3)]),
-                             ("dp_rep=2,dp_shard=2", lambda: list(autopar.hsdp())),
-                             ("dp=4", lambda: [autopar.zero(stage=2)]),
+# the gradient reduction declared, not "auto": the prediction is planned here, without the measured
+# run's process group, and must describe the program the run executes (gloo's default: the exchange)
+FOUR_RANK_PEAK_CANDIDATES = [("dp=4", lambda: [autopar.zero(stage=3, reduce="all_to_all")]),
+                             ("dp_rep=2,dp_shard=2", lambda: list(autopar.hsdp(reduce="all_to_all"))),
+                             ("dp=4", lambda: [autopar.zero(stage=2, reduce="all_to_all")]),
                              ("pp=2,dp=2", lambda: [autopar.pipeline_parallel(schedule="gpipe", microbatches=4),
-                                                    autopar.zero(stage=1)])]
+                                                    autopar.zero(stage=1, reduce="all_to_all")])]
 
 
 def _measured_peaks(rank: int, world: int, candidates: str, config: GPTConfig, batch: tuple) -> list[int]:

@@ -56,6 +56,36 @@ def test_example_gpt_sharded_state_matches_single_device(case):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage,reduce,issued", [(2, "reduce_scatter", "reduce_scatter"), (1, "all_to_all", "all_to_all"),
+                                                 (3, "auto", "all_to_all")])
+def test_gradients_reach_their_owners_as_declared(stage, reduce, issued):
+    """zero(reduce=...): a reduce-scatter, or an all-to-all of the rank-major pieces that each owner
+    sums (what "auto" picks on gloo): the same loss, gradients and parameters as one device, the
+    counted collectives equal the ledger's, and the ledger's gradient reduction is of that kind."""
+    build = functools.partial(GPT, CONFIG)
+    batches = [example_batch(CONFIG, batch=8, seed=step) for step in range(STEPS)]
+    results = run_and_check(build, batches, "dp=4", [autopar.zero(stage=stage, reduce=reduce)],
+                            single_device(build, batches))
+    assert {kind for (phase, kind, axis) in results[0]["ledger"] if phase == "grad_sync"} == {issued}
+
+
+def test_reduce_auto_resolves_by_backend_and_refuses_unknown_kinds():
+    """Without a process group, "auto" plans the reduce-scatter (a plan for a cluster); on gloo the
+    exchange; a kind that is not a way to reduce gradients is refused at declaration."""
+    from autopar.comm_kinds import gradient_exchange_kind
+
+    assert gradient_exchange_kind("auto") == "reduce_scatter"  # pytest's process has no process group
+    assert gradient_exchange_kind("auto", backend="gloo") == "all_to_all"
+    assert gradient_exchange_kind("auto", backend="nccl") == "reduce_scatter"
+    assert gradient_exchange_kind("reduce_scatter", backend="gloo") == "reduce_scatter"
+    plan = autopar.plan(GPT(CONFIG), "dp=4", strategies=[autopar.zero(stage=2)],
+                        example_inputs=example_batch(CONFIG, batch=8))
+    assert {u.reduce_kind for stage in plan.stages for u in stage.units} == {"reduce_scatter"}
+    with pytest.raises(autopar.PlanError, match="reduce='all_reduce'"):
+        autopar.zero(stage=2, reduce="all_reduce")
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("options", [{"backward_prefetch": True, "reshard_root": True},
                                      {"reshard_after_forward": False, "prefetch": False}],
                          ids=["reshard_all_prefetch_both_ways", "keep_gathered"])

@@ -171,8 +171,9 @@ def _unit_entries(unit, entry, *, pipelined: bool) -> list[CommEntry]:
     else:
         entries.append(entry("optimizer", "all_gather", unit.axis, name, tensors,
                              f"ZeRO-{unit.stage} updated parameters after the step", unit.dtype, gathered))
-    entries.append(entry("grad_sync", "reduce_scatter", unit.axis, name, tensors,
-                         "gradients to their owners", unit.reduce_dtype, reduced))
+    how = "" if unit.reduce_kind == "reduce_scatter" else " (exchanged whole, summed by each owner)"
+    entries.append(entry("grad_sync", unit.reduce_kind, unit.axis, name, tensors,
+                         f"gradients to their owners{how}", unit.reduce_dtype, reduced))
     for axis in unit.extra_axes:
         entries.append(entry("grad_sync", "all_reduce", axis, name, tensors, "gradient shard over a replicated axis",
                              unit.reduce_dtype, unit.shard_numel * unit.reduce_dtype.itemsize))

@@ -12,7 +12,8 @@ Categories (bytes per rank, sympy expressions in the traced symbols and numbers)
 - activations: tensors autograd saves for backward (`ledger/activations.py`, from the emitted graph);
 - transient: not held after the step: ZeRO-3 gathered units alive at once (the kept root unit,
   plus one resharded block, two with prefetching) and reduce-scatter inputs in flight (at most
-  two: the one being laid out and the one landing), and under `autopar.recompute` the largest
+  two: the one being laid out and the one landing), a gradient exchange's receive buffer
+  (`reduce_kind` all_to_all: one unit at stages 2/3, every unit at the end of ZeRO-1's backward), and under `autopar.recompute` the largest
   recomputed region's activations while its backward runs. An upper bound, not measured exactly.
 The categories never all live at once: the step's peak is the largest of a few moments, each
 the categories alive then (`ledger/peak.py`, what `autopar.estimate` reports).
@@ -177,6 +178,16 @@ def _transient_entries(plan: Any, stages: list) -> list[MemoryEntry]:
     if reducing:
         entries.append(MemoryEntry("transient", "reduce-scatter inputs in flight (2)",
                                    sum(sorted(reducing, reverse=True)[:2])))
+    # an exchanged unit (`reduce_kind` all_to_all) receives its whole size, summed into the shard on
+    # landing: stages 2/3 one unit in flight, stage 1 every unit at the end of backward
+    exchanged = [laid_out[u.index] for u in units if u.stage > 1 and u.reduce_kind == "all_to_all"]
+    if exchanged:
+        entries.append(MemoryEntry("transient", "all-to-all receive buffer of a gradient exchange in flight (1)",
+                                   max(exchanged)))
+    exchanged_at_end = [laid_out[u.index] for u in units if u.stage == 1 and u.reduce_kind == "all_to_all"]
+    if exchanged_at_end:
+        entries.append(MemoryEntry("transient", "ZeRO-1 all-to-all receive buffers at the end of backward (every unit)",
+                                   sum(exchanged_at_end)))
     buffered = [laid_out[u.index] for u in units if u.stage == 1]
     if buffered:  # ZeRO-1: each unit's gradients are laid out flat, then added into the persistent buffer
         entries.append(MemoryEntry("transient", "ZeRO-1 gradients laid out for the full-gradient buffer (1)",

@@ -19,7 +19,8 @@ gradients are handed over when most activations are freed. Measured from outside
   (prefetched), the units kept gathered;
 - **the first ZeRO unit's gradients handed over**: the activations saved before that unit's first
   use (the later ones are freed by then), its whole gradients as autograd hands them over, laid out
-  flat for their collective, and ZeRO-3 units gathered at that moment;
+  flat for their collective (and, exchanged by an all-to-all, its receive buffer, with the block
+  before gathered again meanwhile), and ZeRO-3 units gathered at that moment;
 - **the optimizer step**: steady, the step's gradients (a parameter's own `.grad`, ZeRO's gradient
   shards), and the larger of AdamW's temporary (one tensor of the largest parameter it updates,
   `exp_avg_sq.sqrt()`) and ZeRO-1/2's re-gather of the parameters (every unit's all-gather is
@@ -165,7 +166,9 @@ def _handover(plan: Any, units: list) -> int:
         gathered = sum(full.values())
     else:
         gathered = sum(full[u.index] for u in units if u.stage == 3 and not u.reshard)
-        if unit.reshard and unit.backward_prefetch:
+        # the block before is gathered while this one's gradients are in flight: prefetched, or
+        # (measured) gathered again while an exchange's receive buffer is still alive
+        if unit.reshard and (unit.backward_prefetch or unit.reduce_kind == "all_to_all"):
             gathered += max((full[u.index] for u in units if u.reshard and u is not unit), default=0)
     return _handed_and_laid_out(unit) + gathered + _pending_gradients(plan, units, unit)
 
@@ -195,9 +198,12 @@ def _pending_gradients(plan: Any, units: list, unit: Any) -> int:
 
 
 def _handed_and_laid_out(unit: Any) -> int:
-    """A unit's gradients whole, as autograd hands them over, and laid out flat for its collective."""
+    """A unit's gradients whole, as autograd hands them over, and laid out flat for its collective
+    (twice when stages 2/3 exchange it by an all-to-all, launched there: the receive buffer is the
+    input's size; ZeRO-1 launches its reductions at the end of backward)."""
+    laid_out = unit.gathered_numel * unit.reduce_dtype.itemsize
     return sum(math.prod(p.shape) for p in unit.params) * unit.dtype.itemsize + \
-        unit.gathered_numel * unit.reduce_dtype.itemsize
+        laid_out * (2 if unit.reduce_kind == "all_to_all" and unit.stage > 1 else 1)
 
 
 def _unit_positions(plan: Any, unit: Any) -> tuple[dict[str, int], list[int]]:

@@ -6,8 +6,9 @@ The planned graph calls three methods of `UnitCalls` (inserted by passes/shard_p
   all-gather; stages 1/2 return the persistent replicated copy, all-gathered after each
   optimizer step. Its backward, `reduce_gradients`, lays the full gradients out flat and
   reduce-scatters them asynchronously (one in flight: the next unit's backward lands the last
-  one); landing waits, all-reduces the shard over the unit's extra axes (HSDP's replicate axis)
-  and adds the result to each shard's `.grad` (views of the reduce-scatter output).
+  one; `unit.reduce_kind == "all_to_all"`: an all-to-all of the rank-major pieces, summed on
+  landing); landing waits, all-reduces the shard over the unit's extra axes (HSDP's replicate axis)
+  and adds the result to each shard's `.grad` (views of the reduced shard).
   Stage 1 first copies the full gradients into a persistent buffer (ZeRO-1 keeps them) and
   reduce-scatters every unit at the end of backward; stages 2/3 free them unit by unit.
 - `release_unit` (stage 3, resharded units) drops the gathered parameters after their last use
@@ -286,13 +287,24 @@ class ShardedState(UnitCalls):
 
     def _launch_reduction(self, index: int, flat: torch.Tensor) -> None:
         unit = self.units[index]
-        self._reducing[index] = _c10d.reduce_scatter_tensor(flat, "sum", unit.group_size, self.groups[unit.axis])
+        group = self.groups[unit.axis]
+        if unit.reduce_kind == "all_to_all":  # each owner receives every rank's piece of its shard
+            pieces = [unit.shard_numel] * unit.group_size
+            self._reducing[index] = _c10d.all_to_all_single(flat, pieces, pieces, group)
+        else:
+            self._reducing[index] = _c10d.reduce_scatter_tensor(flat, "sum", unit.group_size, group)
+
+    def _landed_shard(self, unit: ShardUnit, pending: torch.Tensor) -> torch.Tensor:
+        arrived = _c10d.wait_tensor(pending)
+        if unit.reduce_kind == "all_to_all":  # the group's pieces of this rank's shard, summed in rank order
+            return arrived.view(unit.group_size, unit.shard_numel).sum(0)
+        return arrived
 
     def _land_reductions(self) -> None:
         """Wait for launched reduce-scatters, reduce over extra axes, add into the shards' grads."""
         for index, pending in self._reducing.items():
             unit = self.units[index]
-            shard_grad = _c10d.wait_tensor(pending)
+            shard_grad = self._landed_shard(unit, pending)
             for axis in unit.extra_axes:
                 shard_grad = _c10d.wait_tensor(_c10d.all_reduce(shard_grad, "sum", self.groups[axis]))
             shard_grad = shard_grad.to(unit.master_dtype)
