@@ -37,7 +37,10 @@ describes it; `Cluster.preset(name)` gives the named ones (`PRESETS`); `autopar.
   the more of them there are); `calibrate` fills it, and a group of a listed size uses its row;
 - `kind_factors`: measured (kind, factor) multiplying the α-β time of a collective kind whose
   implementation is slower than the all-reduce's figures predict (gloo's reduce-scatter and
-  all-gather); none on the presets: NCCL's bus bandwidth serves every kind.
+  all-gather); none on the presets: NCCL's bus bandwidth serves every kind;
+- `backend`: the process-group backend the cluster's jobs run on, "nccl" (the presets) or "gloo"
+  (`calibrate`): the planner's ZeRO candidates exchange gradients by all-to-all on gloo, in their
+  plans and their composed estimates (`comm_kinds.gradient_exchange_kind`).
 
 A collective then takes `latency_steps(n) · α + wire_bytes / β` on its link (`collective_seconds`,
 the α-β model of the lecture and of NCCL's tuning model). A description that contradicts itself
@@ -75,6 +78,9 @@ class Cluster:
     group_links: tuple[tuple[int, float, float], ...] = ()
     kind_factors: tuple[tuple[str, float], ...] = ()
     name: str = ""
+    # the process-group backend its jobs run on ("gloo" for a calibrated CPU machine): it decides
+    # how the planner's ZeRO candidates exchange gradients (`comm_kinds.gradient_exchange_kind`)
+    backend: str = "nccl"
     p2p_latency_us: float | None = None
     memory_curve: tuple[tuple[int, float], ...] = ()
 
@@ -247,7 +253,8 @@ def _a100_node(nodes: int) -> Cluster:
 # cores, so each step waits for a peer to be scheduled —, β 1.1-1.8 GB/s, 25-82 GFLOP/s per rank);
 # a lone message between two ranks 46-105 µs, median 60 (2026-12-04, eight calibrations)
 CPU2X4 = Cluster(nodes=1, gpus_per_node=4, memory_gb=6.3, intra_gbps=1.4, inter_gbps=1.4, peak_tflops=0.05,
-                 intra_latency_us=950, inter_latency_us=950, p2p_latency_us=60, name="cpu2x4")
+                 intra_latency_us=950, inter_latency_us=950, p2p_latency_us=60, name="cpu2x4",
+                 backend="gloo")
 
 PRESETS: dict[str, Cluster] = {
     **{f"h100x{n}": _h100_node(n) for n in (1, 8, 64, 1024)},

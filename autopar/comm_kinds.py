@@ -85,8 +85,14 @@ EXCHANGE_FOR_REDUCE_SCATTER = ("gloo",)
 
 
 def runtime_backend() -> str | None:
-    """The initialised default process group's backend; None when planning without one."""
-    return dist.get_backend() if dist.is_available() and dist.is_initialized() else None
+    """The initialised default process group's backend for CPU tensors where it names one per
+    device ("cpu:gloo,cuda:nccl": gloo, as `parallelize` places a mesh of such a group on the CPU);
+    None when planning without one."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    backend = dist.get_backend()
+    by_device = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+    return by_device.get("cpu", backend) if by_device else backend
 
 
 def gradient_exchange_kind(declared: str, backend: str | None = None) -> str:

@@ -162,7 +162,7 @@ def _units(part_bytes: list[int], largest: int) -> int:
 
 
 def _rank_memory(ledgers: BlockLedgers, candidate: Candidate, rank: "_Rank", activations: float,
-                 scale: float) -> dict[str, int]:
+                 scale: float, *, exchange: bool = False) -> dict[str, int]:
     block, rest = ledgers.block, ledgers.rest
     blocks, first, last = rank.blocks, rank.first, rank.last
     dp, zero = candidate.degree("dp"), candidate.zero
@@ -186,6 +186,10 @@ def _rank_memory(ledgers: BlockLedgers, candidate: Candidate, rank: "_Rank", act
     if zero >= 2:
         memory["gradients"] = shard
         memory["transient"] += _units(units, 2)  # reduce-scatter inputs in flight
+        if exchange:
+            memory["transient"] += _units(units, 1)  # the exchange's receive buffer (one unit in flight)
+    if zero == 1 and exchange:
+        memory["transient"] += sum(units)  # every unit's receive buffer at the end of backward
     if zero == 3:
         memory["transient"] += (rest_params if candidate.degree("pp") == 1 else 0) + _units(units[:blocks], 2)
     return memory
@@ -259,8 +263,10 @@ def composed_estimate(ledgers: BlockLedgers, candidate: Candidate, cluster: Clus
         stages.append(stage)
     ranks = [_Rank([s for s in stages if s.index % pp == r]) for r in range(pp)]
     in_flight = _activation_peaks(candidate, stages, pp, micro)
+    # ZeRO's gradients exchanged by all-to-all on the cluster's backend: a receive buffer of each unit's size
+    exchange = bool(candidate.zero) and gradient_exchange_kind("auto", cluster.backend) == "all_to_all"
     for rank in ranks:
-        rank.memory = _rank_memory(ledgers, candidate, rank, in_flight[rank.index], scale)
+        rank.memory = _rank_memory(ledgers, candidate, rank, in_flight[rank.index], scale, exchange=exchange)
         rank.tail = _gradient_and_optimizer(ledgers, candidate, cluster, price, rank, int(bucket_cap_mb * 2**20), micro)
     if pp == 1:
         stage, tail = stages[0], ranks[0].tail
@@ -275,7 +281,8 @@ def composed_estimate(ledgers: BlockLedgers, candidate: Candidate, cluster: Clus
     else:
         parts = _pipelined(stages, ranks, candidate, cluster, price, ledgers, scale, micro)
     for rank in ranks:
-        rank.moments = moments(_peak_terms(ledgers, candidate, rank, stages, in_flight[rank.index], scale, micro))
+        rank.moments = moments(_peak_terms(ledgers, candidate, rank, stages, in_flight[rank.index], scale, micro,
+                                           exchange=exchange))
     peak = max(ranks, key=lambda r: max(r.moments.values()))
     return StepEstimate(cluster=cluster, seconds=sum(parts.values()), parts=parts,
                         comm_seconds=sum(price.by_kind.values()) / pp,
@@ -285,7 +292,7 @@ def composed_estimate(ledgers: BlockLedgers, candidate: Candidate, cluster: Clus
 
 
 def _peak_terms(ledgers: BlockLedgers, candidate: Candidate, rank: "_Rank", stages: list["_Stage"],
-                in_flight: float, scale: float, micro: int) -> PeakTerms:
+                in_flight: float, scale: float, micro: int, *, exchange: bool = False) -> PeakTerms:
     """`ledger/peak.py`'s terms for a composed rank: the memory categories split by when they live
     (data-parallel buckets and ZeRO-1's buffer always; a parameter's own gradient or a ZeRO shard
     from backward on), the loss's working memory on the last stage, ZeRO-3's units at backward, a
@@ -316,13 +323,13 @@ def _peak_terms(ledgers: BlockLedgers, candidate: Candidate, rank: "_Rank", stag
     regather = regather_acts = handover = handover_acts = 0
     # the rest's whole gradients after the blocks (the head's) wait for the embedding's (ledger/peak.py)
     pending = rest.param_bytes - ledgers.first_params if ledgers.first_params and rank.blocks else 0
-    # stages 2/3 exchanging gradients by all-to-all: a receive buffer of the unit's size (ledger/peak.py)
-    exchanged = zero > 1 and gradient_exchange_kind("auto") == "all_to_all"
     if zero == 3 and pp == 1 and rank.blocks:
         regather = 2 * block.param_bytes + rest_kept + pending
         regather_acts = int(in_flight - scale * rest.activation_bytes)
     if zero >= 1 and pp == 1:
-        handover = (3 if exchanged else 2) * unit_bytes + (rest_kept + block.param_bytes if zero == 3 and rank.blocks else 0) + pending
+        # stages 2/3 exchanging by all-to-all launch it there: its receive buffer (ledger/peak.py)
+        handover = ((3 if exchange and zero > 1 else 2) * unit_bytes
+                    + (rest_kept + block.param_bytes if zero == 3 and rank.blocks else 0) + pending)
         handover_acts = int(in_flight - scale * (rest.activation_bytes + (block.activation_bytes if rank.blocks else 0)))
     largest = math.ceil(block.largest_param / dp) if zero else block.largest_param
     regathered = params + math.ceil(params / dp) if zero in (1, 2) else 0
@@ -332,7 +339,8 @@ def _peak_terms(ledgers: BlockLedgers, candidate: Candidate, rank: "_Rank", stag
                      recompute=int(scale * max(block.transient_bytes, rest.transient_bytes)),  # a recomputed region
                      regather=regather, regather_activations=max(regather_acts, 0),
                      handover=handover, handover_activations=max(handover_acts, 0),
-                     optimizer_transient=max(largest, regathered))
+                     optimizer_transient=max(largest, regathered),
+                     exchange_landing=params if zero == 1 and exchange else 0)
 
 
 def _pipeline_live(candidate: Candidate, rank: "_Rank", stages: list["_Stage"], ledgers: BlockLedgers, scale: float,
@@ -447,7 +455,7 @@ def _gradient_and_optimizer(ledgers: BlockLedgers, candidate: Candidate, cluster
     elif dp > 1:
         gathers = micro if zero == 3 else 1
         for unit, count in zip(units, tensors):
-            tail.behind_backward.append(price(gradient_exchange_kind("auto"), "dp", unit, stage=at))
+            tail.behind_backward.append(price(gradient_exchange_kind("auto", cluster.backend), "dp", unit, stage=at))
             copy = RUNTIME_COPY_TRAFFIC * unit / cluster.bandwidth_for(unit) + (2 + count) * cluster.op_overhead
             tail.copies += copy
             if zero < 3:

@@ -148,6 +148,7 @@ def plan_document(plan: Any) -> dict[str, Any]:
                      "numel": b.numel, "stage": stage.index} for stage in plan.stages for b in stage.buckets],
         "units": [{"index": u.index, "name": u.name, "axis": u.axis, "stage": u.stage, "reshard": u.reshard,
                    "extra_axes": list(u.extra_axes), "shard_numel": u.shard_numel, "pipeline_stage": u.pipeline_stage,
+                   "reduce_kind": u.reduce_kind, "reduce_dtype": str(u.reduce_dtype).replace("torch.", ""),
                    "params": [[p.fqn, list(p.shape), p.rows] for p in u.params]} for u in plan.units],
         "memory": _memory_data(plan),
         "pipeline": _pipeline_data(plan),

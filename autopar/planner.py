@@ -132,7 +132,7 @@ def _price(model: torch.nn.Module, cluster: Cluster, candidate: Candidate, args:
 
     start = time.perf_counter()
     try:
-        planned = plan(model, cluster.mesh(candidate.mesh_spec), strategies=candidate.strategies(),
+        planned = plan(model, cluster.mesh(candidate.mesh_spec), strategies=candidate.strategies(cluster.backend),
                        example_inputs=args, example_kwargs=kwargs)
     except PlanError as error:
         return Outcome(candidate, refused=first_line(error), seconds=time.perf_counter() - start)
@@ -241,7 +241,7 @@ def winner_plan(result: SearchResult, model: torch.nn.Module, *, example_inputs:
     if best.plan is None:
         from autopar.plan import plan
 
-        best.plan = plan(model, result.cluster.mesh(best.candidate.mesh_spec), strategies=best.candidate.strategies(),
+        best.plan = plan(model, result.cluster.mesh(best.candidate.mesh_spec), strategies=best.candidate.strategies(result.cluster.backend),
                          example_inputs=example_inputs, example_kwargs=example_kwargs)
     best.plan.search = result
     return best.plan

@@ -21,8 +21,12 @@ def _with_stage(strategies: Sequence[Any], axis: str, stage: int) -> list[Any]:
     from autopar.strategies.data_parallel import data_parallel
     from autopar.strategies.zero import zero
 
-    kept = [s for s in strategies if not (getattr(s, "axis", None) == axis and getattr(s, "name", "") in _REPLACEABLE)]
-    return kept + [data_parallel(axis=axis) if stage == 0 else zero(stage=stage, axis=axis)]
+    replaced = [s for s in strategies if getattr(s, "axis", None) == axis and getattr(s, "name", "") in _REPLACEABLE]
+    kept = [s for s in strategies if not any(s is r for r in replaced)]
+    declared = next((s.sharded_state for s in replaced if getattr(s, "sharded_state", None) is not None), None)
+    options = {} if declared is None else {"param_dtype": declared.param_dtype, "reduce_dtype": declared.reduce_dtype,
+                                           "reduce": declared.reduce}  # the user's, kept at every stage
+    return kept + [data_parallel(axis=axis) if stage == 0 else zero(stage=stage, axis=axis, **options)]
 
 
 def compare_stages(model: Any, mesh: Any, *, strategies: Sequence[Any], example_inputs: Sequence[Any],

@@ -105,6 +105,30 @@ def test_composed_candidates_equal_planned_ones():
     assert composed.best.candidate.label == planned.best.candidate.label
 
 
+def test_a_gloo_cluster_plans_and_prices_zero_gradients_as_an_exchange():
+    """`Cluster(backend="gloo")` (what `calibrate()` measures): the planner's ZeRO candidates
+    exchange gradients by all-to-all in their plans and in the composed estimates alike, with the
+    receive buffer in both peaks; the default (NCCL) cluster keeps the reduce-scatter."""
+    config = GPTConfig(n_layer=4, d_model=64, n_head=4, d_ff=256, seq_len=32)
+    model, batch = GPT(config), example_batch(config, batch=8)
+    space = SearchSpace(axes=("dp",), zero_stages=(1, 2, 3))
+    for cluster, kind in ((replace(NODE, backend="gloo"), "all_to_all"), (NODE, "reduce_scatter")):
+        planned = search(model, cluster, example_inputs=batch, space=space, method="plans")
+        composed = {o.candidate.label: o for o in search(model, cluster, example_inputs=batch, space=space,
+                                                         method="blocks").outcomes}
+        sharded = [o for o in planned.outcomes if o.candidate.zero]
+        assert len(sharded) == 3
+        for outcome in sharded:
+            mine = composed[outcome.candidate.label].estimate
+            made = autopar.plan(model, cluster.mesh(outcome.candidate.mesh_spec),
+                                strategies=outcome.candidate.strategies(cluster.backend), example_inputs=batch)
+            assert {u.reduce_kind for u in made.units} == {kind}
+            for estimate in (outcome.estimate, mine):
+                assert estimate.comm_by_kind.get(f"dp {kind}", 0) > 0, estimate.comm_by_kind
+            assert abs(mine.peak_bytes / outcome.estimate.peak_bytes - 1) <= 0.08, (
+                outcome.candidate.label, mine.moments, outcome.estimate.moments)
+
+
 def test_a_composed_pipeline_pays_for_its_stages_context_ring_as_a_planned_one_does():
     """On links whose latency dominates, a pp × cp candidate's ring sends (made by each stage at
     every micro-batch) are most of its step: the composed price must count them in the stages'

@@ -35,6 +35,7 @@ from tabulate import tabulate
 
 from autopar.ir import SPEC, local_numel
 
+ZERO1_EXCHANGES = "ZeRO-1 all-to-all receive buffers at the end of backward (every unit)"
 ZERO_SHARDED = {0: (), 1: ("optimizer state",), 2: ("optimizer state", "gradients"),
                 3: ("optimizer state", "gradients", "parameters")}
 # optimizer name -> (parameter-sized state tensors, 4-byte scalar tensors) per parameter
@@ -186,8 +187,7 @@ def _transient_entries(plan: Any, stages: list) -> list[MemoryEntry]:
                                    max(exchanged)))
     exchanged_at_end = [laid_out[u.index] for u in units if u.stage == 1 and u.reduce_kind == "all_to_all"]
     if exchanged_at_end:
-        entries.append(MemoryEntry("transient", "ZeRO-1 all-to-all receive buffers at the end of backward (every unit)",
-                                   sum(exchanged_at_end)))
+        entries.append(MemoryEntry("transient", ZERO1_EXCHANGES, sum(exchanged_at_end)))
     buffered = [laid_out[u.index] for u in units if u.stage == 1]
     if buffered:  # ZeRO-1: each unit's gradients are laid out flat, then added into the persistent buffer
         entries.append(MemoryEntry("transient", "ZeRO-1 gradients laid out for the full-gradient buffer (1)",

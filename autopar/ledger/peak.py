@@ -21,6 +21,8 @@ gradients are handed over when most activations are freed. Measured from outside
   use (the later ones are freed by then), its whole gradients as autograd hands them over, laid out
   flat for their collective (and, exchanged by an all-to-all, its receive buffer, with the block
   before gathered again meanwhile), and ZeRO-3 units gathered at that moment;
+- **ZeRO-1's gradient exchanges landing** (`reduce_kind` all_to_all): steady (the full-gradient
+  buffer is in it) and every unit's receive buffer, all launched when backward ends;
 - **the optimizer step**: steady, the step's gradients (a parameter's own `.grad`, ZeRO's gradient
   shards), and the larger of AdamW's temporary (one tensor of the largest parameter it updates,
   `exp_avg_sq.sqrt()`) and ZeRO-1/2's re-gather of the parameters (every unit's all-gather is
@@ -42,8 +44,8 @@ import sympy
 
 from autopar.ir import SPEC, local_numel
 from autopar.ledger.activations import ZERO_UNIT
-from autopar.ledger.memory import (OPTIMIZER_STATE, ZERO_GRADIENT_SHARDS, MemoryLedger, _rank_placeholders,
-                                   _schedule_inputs)
+from autopar.ledger.memory import (OPTIMIZER_STATE, ZERO1_EXCHANGES, ZERO_GRADIENT_SHARDS, MemoryLedger,
+                                   _rank_placeholders, _schedule_inputs)
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class PeakTerms:
     handover: int = 0  # a unit's gradients as handed over and laid out, and the units gathered then
     handover_activations: int = 0  # activations still saved at that moment
     optimizer_transient: int = 0  # the larger of AdamW's temporary and ZeRO-1/2's re-gather
+    exchange_landing: int = 0  # ZeRO-1 exchanging by all-to-all: every unit's receive buffer at once
 
 
 def moments(terms: PeakTerms) -> dict[str, int]:
@@ -72,6 +75,8 @@ def moments(terms: PeakTerms) -> dict[str, int]:
         result["last ZeRO-3 block gathered again"] = t.steady + t.regather_activations + t.regather
     if t.handover:
         result["first unit's gradients handed over"] = t.steady + t.handover_activations + t.handover
+    if t.exchange_landing:
+        result["ZeRO-1 gradient exchanges landing"] = t.steady + t.exchange_landing
     return result
 
 
@@ -124,7 +129,8 @@ def peak_terms(plan: Any, ledger: MemoryLedger, *, rank: int = 0, optimizer: str
         handover=_handover(plan, units),
         handover_activations=_activations_before(plan, _first_handed(plan, units), activations_of,
                                                  end=False) if units else 0,
-        optimizer_transient=max(largest_optimized(plan, stages, optimizer), _regather(units)))
+        optimizer_transient=max(largest_optimized(plan, stages, optimizer), _regather(units)),
+        exchange_landing=by_what[ZERO1_EXCHANGES])
 
 
 def _pipeline_live(plan: Any, rank: int, stages: list, working: dict[int, int], gradients: int) -> int:

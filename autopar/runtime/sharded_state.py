@@ -296,13 +296,14 @@ class ShardedState(UnitCalls):
 
     def _landed_shard(self, unit: ShardUnit, pending: torch.Tensor) -> torch.Tensor:
         arrived = _c10d.wait_tensor(pending)
-        if unit.reduce_kind == "all_to_all":  # the group's pieces of this rank's shard, summed in rank order
+        if unit.reduce_kind == "all_to_all":  # the group's pieces of this rank's shard, summed
             return arrived.view(unit.group_size, unit.shard_numel).sum(0)
         return arrived
 
     def _land_reductions(self) -> None:
         """Wait for launched reduce-scatters, reduce over extra axes, add into the shards' grads."""
-        for index, pending in self._reducing.items():
+        for index in list(self._reducing):  # each output let go as it lands (ZeRO-1 has every unit in flight)
+            pending = self._reducing.pop(index)
             unit = self.units[index]
             shard_grad = self._landed_shard(unit, pending)
             for axis in unit.extra_axes:
@@ -313,7 +314,6 @@ class ShardedState(UnitCalls):
                     param.grad = grad
                 else:
                     param.grad.add_(grad)
-        self._reducing = {}
 
     def _finish_backward(self) -> None:
         for index in self._stage1_ready:
