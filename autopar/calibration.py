@@ -294,6 +294,7 @@ def calibrate(*, world_size: int = 4, sizes: tuple[int, ...] = SIZES, repeats: i
                       memory_gbps=2 * COPY_BYTES / copies[COPY_BYTES] / GB, memory_curve=curve,
                       op_overhead_us=small_op * 1e6,
                       overlap=overlap_share(*overlap), processors=processors if processors < world_size else None,
-                      group_links=tuple(sorted(group_links)), kind_factors=kind_factors, name=f"this machine, {world_size} ranks (measured)", backend="gloo")
+                      group_links=tuple(sorted(group_links)), kind_factors=kind_factors,
+                      name=f"this machine, {world_size} ranks (measured)", backend="gloo")
     fitted = tuple(cluster.collective_seconds("all_reduce", world_size, size, "intra") for size, _ in samples)
     return Calibration(cluster, world_size, tuple(samples), fitted, matmul, overlap)

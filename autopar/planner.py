@@ -241,7 +241,8 @@ def winner_plan(result: SearchResult, model: torch.nn.Module, *, example_inputs:
     if best.plan is None:
         from autopar.plan import plan
 
-        best.plan = plan(model, result.cluster.mesh(best.candidate.mesh_spec), strategies=best.candidate.strategies(result.cluster.backend),
+        best.plan = plan(model, result.cluster.mesh(best.candidate.mesh_spec),
+                         strategies=best.candidate.strategies(result.cluster.backend),
                          example_inputs=example_inputs, example_kwargs=example_kwargs)
     best.plan.search = result
     return best.plan

@@ -13,8 +13,9 @@ Categories (bytes per rank, sympy expressions in the traced symbols and numbers)
 - transient: not held after the step: ZeRO-3 gathered units alive at once (the kept root unit,
   plus one resharded block, two with prefetching) and reduce-scatter inputs in flight (at most
   two: the one being laid out and the one landing), a gradient exchange's receive buffer
-  (`reduce_kind` all_to_all: one unit at stages 2/3, every unit at the end of ZeRO-1's backward), and under `autopar.recompute` the largest
-  recomputed region's activations while its backward runs. An upper bound, not measured exactly.
+  (`reduce_kind` all_to_all: one unit at stages 2/3, every unit at the end of ZeRO-1's
+  backward), and under `autopar.recompute` the largest recomputed region's activations while
+  its backward runs. An upper bound, not measured exactly.
 The categories never all live at once: the step's peak is the largest of a few moments, each
 the categories alive then (`ledger/peak.py`, what `autopar.estimate` reports).
 The tests compare these categories with bytes measured from outside the runtime
