@@ -14,11 +14,8 @@ implement for a planned model:
 - stages: the blocks cut as `passes/split_pipeline.py` cuts them (`balanced_starts` on forward
   FLOPs, the head and loss on the last stage; the embedding's parameters on the first); the
   stage of the largest peak is the candidate's peak;
-- memory (`ledger/memory.py`'s rules): gradients of the parameters' size and dtype; AdamW's two
-  moments and a 4-byte step per tensor; ZeRO-1 shards the optimizer state (and keeps a full
-  gradient buffer and a replicated compute copy), ZeRO-2 also the gradients, ZeRO-3 also the
-  parameters, with their transients (units gathered at once, reduce-scatter inputs in flight, a
-  unit's gradients being laid out); a unit is a block, the rest of the model is the root unit;
+- memory (`composed_memory.py`, `ledger/memory.py`'s rules): the parameters, gradients,
+  optimizer state and ZeRO's transients of the rank's blocks and its share of the rest;
   activations of the micro-batches in flight (1 without a pipeline; 1F1B: min(m, p − stage);
   GPipe: m); the peak is the largest of `ledger/peak.py`'s moments over these categories (data-
   parallel buckets and ZeRO-1's buffer kept, a parameter's own gradient and ZeRO-2/3's shards
@@ -59,14 +56,13 @@ from functools import lru_cache
 from autopar.block_ledgers import BlockLedgers, Part
 from autopar.cluster import Cluster
 from autopar.comm_kinds import KINDS, gradient_exchange_kind, wire_factor
-from autopar.ledger.peak import PeakTerms, moments
+from autopar.composed_memory import activation_peaks, peak_terms, rank_memory, rest_params, rest_tensors
+from autopar.ledger.peak import moments
 from autopar.mesh import JOIN, joined_by_link
 from autopar.search_space import Candidate
 from autopar.step_cost import OPTIMIZER_CALLS, OPTIMIZER_TRAFFIC, RUNTIME_COPY_TRAFFIC, StepEstimate, exposed_seconds
 
 LOSS_REDUCTION_BYTES = 8  # fp32 (sum, count of targets): how autopar reduces a mean loss over batch shards
-GRAD_BYTES_PER_PARAM_BYTE = 1  # a gradient has its parameter's size and dtype
-ADAM_MOMENTS = 2
 
 
 def axis_links(candidate: Candidate, cluster: Cluster) -> dict[str, str]:
@@ -148,53 +144,6 @@ def _stage_blocks(blocks: int, stages: int, block_flops: int, tail_flops: int) -
     return tuple(starts[i + 1] - starts[i] for i in range(stages))
 
 
-def _rest_params(ledgers: BlockLedgers, first: bool, last: bool) -> int:
-    """The rest's parameter bytes a stage holds: the embedding on the first, the others on the last."""
-    return (ledgers.first_params if first else 0) + (ledgers.rest.param_bytes - ledgers.first_params if last else 0)
-
-
-def _rest_tensors(ledgers: BlockLedgers, first: bool, last: bool) -> int:
-    return (ledgers.first_tensors if first else 0) + (ledgers.rest.param_tensors - ledgers.first_tensors if last else 0)
-
-
-def _units(part_bytes: list[int], largest: int) -> int:
-    return sum(sorted(part_bytes, reverse=True)[:largest])
-
-
-def _rank_memory(ledgers: BlockLedgers, candidate: Candidate, rank: "_Rank", activations: float,
-                 scale: float, *, exchange: bool = False) -> dict[str, int]:
-    block, rest = ledgers.block, ledgers.rest
-    blocks, first, last = rank.blocks, rank.first, rank.last
-    dp, zero = candidate.degree("dp"), candidate.zero
-    rest_params = _rest_params(ledgers, first, last)
-    params = blocks * block.param_bytes + rest_params
-    tensors = blocks * block.param_tensors + _rest_tensors(ledgers, first, last)
-    grads = params * GRAD_BYTES_PER_PARAM_BYTE
-    units = [block.param_bytes] * blocks + ([rest_params] if rest_params else [])
-    shard = math.ceil(params / dp)
-    memory = {"parameters": params, "model buffers": blocks * block.buffer_bytes + (rest.buffer_bytes if last else 0),
-              "gradients": grads, "optimizer state": ADAM_MOMENTS * params + 4 * tensors,
-              "activations": int(activations),
-              "transient": int(scale * max(block.transient_bytes, rest.transient_bytes))}
-    if zero >= 1:
-        memory["optimizer state"] = ADAM_MOMENTS * shard + 4 * tensors
-        memory["parameters"] = shard + (params if zero < 3 else 0)
-        memory["transient"] += _units(units, 1)  # a unit's gradients as backward hands them over
-    if zero == 1:
-        memory["gradients"] = grads + shard  # the full-gradient buffer and each unit's shard
-        memory["transient"] += _units(units, 1)  # laid out for the full-gradient buffer
-    if zero >= 2:
-        memory["gradients"] = shard
-        memory["transient"] += _units(units, 2)  # reduce-scatter inputs in flight
-        if exchange:
-            memory["transient"] += _units(units, 1)  # the exchange's receive buffer (one unit in flight)
-    if zero == 1 and exchange:
-        memory["transient"] += sum(units)  # every unit's receive buffer at the end of backward
-    if zero == 3:
-        memory["transient"] += (rest_params if candidate.degree("pp") == 1 else 0) + _units(units[:blocks], 2)
-    return memory
-
-
 def _stage_compute(part: Part, cluster: Cluster, scale: float) -> tuple[float, float]:
     return part.forward.seconds(cluster, scale), part.backward.seconds(cluster, scale)
 
@@ -262,11 +211,11 @@ def composed_estimate(ledgers: BlockLedgers, candidate: Candidate, cluster: Clus
         price.stage_wire[index % pp] += micro * (blocks * block_wire + (rest_wire if last else 0.0))
         stages.append(stage)
     ranks = [_Rank([s for s in stages if s.index % pp == r]) for r in range(pp)]
-    in_flight = _activation_peaks(candidate, stages, pp, micro)
+    in_flight = activation_peaks(candidate, stages, pp, micro)
     # ZeRO's gradients exchanged by all-to-all on the cluster's backend: a receive buffer of each unit's size
     exchange = bool(candidate.zero) and gradient_exchange_kind("auto", cluster.backend) == "all_to_all"
     for rank in ranks:
-        rank.memory = _rank_memory(ledgers, candidate, rank, in_flight[rank.index], scale, exchange=exchange)
+        rank.memory = rank_memory(ledgers, candidate, rank, in_flight[rank.index], scale, exchange=exchange)
         rank.tail = _gradient_and_optimizer(ledgers, candidate, cluster, price, rank, int(bucket_cap_mb * 2**20), micro)
     if pp == 1:
         stage, tail = stages[0], ranks[0].tail
@@ -281,7 +230,7 @@ def composed_estimate(ledgers: BlockLedgers, candidate: Candidate, cluster: Clus
     else:
         parts = _pipelined(stages, ranks, candidate, cluster, price, ledgers, scale, micro)
     for rank in ranks:
-        rank.moments = moments(_peak_terms(ledgers, candidate, rank, stages, in_flight[rank.index], scale, micro,
+        rank.moments = moments(peak_terms(ledgers, candidate, rank, stages, in_flight[rank.index], scale, micro,
                                            exchange=exchange))
     peak = max(ranks, key=lambda r: max(r.moments.values()))
     return StepEstimate(cluster=cluster, seconds=sum(parts.values()), parts=parts,
@@ -289,113 +238,6 @@ def composed_estimate(ledgers: BlockLedgers, candidate: Candidate, cluster: Clus
                         wire_bytes=int(max(price.stage_wire.values(), default=0)),
                         peak_bytes=max(peak.moments.values()), memory=peak.memory, moments=peak.moments,
                         comm_by_kind=dict(price.by_kind), held_bytes=max(sum(r.memory.values()) for r in ranks))
-
-
-def _peak_terms(ledgers: BlockLedgers, candidate: Candidate, rank: "_Rank", stages: list["_Stage"],
-                in_flight: float, scale: float, micro: int, *, exchange: bool = False) -> PeakTerms:
-    """`ledger/peak.py`'s terms for a composed rank: the memory categories split by when they live
-    (data-parallel buckets and ZeRO-1's buffer always; a parameter's own gradient or a ZeRO shard
-    from backward on), the loss's working memory on the last stage, ZeRO-3's units at backward, a
-    block's hand-over, the optimizer's transient; under a pipeline the schedule's own peak."""
-    memory, block, rest = rank.memory, ledgers.block, ledgers.rest
-    dp, pp, zero = candidate.degree("dp"), candidate.degree("pp"), candidate.zero
-    grads = memory["gradients"]
-    params = _rest_params(ledgers, rank.first, rank.last) + rank.blocks * block.param_bytes
-    if zero == 1:  # the full-gradient buffer (the parameters' size) stays; each unit's shard is the step's
-        persistent = grads - math.ceil(params / dp)
-    elif zero == 0 and dp > 1:  # data-parallel buckets stay
-        persistent = grads
-    else:  # the layout's own buckets (cp, SP's norms) stay; a parameter's own gradient, ZeRO-2/3's shards are the step's
-        synced = rank.blocks * sum(block.grad_sync.values()) + sum(rest.grad_sync.values())  # disjoint keys
-        persistent = min(grads, synced) if zero == 0 else 0
-    steady = memory["parameters"] + memory["model buffers"] + memory["optimizer state"] + persistent
-    step_gradients = grads - persistent
-    # the loss's working memory grows with the batch; a weight gradient alive beside it does not
-    working = scale * (rest.working_bytes - rest.working_weights) + rest.working_weights if rank.last else 0.0
-    unit_bytes = block.param_bytes if rank.blocks else _rest_params(ledgers, rank.first, rank.last)
-    rest_kept = _rest_params(ledgers, rank.first, rank.last) if zero == 3 else 0
-    if pp > 1:  # ZeRO shards land when the step's last backward ends (as in ledger/peak.py)
-        during = 0 if zero else step_gradients
-        activations = _pipeline_live(candidate, rank, stages, ledgers, scale, working, during, micro)
-        working = 0.0
-    else:
-        activations = in_flight
-    regather = regather_acts = handover = handover_acts = 0
-    # the rest's whole gradients after the blocks (the head's) wait for the embedding's (ledger/peak.py)
-    pending = rest.param_bytes - ledgers.first_params if ledgers.first_params and rank.blocks else 0
-    if zero == 3 and pp == 1 and rank.blocks:
-        regather = 2 * block.param_bytes + rest_kept + pending
-        regather_acts = int(in_flight - scale * rest.activation_bytes)
-    if zero >= 1 and pp == 1:
-        # stages 2/3 exchanging by all-to-all launch it there: its receive buffer (ledger/peak.py)
-        handover = ((3 if exchange and zero > 1 else 2) * unit_bytes
-                    + (rest_kept + block.param_bytes if zero == 3 and rank.blocks else 0) + pending)
-        handover_acts = int(in_flight - scale * (rest.activation_bytes + (block.activation_bytes if rank.blocks else 0)))
-    largest = math.ceil(block.largest_param / dp) if zero else block.largest_param
-    regathered = params + math.ceil(params / dp) if zero in (1, 2) else 0
-    return PeakTerms(steady=int(steady), step_gradients=int(step_gradients), activations=int(activations),
-                     backward_working=int(working),
-                     gathered_at_backward=(rest_kept if pp == 1 else params) if zero == 3 else 0,
-                     recompute=int(scale * max(block.transient_bytes, rest.transient_bytes)),  # a recomputed region
-                     regather=regather, regather_activations=max(regather_acts, 0),
-                     handover=handover, handover_activations=max(handover_acts, 0),
-                     optimizer_transient=max(largest, regathered),
-                     exchange_landing=params if zero == 1 and exchange else 0)
-
-
-def _pipeline_live(candidate: Candidate, rank: "_Rank", stages: list["_Stage"], ledgers: BlockLedgers, scale: float,
-                   working: float, gradients: float, micro: int) -> float:
-    """`schedules.peak_live` of the rank's action list: its stages' activations per micro-batch,
-    the loss's working memory on the last stage, a send per boundary per micro-batch each way."""
-    from autopar import schedules
-
-    pp, chunks = candidate.degree("pp"), len(stages)
-    order = _action_orders(candidate.schedule, pp, candidate.virtual, micro)[rank.index]
-    mine = [s.index for s in rank.stages]
-    boundary = scale * ledgers.boundary_bytes
-    block, rest = ledgers.block, ledgers.rest
-    per_stage = {s: working if stages[s].last else 0.0 for s in mine}
-    if candidate.zero:  # each micro-batch's backward hands its last block's gradients over, laid out flat
-        for s in mine:
-            if stages[s].blocks:
-                freed = scale * (block.activation_bytes + (rest.activation_bytes if stages[s].last else 0))
-                per_stage[s] = max(per_stage[s], 2 * block.param_bytes - freed)
-    return schedules.peak_live(list(order), releases={s: "B" for s in mine},
-                               forward_bytes={s: stages[s].activation for s in mine},
-                               working=per_stage,
-                               sent_forward={s: boundary for s in mine if s < chunks - 1},
-                               sent_backward={s: boundary for s in mine if s > 0}, gradients=gradients)
-
-
-@lru_cache(maxsize=256)
-def _action_orders(schedule: str, pp: int, virtual: int, micro: int) -> tuple[tuple, ...]:
-    """The schedule's action lists, made once per shape: a search prices hundreds of candidates
-    that share a few (schedule, degree, virtual stages, micro-batches)."""
-    from autopar import schedules
-
-    return tuple(tuple(order) for order in schedules.actions(schedule, degree=pp, virtual=virtual, microbatches=micro))
-
-
-def _activation_peaks(candidate: Candidate, stages: list["_Stage"], pp: int, micro: int) -> list[float]:
-    """Per pipeline rank, the most activation bytes its schedule keeps at once: a forward holds its
-    stage's activations until that stage's backward of the same micro-batch runs."""
-    if pp == 1:
-        return [stages[0].activation]
-    if candidate.virtual == 1 and candidate.schedule in ("1f1b", "gpipe"):  # what their action lists give
-        return [stages[r].activation * (micro if candidate.schedule == "gpipe" else min(micro, pp - r))
-                for r in range(pp)]
-    orders = _action_orders(candidate.schedule, pp, candidate.virtual, micro)
-    peaks = []
-    for order in orders:
-        held = most = 0.0
-        for action in order:
-            if action.kind == "F":
-                held += stages[action.stage].activation
-                most = max(most, held)
-            elif action.kind == "B":
-                held -= stages[action.stage].activation
-        peaks.append(most)
-    return peaks
 
 
 class _Stage:
@@ -433,12 +275,12 @@ def _gradient_and_optimizer(ledgers: BlockLedgers, candidate: Candidate, cluster
     optimizer step, once per step."""
     tail, at = _Tail(), stage.index
     block, rest = ledgers.block, ledgers.rest
-    rest_params = _rest_params(ledgers, stage.first, stage.last)
-    full = stage.blocks * block.param_bytes + rest_params
+    rest_bytes = rest_params(ledgers, stage.first, stage.last)
+    full = stage.blocks * block.param_bytes + rest_bytes
     dp, zero = candidate.degree("dp"), candidate.zero
-    units = [block.param_bytes] * stage.blocks + ([rest_params] if rest_params else [])
-    tensors = [block.param_tensors] * stage.blocks + ([_rest_tensors(ledgers, stage.first, stage.last)]
-                                                      if rest_params else [])
+    units = [block.param_bytes] * stage.blocks + ([rest_bytes] if rest_bytes else [])
+    tensors = [block.param_tensors] * stage.blocks + ([rest_tensors(ledgers, stage.first, stage.last)]
+                                                      if rest_bytes else [])
     # the layout's own reductions (its keys are disjoint: each parameter under one), the rest's
     # keys too where the stage holds the rest
     synced = {key: stage.blocks * block.grad_sync.get(key, 0) + (rest.grad_sync.get(key, 0)
@@ -454,8 +296,9 @@ def _gradient_and_optimizer(ledgers: BlockLedgers, candidate: Candidate, cluster
         synced = {}
     elif dp > 1:
         gathers = micro if zero == 3 else 1
+        reduction = gradient_exchange_kind("auto", cluster.backend)  # reduce-scatter, or gloo's exchange
         for unit, count in zip(units, tensors):
-            tail.behind_backward.append(price(gradient_exchange_kind("auto", cluster.backend), "dp", unit, stage=at))
+            tail.behind_backward.append(price(reduction, "dp", unit, stage=at))
             copy = RUNTIME_COPY_TRAFFIC * unit / cluster.bandwidth_for(unit) + (2 + count) * cluster.op_overhead
             tail.copies += copy
             if zero < 3:
