@@ -55,7 +55,7 @@ from functools import lru_cache
 
 from autopar.block_ledgers import BlockLedgers, Part
 from autopar.cluster import Cluster
-from autopar.comm_kinds import KINDS, gradient_exchange_kind, wire_factor
+from autopar.comm_kinds import KINDS, gradient_exchange_kind, parameter_refresh_kind, wire_factor
 from autopar.composed_memory import activation_peaks, peak_terms, rank_memory, rest_params, rest_tensors
 from autopar.ledger.peak import moments
 from autopar.mesh import JOIN, joined_by_link
@@ -214,6 +214,7 @@ def composed_estimate(ledgers: BlockLedgers, candidate: Candidate, cluster: Clus
     in_flight = activation_peaks(candidate, stages, pp, micro)
     # ZeRO's gradients exchanged by all-to-all on the cluster's backend: a receive buffer of each unit's size
     exchange = bool(candidate.zero) and gradient_exchange_kind("auto", cluster.backend) == "all_to_all"
+    broadcasts = parameter_refresh_kind("auto", cluster.backend) == "broadcast"  # ZeRO-1/2: no send buffer
     for rank in ranks:
         rank.memory = rank_memory(ledgers, candidate, rank, in_flight[rank.index], scale, exchange=exchange)
         rank.tail = _gradient_and_optimizer(ledgers, candidate, cluster, price, rank, int(bucket_cap_mb * 2**20), micro)
@@ -231,7 +232,7 @@ def composed_estimate(ledgers: BlockLedgers, candidate: Candidate, cluster: Clus
         parts = _pipelined(stages, ranks, candidate, cluster, price, ledgers, scale, micro)
     for rank in ranks:
         rank.moments = moments(peak_terms(ledgers, candidate, rank, stages, in_flight[rank.index], scale, micro,
-                                           exchange=exchange))
+                                           exchange=exchange, broadcasts=broadcasts))
     peak = max(ranks, key=lambda r: max(r.moments.values()))
     return StepEstimate(cluster=cluster, seconds=sum(parts.values()), parts=parts,
                         comm_seconds=sum(price.by_kind.values()) / pp,
@@ -302,12 +303,16 @@ def _gradient_and_optimizer(ledgers: BlockLedgers, candidate: Candidate, cluster
             copy = RUNTIME_COPY_TRAFFIC * unit / cluster.bandwidth_for(unit) + (2 + count) * cluster.op_overhead
             tail.copies += copy
             if zero < 3:
-                tail.after += price("all_gather", "dp", unit, stage=at)
                 tail.copies += copy
             else:
                 tail.behind_forward += [price("all_gather", "dp", unit, gathers, stage=at)] * gathers
                 tail.behind_backward += [price("all_gather", "dp", unit, gathers, stage=at)] * gathers
                 tail.copies += 2 * gathers * copy
+        if zero < 3:  # every unit's updated shards in one collective after the step (`refresh_groups`)
+            if parameter_refresh_kind("auto", cluster.backend) == "broadcast":  # one per owner
+                tail.after += dp * price("broadcast", "dp", math.ceil(sum(units) / dp), dp, stage=at)
+            else:
+                tail.after += price("all_gather", "dp", sum(units), stage=at)
     shard = dp if zero and dp > 1 else 1  # ZeRO reduces a unit's extra axes on its shard, after the reduce-scatter
     for key, nbytes in synced.items():
         for chained in price.sync_keys(key.split(JOIN)):

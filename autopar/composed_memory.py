@@ -77,11 +77,13 @@ def rank_memory(ledgers: BlockLedgers, candidate: Candidate, rank: "_Rank", acti
 
 
 def peak_terms(ledgers: BlockLedgers, candidate: Candidate, rank: "_Rank", stages: list["_Stage"],
-                in_flight: float, scale: float, micro: int, *, exchange: bool = False) -> PeakTerms:
+                in_flight: float, scale: float, micro: int, *, exchange: bool = False,
+                broadcasts: bool = False) -> PeakTerms:
     """`ledger/peak.py`'s terms for a composed rank: the memory categories split by when they live
     (data-parallel buckets and ZeRO-1's buffer always; a parameter's own gradient or a ZeRO shard
     from backward on), the loss's working memory on the last stage, ZeRO-3's units at backward, a
-    block's hand-over, the optimizer's transient; under a pipeline the schedule's own peak."""
+    block's hand-over, the optimizer's transient; under a pipeline the schedule's own peak.
+    `exchange`: ZeRO's gradients by all-to-all; `broadcasts`: ZeRO-1/2's refresh by owner broadcasts."""
     memory, block, rest = rank.memory, ledgers.block, ledgers.rest
     dp, pp, zero = candidate.degree("dp"), candidate.degree("pp"), candidate.zero
     grads = memory["gradients"]
@@ -117,7 +119,8 @@ def peak_terms(ledgers: BlockLedgers, candidate: Candidate, rank: "_Rank", stage
                     + (rest_kept + block.param_bytes if zero == 3 and rank.blocks else 0) + pending)
         handover_acts = int(in_flight - scale * (rest.activation_bytes + (block.activation_bytes if rank.blocks else 0)))
     largest = math.ceil(block.largest_param / dp) if zero else block.largest_param
-    regathered = params + math.ceil(params / dp) if zero in (1, 2) else 0
+    # ZeRO-1/2's refresh: the gathered buffer and, for an all-gather, its send buffer of the shards
+    regathered = params + (0 if broadcasts else math.ceil(params / dp)) if zero in (1, 2) else 0
     return PeakTerms(steady=int(steady), step_gradients=int(step_gradients), activations=int(activations),
                      backward_working=int(working),
                      gathered_at_backward=(rest_kept if pp == 1 else params) if zero == 3 else 0,

@@ -141,7 +141,7 @@ def _runtime_copies(plan: Any, rows: list[CommTimeRow], cluster: Cluster) -> flo
     seconds = 0.0
     for row in rows:
         if row.module.startswith("unit "):
-            count = params.get(int(row.module.split()[1]), 1)
+            count = sum(params.get(int(index), 1) for index in row.module.split()[1].split(","))  # a refresh: several
             seconds += row.calls * (RUNTIME_COPY_TRAFFIC * row.logical_bytes / cluster.bandwidth_for(row.logical_bytes)
                                     + (2 + count) * cluster.op_overhead)
     return seconds

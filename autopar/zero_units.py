@@ -14,6 +14,7 @@ side by side, so one all_gather_into_tensor / reduce_scatter_tensor moves the wh
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,10 @@ class ShardUnit:
     # how the gradients reach their owners: "reduce_scatter", or "all_to_all" of the rank-major
     # pieces, each owner summing the n it receives (`comm_kinds.gradient_exchange_kind`)
     reduce_kind: str = "reduce_scatter"
+    # stages 1/2: how the updated shards reach every rank after the step, one collective for all
+    # the units of a pipeline stage: "all_gather", or one "broadcast" per owner
+    # (`comm_kinds.parameter_refresh_kind`)
+    refresh_kind: str = "all_gather"
 
     @property
     def shard_numel(self) -> int:
@@ -116,18 +121,30 @@ def copy_gathered(unit: ShardUnit, gathered: torch.Tensor, fulls: list[torch.Ten
 
 def grad_layout(unit: ShardUnit, grads: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
     """The reduce-scatter input: full gradients padded and laid out like `gather_layout` reads them."""
-    flat = torch.zeros(unit.group_size, unit.shard_numel, dtype=dtype, device=_device(grads))
+    flat = torch.empty(unit.group_size, unit.shard_numel, dtype=dtype, device=_device(grads))
     for param, offset, grad in zip(unit.params, unit.offsets(), grads):
-        if grad is None:
-            continue
         target = flat[:, offset:offset + param.shard_numel].view(unit.group_size, param.rows, *param.shape[1:])
-        if grad.shape[0] == unit.group_size * param.rows:
+        if grad is None:  # no gradient: zeros, written once (the buffer is not zero-filled first)
+            target.zero_()
+        elif grad.shape[0] == unit.group_size * param.rows:
             target.copy_(grad.view(target.shape))
-        else:  # uneven: the last rows stay zero
-            padded = grad.new_zeros((unit.group_size * param.rows, *param.shape[1:]))
-            padded[:grad.shape[0]] = grad
-            target.copy_(padded.view(target.shape))
+        else:  # uneven: each rank's real rows, then its padding rows zeroed
+            for rank in range(unit.group_size):
+                rows = grad[rank * param.rows:(rank + 1) * param.rows]
+                target[rank, :rows.shape[0]].copy_(rows)
+                target[rank, rows.shape[0]:].zero_()
     return flat.view(-1)
+
+
+def refresh_groups(units: Iterable[ShardUnit]) -> list[tuple[ShardUnit, ...]]:
+    """ZeRO-1/2 units re-gathered together after the optimizer step: one collective (all-gather)
+    or one round of owner broadcasts per (axis, compute dtype, kind), units in index order. Their
+    gathered buffer is rank-major: row r holds rank r's shards of each unit side by side."""
+    groups: dict[tuple, list[ShardUnit]] = {}
+    for unit in sorted(units, key=lambda u: u.index):
+        if unit.stage < 3:
+            groups.setdefault((unit.axis, unit.dtype, unit.refresh_kind), []).append(unit)
+    return [tuple(group) for group in groups.values()]
 
 
 def shard_views(unit: ShardUnit, flat_shard: torch.Tensor) -> list[torch.Tensor]:

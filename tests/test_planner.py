@@ -306,23 +306,24 @@ def test_parallelize_with_a_cluster_trains_the_planners_choice_like_one_device()
         assert "bucket_cap_mb" in ignored and "fix:" in ignored
 
 
-# ZeRO's gradient reduction declared, not "auto": the prediction is planned here, without the
-# measured run's process group, and must describe the program the run executes (gloo: the exchange)
+# ZeRO's gradient reduction and ZeRO-1/2's re-gather declared, not "auto": the prediction is planned
+# here, without the measured run's process group, and must describe the program the run executes
+# (gloo: the exchange, the owners' broadcasts)
 PEAK_CANDIDATES = [("dp=2", lambda: [autopar.data_parallel()]),
                    ("tp=2", lambda: [autopar.tensor_parallel()]),
-                   ("dp=2", lambda: [autopar.zero(stage=1, reduce="all_to_all")]),
-                   ("dp=2", lambda: [autopar.zero(stage=2, reduce="all_to_all")]),
+                   ("dp=2", lambda: [autopar.zero(stage=1, reduce="all_to_all", gather="broadcast")]),
+                   ("dp=2", lambda: [autopar.zero(stage=2, reduce="all_to_all", gather="broadcast")]),
                    ("dp=2", lambda: [autopar.zero(stage=3, reduce="all_to_all")]),
                    ("pp=2", lambda: [autopar.pipeline_parallel(schedule="1f1b", microbatches=4)]),
                    ("pp=2", lambda: [autopar.pipeline_parallel(schedule="gpipe", microbatches=2)])]
 # on four ranks the peak of sharded units sits where backward gathers the last block again, or
 # (a pipeline's last stage) where a micro-batch's backward hands a block's gradients over; the
-# gradient reduction declared as above
+# reduction and the re-gather declared as above
 FOUR_RANK_PEAK_CANDIDATES = [("dp=4", lambda: [autopar.zero(stage=3, reduce="all_to_all")]),
                              ("dp_rep=2,dp_shard=2", lambda: list(autopar.hsdp(reduce="all_to_all"))),
-                             ("dp=4", lambda: [autopar.zero(stage=2, reduce="all_to_all")]),
+                             ("dp=4", lambda: [autopar.zero(stage=2, reduce="all_to_all", gather="broadcast")]),
                              ("pp=2,dp=2", lambda: [autopar.pipeline_parallel(schedule="gpipe", microbatches=4),
-                                                    autopar.zero(stage=1, reduce="all_to_all")])]
+                                                    autopar.zero(stage=1, reduce="all_to_all", gather="broadcast")])]
 
 
 def _measured_peaks(rank: int, world: int, candidates: str, config: GPTConfig, batch: tuple) -> list[int]:

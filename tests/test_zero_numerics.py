@@ -69,9 +69,29 @@ def test_gradients_reach_their_owners_as_declared(stage, reduce, issued):
     assert {kind for (phase, kind, axis) in results[0]["ledger"] if phase == "grad_sync"} == {issued}
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage,gather,mesh,issued", [(2, "all_gather", "dp=4", "all_gather"),
+                                                      (1, "broadcast", "dp=2,tp=2", "broadcast"),
+                                                      (2, "auto", "dp=2,tp=2", "broadcast")])
+def test_updated_parameters_reach_every_rank_as_declared(stage, gather, mesh, issued):
+    """zero(gather=...) at stages 1/2: every unit's updated shards in one all-gather, or one
+    broadcast per owner into its row (what "auto" picks on gloo; on dp=2,tp=2 the owners' ranks in
+    their dp group differ from their global ranks): the same loss, gradients and parameters as one
+    device, the counted collectives equal the ledger's, and the ledger's refresh is that kind, one
+    call (all-gather) or one per owner (broadcast) for all the units."""
+    build = functools.partial(GPT, CONFIG)
+    batches = [example_batch(CONFIG, batch=8, seed=step) for step in range(STEPS)]
+    strategies = [autopar.zero(stage=stage, gather=gather)] + ([autopar.tensor_parallel()] if "tp" in mesh else [])
+    results = run_and_check(build, batches, mesh, strategies, single_device(build, batches))
+    refresh = {(kind, axis): calls for (phase, kind, axis), (calls, _) in results[0]["ledger"].items()
+               if phase == "optimizer"}
+    assert refresh == {(issued, "dp"): 2 if issued == "broadcast" and "tp" in mesh else 1}
+
+
 def test_reduce_auto_resolves_by_backend_and_refuses_unknown_kinds():
-    """Without a process group, "auto" plans the reduce-scatter (a plan for a cluster); on gloo the
-    exchange; a kind that is not a way to reduce gradients is refused at declaration."""
+    """Without a process group, "auto" plans the reduce-scatter and the all-gather (a plan for a
+    cluster); on gloo the exchange and the owners' broadcasts; a kind that is not a way to reduce
+    gradients or to gather parameters is refused at declaration."""
     from autopar.comm_kinds import gradient_exchange_kind
 
     assert gradient_exchange_kind("auto") == "reduce_scatter"  # pytest's process has no process group
@@ -83,6 +103,14 @@ def test_reduce_auto_resolves_by_backend_and_refuses_unknown_kinds():
     assert {u.reduce_kind for stage in plan.stages for u in stage.units} == {"reduce_scatter"}
     with pytest.raises(autopar.PlanError, match="reduce='all_reduce'"):
         autopar.zero(stage=2, reduce="all_reduce")
+    from autopar.comm_kinds import parameter_refresh_kind
+
+    assert parameter_refresh_kind("auto") == "all_gather"
+    assert parameter_refresh_kind("auto", backend="gloo") == "broadcast"
+    assert parameter_refresh_kind("auto", backend="nccl") == "all_gather"
+    assert {u.refresh_kind for stage in plan.stages for u in stage.units} == {"all_gather"}
+    with pytest.raises(autopar.PlanError, match="gather='all_to_all'"):
+        autopar.zero(stage=2, gather="all_to_all")
 
 
 @pytest.mark.timeout(300)

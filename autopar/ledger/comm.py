@@ -29,6 +29,7 @@ from tabulate import tabulate
 from autopar.comm_kinds import wire_bytes
 from autopar.ir import simplified
 from autopar.mesh import JOIN, Mesh
+from autopar.zero_units import refresh_groups
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ class CommLedger:
         for e in self.entries:
             state = e.module.startswith(("unit ", "bucket "))
             if e.phase == "optimizer":
-                times = 1
+                times = e.times  # once per step (a refresh's owner broadcasts: one per owner)
             elif state and no_sync:
                 times = 0 if e.phase == "backward" else 1
             else:
@@ -168,15 +169,30 @@ def _unit_entries(unit, entry, *, pipelined: bool) -> list[CommEntry]:
         if unit.reshard and not pipelined:
             entries.append(entry("backward", "all_gather", unit.axis, name, tensors,
                                  "ZeRO-3 parameters again for backward (resharded after forward)", unit.dtype, gathered))
-    else:
-        entries.append(entry("optimizer", "all_gather", unit.axis, name, tensors,
-                             f"ZeRO-{unit.stage} updated parameters after the step", unit.dtype, gathered))
     how = "" if unit.reduce_kind == "reduce_scatter" else " (exchanged whole, summed by each owner)"
     entries.append(entry("grad_sync", unit.reduce_kind, unit.axis, name, tensors,
                          f"gradients to their owners{how}", unit.reduce_dtype, reduced))
     for axis in unit.extra_axes:
         entries.append(entry("grad_sync", "all_reduce", axis, name, tensors, "gradient shard over a replicated axis",
                              unit.reduce_dtype, unit.shard_numel * unit.reduce_dtype.itemsize))
+    return entries
+
+
+def _refresh_entries(units: list, entry) -> list[CommEntry]:
+    """ZeRO-1/2 after the optimizer step: each refresh group's units in one all-gather (logical:
+    the gathered buffer), or one broadcast per owner (logical: the owner's row, `times` n)."""
+    entries = []
+    for group in refresh_groups(units):
+        first, row = group[0], sum(u.shard_numel for u in group) * group[0].dtype.itemsize
+        name = "unit " + ",".join(str(u.index) for u in group)
+        tensors = ",".join(u.name or "<root>" for u in group[:3]) + ("..." if len(group) > 3 else "")
+        why = f"ZeRO-{first.stage} updated parameters after the step"
+        if first.refresh_kind == "broadcast":
+            entries.append(entry("optimizer", "broadcast", first.axis, name, tensors, f"{why}, one broadcast per owner",
+                                 first.dtype, row, times=first.group_size, stage=-1))
+        else:
+            entries.append(entry("optimizer", "all_gather", first.axis, name, tensors, why, first.dtype,
+                                 first.group_size * row))
     return entries
 
 
@@ -235,6 +251,7 @@ def build_comm_ledger(program: Any, mesh: Mesh, symbols: dict[sympy.Symbol, symp
                                      bucket.dtype, bucket.numel * bucket.dtype.itemsize))
         for unit in stage.units:
             entries.extend(_unit_entries(unit, entry, pipelined=pipeline is not None))
+        entries.extend(_refresh_entries(stage.units, entry))
     if pipeline is not None:
         loss = next(n for n in program.stages[-1].graph_module.graph.nodes if n.op == "output").args[0][0]
         dtype = loss.meta["val"].dtype

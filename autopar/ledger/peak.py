@@ -25,8 +25,8 @@ gradients are handed over when most activations are freed. Measured from outside
   buffer is in it) and every unit's receive buffer, all launched when backward ends;
 - **the optimizer step**: steady, the step's gradients (a parameter's own `.grad`, ZeRO's gradient
   shards), and the larger of AdamW's temporary (one tensor of the largest parameter it updates,
-  `exp_avg_sq.sqrt()`) and ZeRO-1/2's re-gather of the parameters (every unit's all-gather is
-  launched at once: each unit's send and gathered buffer).
+  `exp_avg_sq.sqrt()`) and ZeRO-1/2's re-gather of the parameters (every unit of a refresh group
+  in one collective: its gathered buffer, and the send buffer of an all-gather).
 
 `PeakTerms` is what the memory ledger reads off a plan and the composed cost model composes from a
 block's ledgers (`composed_cost.py`); `moments` is the one rule both apply.
@@ -46,6 +46,7 @@ from autopar.ir import SPEC, local_numel
 from autopar.ledger.activations import ZERO_UNIT
 from autopar.ledger.memory import (OPTIMIZER_STATE, ZERO1_EXCHANGES, ZERO_GRADIENT_SHARDS, MemoryLedger,
                                    _rank_placeholders, _schedule_inputs)
+from autopar.zero_units import refresh_groups
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,11 @@ def largest_optimized(plan: Any, stages: list, optimizer: str) -> int:
 
 
 def _regather(units: list) -> int:
-    """ZeRO-1/2 after the optimizer: every unit's all-gather launched at once (its send and its
-    gathered buffer), copied into the compute parameters as each lands."""
-    return sum((u.shard_numel + u.gathered_numel) * u.dtype.itemsize for u in units if u.stage < 3)
+    """ZeRO-1/2 after the optimizer: one refresh group at a time (`refresh_groups`), its gathered
+    buffer and, for an all-gather, the send buffer of the rank's shards; owners broadcast into
+    their rows of the gathered buffer."""
+    largest = 0
+    for group in refresh_groups(units):
+        row = sum(u.shard_numel for u in group) * group[0].dtype.itemsize
+        largest = max(largest, group[0].group_size * row + (row if group[0].refresh_kind == "all_gather" else 0))
+    return largest

@@ -11,6 +11,8 @@ The planned graph calls three methods of `UnitCalls` (inserted by passes/shard_p
   and adds the result to each shard's `.grad` (views of the reduced shard).
   Stage 1 first copies the full gradients into a persistent buffer (ZeRO-1 keeps them) and
   reduce-scatters every unit at the end of backward; stages 2/3 free them unit by unit.
+  After each optimizer step, stages 1/2 gather every unit's updated shards in one collective
+  (`refresh`; `unit.refresh_kind == "broadcast"`: one broadcast per owner into its row).
 - `release_unit` (stage 3, resharded units) drops the gathered parameters after their last use
   in forward. Autograd's saved copies are replaced by handles (`pack`/`unpack`, installed as
   saved-tensor hooks by ParallelModule), and the release frees the gathered storages themselves
@@ -29,11 +31,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from autopar.errors import PlanError
-from autopar.zero_units import ShardUnit, copy_gathered, gather_layout, grad_layout, shard_views
+from autopar.zero_units import ShardUnit, copy_gathered, gather_layout, grad_layout, refresh_groups, shard_views
 
 _c10d = torch.ops._c10d_functional
 
@@ -343,11 +347,33 @@ class ShardedState(UnitCalls):
             self.refresh()
 
     def refresh(self) -> None:
-        """ZeRO-1/2: all-gather the shards into the replicated compute parameters. Runs after every
-        optimizer step over the shards; call it after changing shards any other way (loading)."""
-        indices = [i for i, u in self.units.items() if u.stage < 3]
-        for index in indices:
-            self._launch(index)
-        with torch.no_grad():
-            for index in indices:
-                copy_gathered(self.units[index], _c10d.wait_tensor(self._pending.pop(index)), self.full[index])
+        """ZeRO-1/2: gather the shards into the replicated compute parameters, every unit of a
+        refresh group (`refresh_groups`) in one collective. Runs after every optimizer step over the
+        shards; call it after changing shards any other way (loading)."""
+        for units in refresh_groups(self.units.values()):
+            with torch.no_grad():
+                gathered = self._gather_group(units)
+                column = 0
+                for unit in units:
+                    copy_gathered(unit, gathered[:, column:column + unit.shard_numel], self.full[unit.index])
+                    column += unit.shard_numel
+
+    def _gather_group(self, units: tuple[ShardUnit, ...]) -> torch.Tensor:
+        """The group's rank-major gathered buffer: row r holds rank r's shards of every unit."""
+        first = units[0]
+        shards = [p.detach().reshape(-1) for unit in units for p in self.shards[unit.index]]
+        group = self.groups[first.axis]
+        if first.refresh_kind == "broadcast":  # each owner's row straight into the buffer, no send copy
+            gathered = torch.empty(first.group_size, sum(u.shard_numel for u in units), dtype=first.dtype,
+                                   device=shards[0].device)
+            row, column = gathered[dist.get_rank(_resolve_process_group(group))], 0
+            for shard in shards:  # mixed precision: cast on the way in
+                row[column:column + shard.numel()].copy_(shard)
+                column += shard.numel()
+            pending = [_c10d.broadcast_(gathered[owner], owner, group) for owner in range(first.group_size)]
+            for row in pending:
+                _c10d.wait_tensor(row)
+            return gathered
+        send = torch.cat(shards).to(first.dtype)  # mixed precision: cast first
+        gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(send, first.group_size, group))
+        return gathered.view(first.group_size, -1)
