@@ -102,7 +102,7 @@ def runtime_backend() -> str | None:
 # gathered buffer. gloo on this project's CPU machine, `dist.*` median of 19 (2026-12-04): 4 ranks,
 # 13.4 MiB gathered 20.7 / 14.0 ms and 19.8 / 13.6 ms; 2 MiB 5.6 / 3.6 ms; 2 ranks, 13.4 MiB
 # 11.0 / 6.2 ms. Inside a ZeRO-2 step of the example GPT (4 ranks, every unit's shards in one
-# collective): 22-27 ms against 26-35 ms for the whole post-step gather.
+# collective): 22-30 ms against 26-36 ms for the whole post-step gather (39-44 ms a unit at a time).
 BROADCASTS_FOR_ALL_GATHER = ("gloo",)
 
 

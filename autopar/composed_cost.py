@@ -308,11 +308,12 @@ def _gradient_and_optimizer(ledgers: BlockLedgers, candidate: Candidate, cluster
                 tail.behind_forward += [price("all_gather", "dp", unit, gathers, stage=at)] * gathers
                 tail.behind_backward += [price("all_gather", "dp", unit, gathers, stage=at)] * gathers
                 tail.copies += 2 * gathers * copy
-        if zero < 3:  # every unit's updated shards in one collective after the step (`refresh_groups`)
+        for part in (stage.stages if zero < 3 else []):  # each pipeline stage's units in one collective
+            staged = part.blocks * block.param_bytes + rest_params(ledgers, part.first, part.last)
             if parameter_refresh_kind("auto", cluster.backend) == "broadcast":  # one per owner
-                tail.after += dp * price("broadcast", "dp", math.ceil(sum(units) / dp), dp, stage=at)
+                tail.after += dp * price("broadcast", "dp", math.ceil(staged / dp), dp, stage=at)
             else:
-                tail.after += price("all_gather", "dp", sum(units), stage=at)
+                tail.after += price("all_gather", "dp", staged, stage=at)
     shard = dp if zero and dp > 1 else 1  # ZeRO reduces a unit's extra axes on its shard, after the reduce-scatter
     for key, nbytes in synced.items():
         for chained in price.sync_keys(key.split(JOIN)):

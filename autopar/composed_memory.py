@@ -119,8 +119,11 @@ def peak_terms(ledgers: BlockLedgers, candidate: Candidate, rank: "_Rank", stage
                     + (rest_kept + block.param_bytes if zero == 3 and rank.blocks else 0) + pending)
         handover_acts = int(in_flight - scale * (rest.activation_bytes + (block.activation_bytes if rank.blocks else 0)))
     largest = math.ceil(block.largest_param / dp) if zero else block.largest_param
-    # ZeRO-1/2's refresh: the gathered buffer and, for an all-gather, its send buffer of the shards
-    regathered = params + (0 if broadcasts else math.ceil(params / dp)) if zero in (1, 2) else 0
+    # ZeRO-1/2's refresh, one pipeline stage at a time: its gathered buffer and, for an all-gather,
+    # the send buffer of the shards (ledger/peak.py `_regather`)
+    staged = max((s.blocks * block.param_bytes + rest_params(ledgers, s.first, s.last) for s in rank.stages),
+                 default=params)
+    regathered = staged + (0 if broadcasts else math.ceil(staged / dp)) if zero in (1, 2) else 0
     return PeakTerms(steady=int(steady), step_gradients=int(step_gradients), activations=int(activations),
                      backward_working=int(working),
                      gathered_at_backward=(rest_kept if pp == 1 else params) if zero == 3 else 0,

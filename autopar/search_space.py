@@ -85,8 +85,9 @@ class Candidate:
         chosen: list[Any] = []
         for axis, _ in self.degrees or (("dp", 1),):
             if axis == "dp":
-                chosen.append(zero(stage=self.zero, reduce=gradient_exchange_kind("auto", backend),
-                                   gather=parameter_refresh_kind("auto", backend)) if self.zero else data_parallel())
+                gather = parameter_refresh_kind("auto", backend) if self.zero < 3 else "auto"  # stages 1/2 only
+                chosen.append(zero(stage=self.zero, reduce=gradient_exchange_kind("auto", backend), gather=gather)
+                              if self.zero else data_parallel())
             elif axis == "tp":
                 chosen.append(sequence_parallel() if self.sequence_parallel else tensor_parallel())
             elif axis == "pp":

@@ -142,8 +142,11 @@ def _runtime_copies(plan: Any, rows: list[CommTimeRow], cluster: Cluster) -> flo
     for row in rows:
         if row.module.startswith("unit "):
             count = sum(params.get(int(index), 1) for index in row.module.split()[1].split(","))  # a refresh: several
-            seconds += row.calls * (RUNTIME_COPY_TRAFFIC * row.logical_bytes / cluster.bandwidth_for(row.logical_bytes)
-                                    + (2 + count) * cluster.op_overhead)
+            # the owners' broadcasts of a refresh land in one buffer, laid out once: one pass over them all
+            calls, nbytes = (1, row.calls * row.logical_bytes) if row.kind == "broadcast" else (row.calls,
+                                                                                                  row.logical_bytes)
+            seconds += calls * (RUNTIME_COPY_TRAFFIC * nbytes / cluster.bandwidth_for(nbytes)
+                                + (2 + count) * cluster.op_overhead)
     return seconds
 
 

@@ -128,22 +128,24 @@ def grad_layout(unit: ShardUnit, grads: list[torch.Tensor | None], dtype: torch.
             target.zero_()
         elif grad.shape[0] == unit.group_size * param.rows:
             target.copy_(grad.view(target.shape))
-        else:  # uneven: each rank's real rows, then its padding rows zeroed
-            for rank in range(unit.group_size):
-                rows = grad[rank * param.rows:(rank + 1) * param.rows]
-                target[rank, :rows.shape[0]].copy_(rows)
-                target[rank, rows.shape[0]:].zero_()
+        else:  # uneven: the ranks with whole shards, the one with part of one, then the padding zeroed
+            whole, part = divmod(grad.shape[0], param.rows)
+            target[:whole].copy_(grad[:whole * param.rows].view(whole, param.rows, *param.shape[1:]))
+            if part:
+                target[whole, :part].copy_(grad[whole * param.rows:])
+                target[whole, part:].zero_()
+            target[whole + bool(part):].zero_()
     return flat.view(-1)
 
 
 def refresh_groups(units: Iterable[ShardUnit]) -> list[tuple[ShardUnit, ...]]:
     """ZeRO-1/2 units re-gathered together after the optimizer step: one collective (all-gather)
-    or one round of owner broadcasts per (axis, compute dtype, kind), units in index order. Their
-    gathered buffer is rank-major: row r holds rank r's shards of each unit side by side."""
+    or one round of owner broadcasts per (pipeline stage, axis, compute dtype, kind), units in index
+    order. Their gathered buffer is rank-major: row r holds rank r's shards of each unit side by side."""
     groups: dict[tuple, list[ShardUnit]] = {}
     for unit in sorted(units, key=lambda u: u.index):
         if unit.stage < 3:
-            groups.setdefault((unit.axis, unit.dtype, unit.refresh_kind), []).append(unit)
+            groups.setdefault((unit.pipeline_stage, unit.axis, unit.dtype, unit.refresh_kind), []).append(unit)
     return [tuple(group) for group in groups.values()]
 
 

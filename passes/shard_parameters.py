@@ -91,7 +91,8 @@ def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declar
                                 master_dtype=master,
                                 reduce_dtype=declared.reduce_dtype or dtype, pipeline_stage=stage,
                                 reduce_kind=gradient_exchange_kind(declared.reduce),
-                                refresh_kind=parameter_refresh_kind(declared.gather)), nodes))
+                                refresh_kind=(parameter_refresh_kind(declared.gather) if declared.stage < 3
+                                              else "all_gather")), nodes))
     return units
 
 

@@ -70,7 +70,8 @@ def zero(*, stage: int, axis: str = "dp", batch_dim: int = 0, reshard_after_forw
     "broadcast": each owner broadcasts its shards into its row of one gathered buffer (n calls,
     no separate send buffer); "auto" (default) broadcasts where the backend's all-gather is slower
     (gloo: `autopar.comm_kinds.BROADCASTS_FOR_ALL_GATHER`, 1.4-1.8x faster on 2-4 CPU ranks) and
-    all-gathers otherwise. Stage 3 gathers each unit in forward (and backward) by all-gather.
+    all-gathers otherwise. Stage 3 gathers each unit in forward (and backward) by all-gather and
+    refuses any other `gather`.
 
     `backward_prefetch` is off by default: it holds two gathered blocks at the start of backward,
     where activations peak, and bought no time on CPU gloo (benchmarks/compare_fsdp.py: peak
@@ -82,6 +83,9 @@ def zero(*, stage: int, axis: str = "dp", batch_dim: int = 0, reshard_after_forw
         raise PlanError(f"zero(reduce={reduce!r}): choose one of {', '.join(REDUCTIONS)}")
     if gather not in REFRESHES:
         raise PlanError(f"zero(gather={gather!r}): choose one of {', '.join(REFRESHES)}")
+    if stage == 3 and gather != "auto":
+        raise PlanError(f"zero(stage=3, gather={gather!r}): stage 3 all-gathers each unit before its use; "
+                        f"gather= chooses how ZeRO-1/2 re-gather their parameters after the step. Drop gather=")
     if stage not in STAGES:
         raise PlanError(f"unknown ZeRO stage {stage!r}: choose 1 (shards {STAGES[1]}), 2 ({STAGES[2]}) or "
                         f"3 ({STAGES[3]}); plain data parallelism is data_parallel()")

@@ -80,6 +80,37 @@ def test_unknown_stage():
         autopar.zero(stage=4)
 
 
+def test_stage_3_refuses_a_post_step_gather():
+    with pytest.raises(PlanError, match=r"zero\(stage=3, gather='broadcast'\): stage 3 all-gathers each unit"):
+        autopar.zero(stage=3, gather="broadcast")
+
+
+@pytest.mark.parametrize("rows,group_size", [(8, 4), (7, 4), (5, 4), (4, 3), (1, 4)])
+def test_gradients_lay_out_as_each_owner_reads_its_shard(rows, group_size):
+    """`grad_layout` puts rank r's rows of every parameter side by side in row r of the flat buffer,
+    padding rows and a missing gradient zero, whatever the buffer held before; `copy_gathered`
+    reads it back into the full parameters."""
+    from autopar.zero_units import ShardUnit, UnitParam, copy_gathered, grad_layout, rows_per_rank, shard_of
+
+    shapes = [(rows, 3), (rows + 1,), (2, 2)]
+    params = tuple(UnitParam(f"p{i}", f"p{i}", shape, rows_per_rank(shape[0], group_size))
+                   for i, shape in enumerate(shapes))
+    unit = ShardUnit(index=0, name="block", axis="dp", group_size=group_size, stage=2, dtype=torch.float32,
+                     params=params, extra_axes=(), reshard=False, prefetch=False)
+    grads = [torch.randn(shapes[0]), torch.randn(shapes[1]), None]
+    garbage = torch.full((group_size, unit.shard_numel), float("nan"))
+    del garbage  # the allocator hands these bytes to the buffer next: every element must be written
+    flat = grad_layout(unit, list(grads), torch.float32).view(group_size, unit.shard_numel)
+    for rank in range(group_size):
+        expected = [shard_of(g if g is not None else torch.zeros(p.shape), p.rows, rank).reshape(-1)
+                    for p, g in zip(params, grads)]
+        assert torch.equal(flat[rank], torch.cat(expected)), rank
+    fulls = [torch.empty(shape) for shape in shapes]
+    copy_gathered(unit, flat.view(-1), fulls)
+    assert torch.equal(fulls[0], grads[0]) and torch.equal(fulls[1], grads[1])
+    assert not fulls[2].any()
+
+
 def test_sharding_axis_missing_from_mesh():
     with pytest.raises(PlanError, match=r"unknown mesh axis 'dp_shard' \(named by strategy 'zero3'"):
         plan_gpt("dp=4", [autopar.hsdp()])

@@ -3,7 +3,7 @@
 The planned graph calls three methods of `UnitCalls` (inserted by passes/shard_parameters.py):
 - `gather_unit(shards)` returns the unit's compute parameters. Stage 3 all-gathers them (waiting
   for a prefetch launched by the previous unit when there is one) and launches the next unit's
-  all-gather; stages 1/2 return the persistent replicated copy, all-gathered after each
+  all-gather; stages 1/2 return the persistent replicated copy, gathered again after each
   optimizer step. Its backward, `reduce_gradients`, lays the full gradients out flat and
   reduce-scatters them asynchronously (one in flight: the next unit's backward lands the last
   one; `unit.reduce_kind == "all_to_all"`: an all-to-all of the rank-major pieces, summed on
@@ -134,8 +134,9 @@ class ShardedState(UnitCalls):
         self._pending: dict[int, torch.Tensor] = {}
         self._owner: dict[int, tuple[int, int]] = {full.untyped_storage().data_ptr(): (index, i)
                                                    for index, fulls in self.full.items() for i, full in enumerate(fulls)}
-        self._grad_buffers = {u.index: torch.zeros(u.gathered_numel, dtype=u.reduce_dtype) for u in units
-                              if u.stage == 1}
+        self._grad_buffers = {u.index: torch.zeros(u.gathered_numel, dtype=u.reduce_dtype,
+                                                   device=shards[u.index][0].device if u.index in shards else None)
+                              for u in units if u.stage == 1}
         self._reducing: dict[int, torch.Tensor] = {}
         self._stage1_ready: list[int] = []
         self._callback_queued = False
@@ -352,11 +353,13 @@ class ShardedState(UnitCalls):
         shards; call it after changing shards any other way (loading)."""
         for units in refresh_groups(self.units.values()):
             with torch.no_grad():
-                gathered = self._gather_group(units)
-                column = 0
-                for unit in units:
-                    copy_gathered(unit, gathered[:, column:column + unit.shard_numel], self.full[unit.index])
-                    column += unit.shard_numel
+                self._copy_group(units, self._gather_group(units))  # one group's buffer alive at a time
+
+    def _copy_group(self, units: tuple[ShardUnit, ...], gathered: torch.Tensor) -> None:
+        column = 0
+        for unit in units:
+            copy_gathered(unit, gathered[:, column:column + unit.shard_numel], self.full[unit.index])
+            column += unit.shard_numel
 
     def _gather_group(self, units: tuple[ShardUnit, ...]) -> torch.Tensor:
         """The group's rank-major gathered buffer: row r holds rank r's shards of every unit."""
