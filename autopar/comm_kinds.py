@@ -22,9 +22,9 @@ keeps its own list.
 `gradient_exchange_kind` says how a ZeRO unit's gradients reach their owners on the backend that
 will run them: a reduce-scatter, or (gloo) an all-to-all of the rank-major pieces summed by each
 owner on arrival, the same bytes on the wire (`EXCHANGE_FOR_REDUCE_SCATTER`);
-`parameter_refresh_kind` how ZeRO-1/2's updated shards reach every rank after the optimizer step:
-one all-gather of every unit's shards, or (gloo) one broadcast from each owner into the rows of
-one gathered buffer (`BROADCASTS_FOR_ALL_GATHER`).
+`parameter_gather_kind` how ZeRO's parameters are gathered from their shards (stage 3 before use,
+stages 1/2 after the optimizer step): an all-gather, or (gloo) one broadcast from each owner into
+its row of the gathered buffer (`BROADCASTS_FOR_ALL_GATHER`).
 """
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def _on_backend(declared: str, backend: str | None, backends: tuple[str, ...], c
     return chosen if (backend or runtime_backend()) in backends else otherwise
 
 
-def parameter_refresh_kind(declared: str, backend: str | None = None) -> str:
+def parameter_gather_kind(declared: str, backend: str | None = None) -> str:
     """"all_gather" or "broadcast" for `zero(gather=declared)`: "auto" picks the owners'
     broadcasts on a backend of BROADCASTS_FOR_ALL_GATHER (the initialised process group's, or
     `backend`), and the all-gather without one."""

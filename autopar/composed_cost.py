@@ -55,7 +55,7 @@ from functools import lru_cache
 
 from autopar.block_ledgers import BlockLedgers, Part
 from autopar.cluster import Cluster
-from autopar.comm_kinds import KINDS, gradient_exchange_kind, parameter_refresh_kind, wire_factor
+from autopar.comm_kinds import KINDS, gradient_exchange_kind, parameter_gather_kind, wire_factor
 from autopar.composed_memory import activation_peaks, peak_terms, rank_memory, rest_params, rest_tensors
 from autopar.ledger.peak import moments
 from autopar.mesh import JOIN, joined_by_link
@@ -214,7 +214,7 @@ def composed_estimate(ledgers: BlockLedgers, candidate: Candidate, cluster: Clus
     in_flight = activation_peaks(candidate, stages, pp, micro)
     # ZeRO's gradients exchanged by all-to-all on the cluster's backend: a receive buffer of each unit's size
     exchange = bool(candidate.zero) and gradient_exchange_kind("auto", cluster.backend) == "all_to_all"
-    broadcasts = parameter_refresh_kind("auto", cluster.backend) == "broadcast"  # ZeRO-1/2: no send buffer
+    broadcasts = parameter_gather_kind("auto", cluster.backend) == "broadcast"  # ZeRO-1/2: no send buffer
     for rank in ranks:
         rank.memory = rank_memory(ledgers, candidate, rank, in_flight[rank.index], scale, exchange=exchange)
         rank.tail = _gradient_and_optimizer(ledgers, candidate, cluster, price, rank, int(bucket_cap_mb * 2**20), micro)
@@ -298,19 +298,22 @@ def _gradient_and_optimizer(ledgers: BlockLedgers, candidate: Candidate, cluster
     elif dp > 1:
         gathers = micro if zero == 3 else 1
         reduction = gradient_exchange_kind("auto", cluster.backend)  # reduce-scatter, or gloo's exchange
+        gather = parameter_gather_kind("auto", cluster.backend)  # all-gather, or gloo's owner broadcasts
         for unit, count in zip(units, tensors):
             tail.behind_backward.append(price(reduction, "dp", unit, stage=at))
             copy = RUNTIME_COPY_TRAFFIC * unit / cluster.bandwidth_for(unit) + (2 + count) * cluster.op_overhead
             tail.copies += copy
             if zero < 3:
                 tail.copies += copy
-            else:
-                tail.behind_forward += [price("all_gather", "dp", unit, gathers, stage=at)] * gathers
-                tail.behind_backward += [price("all_gather", "dp", unit, gathers, stage=at)] * gathers
+            else:  # each gather an all-gather, or one broadcast per owner (a dp-th of the unit each)
+                calls, kind, size = ((dp, "broadcast", math.ceil(unit / dp)) if gather == "broadcast"
+                                     else (1, "all_gather", unit))
+                tail.behind_forward += [price(kind, "dp", size, gathers * calls, stage=at)] * (gathers * calls)
+                tail.behind_backward += [price(kind, "dp", size, gathers * calls, stage=at)] * (gathers * calls)
                 tail.copies += 2 * gathers * copy
         for part in (stage.stages if zero < 3 else []):  # each pipeline stage's units in one collective
             staged = part.blocks * block.param_bytes + rest_params(ledgers, part.first, part.last)
-            if parameter_refresh_kind("auto", cluster.backend) == "broadcast":  # one per owner
+            if gather == "broadcast":  # one per owner
                 tail.after += dp * price("broadcast", "dp", math.ceil(staged / dp), dp, stage=at)
             else:
                 tail.after += price("all_gather", "dp", staged, stage=at)

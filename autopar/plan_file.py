@@ -149,7 +149,7 @@ def plan_document(plan: Any) -> dict[str, Any]:
         "units": [{"index": u.index, "name": u.name, "axis": u.axis, "stage": u.stage, "reshard": u.reshard,
                    "extra_axes": list(u.extra_axes), "shard_numel": u.shard_numel, "pipeline_stage": u.pipeline_stage,
                    "reduce_kind": u.reduce_kind, "reduce_dtype": str(u.reduce_dtype).replace("torch.", ""),
-                   "refresh_kind": u.refresh_kind,
+                   "gather_kind": u.gather_kind,
                    "params": [[p.fqn, list(p.shape), p.rows] for p in u.params]} for u in plan.units],
         "memory": _memory_data(plan),
         "pipeline": _pipeline_data(plan),

@@ -73,7 +73,7 @@ class Candidate:
     def strategies(self, backend: str | None = None) -> list[Any]:
         """The candidate's declarations; `backend`: the cluster's (how ZeRO exchanges gradients
         and re-gathers parameters; None: as the process planning it would)."""
-        from autopar.comm_kinds import gradient_exchange_kind, parameter_refresh_kind
+        from autopar.comm_kinds import gradient_exchange_kind, parameter_gather_kind
         from autopar.strategies.context import context_parallel
         from autopar.strategies.data_parallel import data_parallel
         from autopar.strategies.expert import expert_parallel
@@ -85,9 +85,8 @@ class Candidate:
         chosen: list[Any] = []
         for axis, _ in self.degrees or (("dp", 1),):
             if axis == "dp":
-                gather = parameter_refresh_kind("auto", backend) if self.zero < 3 else "auto"  # stages 1/2 only
-                chosen.append(zero(stage=self.zero, reduce=gradient_exchange_kind("auto", backend), gather=gather)
-                              if self.zero else data_parallel())
+                chosen.append(zero(stage=self.zero, reduce=gradient_exchange_kind("auto", backend),
+                                   gather=parameter_gather_kind("auto", backend)) if self.zero else data_parallel())
             elif axis == "tp":
                 chosen.append(sequence_parallel() if self.sequence_parallel else tensor_parallel())
             elif axis == "pp":

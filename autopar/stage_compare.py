@@ -25,9 +25,7 @@ def _with_stage(strategies: Sequence[Any], axis: str, stage: int) -> list[Any]:
     kept = [s for s in strategies if not any(s is r for r in replaced)]
     declared = next((s.sharded_state for s in replaced if getattr(s, "sharded_state", None) is not None), None)
     options = {} if declared is None else {"param_dtype": declared.param_dtype, "reduce_dtype": declared.reduce_dtype,
-                                           "reduce": declared.reduce}  # the user's, kept at every stage
-    if declared is not None and stage < 3:  # ZeRO-1/2's re-gather (stage 3 refuses gather=)
-        options["gather"] = declared.gather
+                                           "reduce": declared.reduce, "gather": declared.gather}  # the user's, kept
     return kept + [data_parallel(axis=axis) if stage == 0 else zero(stage=stage, axis=axis, **options)]
 
 

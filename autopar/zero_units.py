@@ -59,10 +59,10 @@ class ShardUnit:
     # how the gradients reach their owners: "reduce_scatter", or "all_to_all" of the rank-major
     # pieces, each owner summing the n it receives (`comm_kinds.gradient_exchange_kind`)
     reduce_kind: str = "reduce_scatter"
-    # stages 1/2: how the updated shards reach every rank after the step, one collective for all
-    # the units of a pipeline stage: "all_gather", or one "broadcast" per owner
-    # (`comm_kinds.parameter_refresh_kind`)
-    refresh_kind: str = "all_gather"
+    # how the shards are gathered (stage 3 before use; stages 1/2 after the step, one collective for
+    # all the units of a pipeline stage): "all_gather", or one "broadcast" per owner into its row
+    # of the gathered buffer (`comm_kinds.parameter_gather_kind`)
+    gather_kind: str = "all_gather"
 
     @property
     def shard_numel(self) -> int:
@@ -145,7 +145,7 @@ def refresh_groups(units: Iterable[ShardUnit]) -> list[tuple[ShardUnit, ...]]:
     groups: dict[tuple, list[ShardUnit]] = {}
     for unit in sorted(units, key=lambda u: u.index):
         if unit.stage < 3:
-            groups.setdefault((unit.pipeline_stage, unit.axis, unit.dtype, unit.refresh_kind), []).append(unit)
+            groups.setdefault((unit.pipeline_stage, unit.axis, unit.dtype, unit.gather_kind), []).append(unit)
     return [tuple(group) for group in groups.values()]
 
 

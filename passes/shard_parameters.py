@@ -28,7 +28,7 @@ import re
 import torch
 import torch.fx
 
-from autopar.comm_kinds import gradient_exchange_kind, parameter_refresh_kind
+from autopar.comm_kinds import gradient_exchange_kind, parameter_gather_kind
 from autopar.context import CompileContext
 from autopar.errors import PlanError
 from autopar.ir import ARG_SPECS, COLLECTIVE, LOCAL_ARGS, RULE, SPEC, local_shape, module_path
@@ -91,8 +91,7 @@ def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declar
                                 master_dtype=master,
                                 reduce_dtype=declared.reduce_dtype or dtype, pipeline_stage=stage,
                                 reduce_kind=gradient_exchange_kind(declared.reduce),
-                                refresh_kind=(parameter_refresh_kind(declared.gather) if declared.stage < 3
-                                              else "all_gather")), nodes))
+                                gather_kind=parameter_gather_kind(declared.gather)), nodes))
     return units
 
 

@@ -43,7 +43,7 @@ class ShardedState:
     param_dtype: torch.dtype | None = None  # mixed precision: compute and all-gather in this dtype
     reduce_dtype: torch.dtype | None = None  # gradients reduce-scattered in this dtype (default param_dtype)
     reduce: str = "auto"  # how gradients reach their owners: "reduce_scatter", "all_to_all" or "auto"
-    gather: str = "auto"  # stages 1/2, after the step: "all_gather", "broadcast" or "auto"
+    gather: str = "auto"  # how shards are gathered: "all_gather", "broadcast" or "auto"
 
 
 def zero(*, stage: int, axis: str = "dp", batch_dim: int = 0, reshard_after_forward: bool = True,
@@ -65,13 +65,13 @@ def zero(*, stage: int, axis: str = "dp", batch_dim: int = 0, reshard_after_forw
     (gloo: `autopar.comm_kinds.EXCHANGE_FOR_REDUCE_SCATTER`, 2.1x faster for a 13 MiB unit on 4
     CPU ranks) and the reduce-scatter otherwise, or when planning without a process group.
 
-    `gather` (stages 1/2): how the updated shards reach every rank after the optimizer step, in one
-    collective for all the units of a pipeline stage. "all_gather" of every unit's shards;
-    "broadcast": each owner broadcasts its shards into its row of one gathered buffer (n calls,
+    `gather`: how parameters are gathered from their shards: at stages 1/2 the updated shards
+    after the optimizer step, in one collective for all the units of a pipeline stage; at stage 3
+    each unit before its use in forward (and again in backward). "all_gather"; "broadcast": each
+    owner copies its shards into its row of the gathered buffer and broadcasts the row (n calls,
     no separate send buffer); "auto" (default) broadcasts where the backend's all-gather is slower
     (gloo: `autopar.comm_kinds.BROADCASTS_FOR_ALL_GATHER`, 1.4-1.8x faster on 2-4 CPU ranks) and
-    all-gathers otherwise. Stage 3 gathers each unit in forward (and backward) by all-gather and
-    refuses any other `gather`.
+    all-gathers otherwise.
 
     `backward_prefetch` is off by default: it holds two gathered blocks at the start of backward,
     where activations peak, and bought no time on CPU gloo (benchmarks/compare_fsdp.py: peak
@@ -83,9 +83,6 @@ def zero(*, stage: int, axis: str = "dp", batch_dim: int = 0, reshard_after_forw
         raise PlanError(f"zero(reduce={reduce!r}): choose one of {', '.join(REDUCTIONS)}")
     if gather not in REFRESHES:
         raise PlanError(f"zero(gather={gather!r}): choose one of {', '.join(REFRESHES)}")
-    if stage == 3 and gather != "auto":
-        raise PlanError(f"zero(stage=3, gather={gather!r}): stage 3 all-gathers each unit before its use; "
-                        f"gather= chooses how ZeRO-1/2 re-gather their parameters after the step. Drop gather=")
     if stage not in STAGES:
         raise PlanError(f"unknown ZeRO stage {stage!r}: choose 1 (shards {STAGES[1]}), 2 ({STAGES[2]}) or "
                         f"3 ({STAGES[3]}); plain data parallelism is data_parallel()")

@@ -72,20 +72,26 @@ def test_gradients_reach_their_owners_as_declared(stage, reduce, issued):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stage,gather,mesh,issued", [(2, "all_gather", "dp=4", "all_gather"),
                                                       (1, "broadcast", "dp=2,tp=2", "broadcast"),
-                                                      (2, "auto", "dp=2,tp=2", "broadcast")])
-def test_updated_parameters_reach_every_rank_as_declared(stage, gather, mesh, issued):
-    """zero(gather=...) at stages 1/2: every unit's updated shards in one all-gather, or one
-    broadcast per owner into its row (what "auto" picks on gloo; on dp=2,tp=2 the owners' ranks in
-    their dp group differ from their global ranks): the same loss, gradients and parameters as one
-    device, the counted collectives equal the ledger's, and the ledger's refresh is that kind, one
-    call (all-gather) or one per owner (broadcast) for all the units."""
+                                                      (2, "auto", "dp=2,tp=2", "broadcast"),
+                                                      (3, "all_gather", "dp=2,tp=2", "all_gather"),
+                                                      (3, "broadcast", "dp=4", "broadcast")])
+def test_parameters_are_gathered_as_declared(stage, gather, mesh, issued):
+    """zero(gather=...): an all-gather, or one broadcast per owner into its row of the gathered
+    buffer (what "auto" picks on gloo; on dp=2,tp=2 the owners' ranks in their dp group differ from
+    their global ranks) — stages 1/2 every unit's updated shards after the step in one collective,
+    stage 3 each unit before use and again for backward: the same loss, gradients and parameters as
+    one device, the counted collectives equal the ledger's, and the ledger's gathers are that kind."""
     build = functools.partial(GPT, CONFIG)
     batches = [example_batch(CONFIG, batch=8, seed=step) for step in range(STEPS)]
     strategies = [autopar.zero(stage=stage, gather=gather)] + ([autopar.tensor_parallel()] if "tp" in mesh else [])
     results = run_and_check(build, batches, mesh, strategies, single_device(build, batches))
-    refresh = {(kind, axis): calls for (phase, kind, axis), (calls, _) in results[0]["ledger"].items()
-               if phase == "optimizer"}
-    assert refresh == {(issued, "dp"): 2 if issued == "broadcast" and "tp" in mesh else 1}
+    gathers = {phase: (kind, calls) for (phase, kind, axis), (calls, _) in results[0]["ledger"].items()
+               if axis == "dp" and kind in ("all_gather", "broadcast")}
+    if stage < 3:  # one collective, or one broadcast per owner, for all the units
+        assert gathers == {"optimizer": (issued, 2 if issued == "broadcast" and "tp" in mesh else 1)}
+    else:  # each of the 3 units (2 blocks, the root) before use; the blocks again for backward
+        owners = 4 if issued == "broadcast" else 1
+        assert gathers == {"forward": (issued, 3 * owners), "backward": (issued, 2 * owners)}
 
 
 def test_reduce_auto_resolves_by_backend_and_refuses_unknown_kinds():
@@ -103,12 +109,12 @@ def test_reduce_auto_resolves_by_backend_and_refuses_unknown_kinds():
     assert {u.reduce_kind for stage in plan.stages for u in stage.units} == {"reduce_scatter"}
     with pytest.raises(autopar.PlanError, match="reduce='all_reduce'"):
         autopar.zero(stage=2, reduce="all_reduce")
-    from autopar.comm_kinds import parameter_refresh_kind
+    from autopar.comm_kinds import parameter_gather_kind
 
-    assert parameter_refresh_kind("auto") == "all_gather"
-    assert parameter_refresh_kind("auto", backend="gloo") == "broadcast"
-    assert parameter_refresh_kind("auto", backend="nccl") == "all_gather"
-    assert {u.refresh_kind for stage in plan.stages for u in stage.units} == {"all_gather"}
+    assert parameter_gather_kind("auto") == "all_gather"
+    assert parameter_gather_kind("auto", backend="gloo") == "broadcast"
+    assert parameter_gather_kind("auto", backend="nccl") == "all_gather"
+    assert {u.gather_kind for stage in plan.stages for u in stage.units} == {"all_gather"}
     with pytest.raises(autopar.PlanError, match="gather='all_to_all'"):
         autopar.zero(stage=2, gather="all_to_all")
 
@@ -223,8 +229,9 @@ def test_gradient_accumulation_without_regathering(case, no_sync):
         kept = [result["all_units_unpadded"], 0] if no_sync else [result["kept_units"]["unpadded"]] * MICRO_BATCHES
         for micro, measured in enumerate(result["activations"]):
             assert_activations_equal_ledger(dict(result, activations=[measured]), kept=kept[micro])
-    gathers = results[0]["expected_comm"].get(("all_gather", "dp"), (0, 0))[0]
-    units = 3  # root + 2 blocks
+    expected, owners = results[0]["expected_comm"], autopar.Mesh.parse(mesh).size("dp")
+    gathers = expected.get(("all_gather", "dp"), (0, 0))[0] + expected.get(("broadcast", "dp"), (0, 0))[0] // owners
+    units = 3  # root + 2 blocks; a gather is an all-gather or (gloo) one broadcast per owner
     if case.startswith("zero3"):
         assert gathers == (units if no_sync else MICRO_BATCHES * (2 * units - 1))
 

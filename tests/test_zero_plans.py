@@ -80,11 +80,6 @@ def test_unknown_stage():
         autopar.zero(stage=4)
 
 
-def test_stage_3_refuses_a_post_step_gather():
-    with pytest.raises(PlanError, match=r"zero\(stage=3, gather='broadcast'\): stage 3 all-gathers each unit"):
-        autopar.zero(stage=3, gather="broadcast")
-
-
 @pytest.mark.parametrize("rows,group_size", [(8, 4), (7, 4), (5, 4), (4, 3), (1, 4)])
 def test_gradients_lay_out_as_each_owner_reads_its_shard(rows, group_size):
     """`grad_layout` puts rank r's rows of every parameter side by side in row r of the flat buffer,

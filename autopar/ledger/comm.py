@@ -115,12 +115,13 @@ class CommLedger:
         result: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
         for e in self.entries:
             state = e.module.startswith(("unit ", "bucket "))
+            calls = e.times  # per forward/backward pass (a gather by broadcasts: one per owner; a kernel's calls)
             if e.phase == "optimizer":
-                times = e.times  # once per step (a refresh's owner broadcasts: one per owner)
+                times = calls  # once per step
             elif state and no_sync:
-                times = 0 if e.phase == "backward" else 1
+                times = 0 if e.phase == "backward" else calls
             else:
-                times = micro_batches
+                times = micro_batches * calls
             if times:
                 row = result[(e.phase, e.kind, e.axis)]
                 row[0] += times
@@ -163,12 +164,15 @@ def _unit_entries(unit, entry, *, pipelined: bool) -> list[CommEntry]:
     name, tensors = f"unit {unit.index} {unit.name or '<root>'}", ",".join(p.fqn for p in unit.params[:3]) + (
         "..." if len(unit.params) > 3 else "")
     entries = []
-    if unit.stage == 3:
-        entries.append(entry("forward", "all_gather", unit.axis, name, tensors, "ZeRO-3 parameters before use",
-                             unit.dtype, gathered))
+    if unit.stage == 3:  # an all-gather, or one broadcast per owner of its row (logical: the row, times n)
+        kind, logical, times, how = (("broadcast", gathered // unit.group_size, unit.group_size, ", one broadcast per "
+                                      "owner") if unit.gather_kind == "broadcast" else ("all_gather", gathered, 1, ""))
+        entries.append(entry("forward", kind, unit.axis, name, tensors, f"ZeRO-3 parameters before use{how}",
+                             unit.dtype, logical, times=times))
         if unit.reshard and not pipelined:
-            entries.append(entry("backward", "all_gather", unit.axis, name, tensors,
-                                 "ZeRO-3 parameters again for backward (resharded after forward)", unit.dtype, gathered))
+            entries.append(entry("backward", kind, unit.axis, name, tensors,
+                                 f"ZeRO-3 parameters again for backward (resharded after forward){how}", unit.dtype,
+                                 logical, times=times))
     how = "" if unit.reduce_kind == "reduce_scatter" else " (exchanged whole, summed by each owner)"
     entries.append(entry("grad_sync", unit.reduce_kind, unit.axis, name, tensors,
                          f"gradients to their owners{how}", unit.reduce_dtype, reduced))
@@ -187,7 +191,7 @@ def _refresh_entries(units: list, entry) -> list[CommEntry]:
         name = "unit " + ",".join(str(u.index) for u in group)
         tensors = ",".join(u.name or "<root>" for u in group[:3]) + ("..." if len(group) > 3 else "")
         why = f"ZeRO-{first.stage} updated parameters after the step"
-        if first.refresh_kind == "broadcast":
+        if first.gather_kind == "broadcast":
             entries.append(entry("optimizer", "broadcast", first.axis, name, tensors, f"{why}, one broadcast per owner",
                                  first.dtype, row, times=first.group_size, stage=-1))
         else:

@@ -264,5 +264,5 @@ def _regather(units: list) -> int:
     largest = 0
     for group in refresh_groups(units):
         row = sum(u.shard_numel for u in group) * group[0].dtype.itemsize
-        largest = max(largest, group[0].group_size * row + (row if group[0].refresh_kind == "all_gather" else 0))
+        largest = max(largest, group[0].group_size * row + (row if group[0].gather_kind == "all_gather" else 0))
     return largest

@@ -3,7 +3,8 @@
 The planned graph calls three methods of `UnitCalls` (inserted by passes/shard_parameters.py):
 - `gather_unit(shards)` returns the unit's compute parameters. Stage 3 all-gathers them (waiting
   for a prefetch launched by the previous unit when there is one) and launches the next unit's
-  all-gather; stages 1/2 return the persistent replicated copy, gathered again after each
+  all-gather (`unit.gather_kind == "broadcast"`: one broadcast per owner into its row of the
+  gathered buffer); stages 1/2 return the persistent replicated copy, gathered again after each
   optimizer step. Its backward, `reduce_gradients`, lays the full gradients out flat and
   reduce-scatters them asynchronously (one in flight: the next unit's backward lands the last
   one; `unit.reduce_kind == "all_to_all"`: an all-to-all of the rank-major pieces, summed on
@@ -12,7 +13,7 @@ The planned graph calls three methods of `UnitCalls` (inserted by passes/shard_p
   Stage 1 first copies the full gradients into a persistent buffer (ZeRO-1 keeps them) and
   reduce-scatters every unit at the end of backward; stages 2/3 free them unit by unit.
   After each optimizer step, stages 1/2 gather every unit's updated shards in one collective
-  (`refresh`; `unit.refresh_kind == "broadcast"`: one broadcast per owner into its row).
+  (`refresh`; `unit.gather_kind == "broadcast"`: one broadcast per owner into its row).
 - `release_unit` (stage 3, resharded units) drops the gathered parameters after their last use
   in forward. Autograd's saved copies are replaced by handles (`pack`/`unpack`, installed as
   saved-tensor hooks by ParallelModule), and the release frees the gathered storages themselves
@@ -131,7 +132,7 @@ class ShardedState(UnitCalls):
         self.groups = groups
         self.order = order  # units in forward (first-gather) order
         self.full: dict[int, list[torch.Tensor]] = dict(fulls)  # stages 1/2: persistent from the start
-        self._pending: dict[int, torch.Tensor] = {}
+        self._pending: dict[int, _Gather] = {}  # gathers in flight (stage 3: prefetched)
         self._owner: dict[int, tuple[int, int]] = {full.untyped_storage().data_ptr(): (index, i)
                                                    for index, fulls in self.full.items() for i, full in enumerate(fulls)}
         self._grad_buffers = {u.index: torch.zeros(u.gathered_numel, dtype=u.reduce_dtype,
@@ -169,13 +170,12 @@ class ShardedState(UnitCalls):
     # ---- forward
     def _launch(self, index: int) -> None:
         unit = self.units[index]
-        send = torch.cat([p.detach().reshape(-1) for p in self.shards[index]]).to(unit.dtype)  # mixed precision: cast first
-        self._pending[index] = _c10d.all_gather_into_tensor(send, unit.group_size, self.groups[unit.axis])
+        self._pending[index] = _issue_gather(self.shards[index], unit, unit.shard_numel, self.groups[unit.axis])
 
     def _finish(self, index: int) -> list[torch.Tensor]:
         if index not in self._pending:
             self._launch(index)
-        return gather_layout(self.units[index], _c10d.wait_tensor(self._pending.pop(index)))
+        return gather_layout(self.units[index], self._pending.pop(index).landed().view(-1))
 
     def gathered(self, index: int) -> list[torch.Tensor]:
         unit = self.units[index]
@@ -363,20 +363,44 @@ class ShardedState(UnitCalls):
 
     def _gather_group(self, units: tuple[ShardUnit, ...]) -> torch.Tensor:
         """The group's rank-major gathered buffer: row r holds rank r's shards of every unit."""
-        first = units[0]
-        shards = [p.detach().reshape(-1) for unit in units for p in self.shards[unit.index]]
-        group = self.groups[first.axis]
-        if first.refresh_kind == "broadcast":  # each owner's row straight into the buffer, no send copy
-            gathered = torch.empty(first.group_size, sum(u.shard_numel for u in units), dtype=first.dtype,
-                                   device=shards[0].device)
-            row, column = gathered[dist.get_rank(_resolve_process_group(group))], 0
-            for shard in shards:  # mixed precision: cast on the way in
-                row[column:column + shard.numel()].copy_(shard)
-                column += shard.numel()
-            pending = [_c10d.broadcast_(gathered[owner], owner, group) for owner in range(first.group_size)]
-            for row in pending:
-                _c10d.wait_tensor(row)
-            return gathered
-        send = torch.cat(shards).to(first.dtype)  # mixed precision: cast first
-        gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(send, first.group_size, group))
-        return gathered.view(first.group_size, -1)
+        shards = [p for unit in units for p in self.shards[unit.index]]
+        return _issue_gather(shards, units[0], sum(u.shard_numel for u in units),
+                             self.groups[units[0].axis]).landed()
+
+
+@dataclass
+class _Gather:
+    """A gather in flight: the rank-major buffer (n rows of one owner's shards each) and what to
+    wait for — the all-gather's output, or each owner's broadcast of its row."""
+
+    buffer: torch.Tensor | None
+    waits: list[torch.Tensor]
+    group_size: int
+
+    def landed(self) -> torch.Tensor:
+        arrived = [_c10d.wait_tensor(t) for t in self.waits]
+        return (self.buffer if self.buffer is not None else arrived[0]).view(self.group_size, -1)
+
+
+def _issue_gather(shards: list[torch.Tensor], unit: ShardUnit, row_numel: int, group: str) -> _Gather:
+    """Launch the gather of `shards` (this rank's, concatenated: one row) in `unit.gather_kind`,
+    in `unit.dtype` (mixed precision: cast on the way in)."""
+    flat = [p.detach().reshape(-1) for p in shards]
+    if unit.gather_kind == "broadcast":
+        return _issue_broadcasts(flat, unit, row_numel, group)
+    send = torch.cat(flat).to(unit.dtype)
+    return _Gather(None, [_c10d.all_gather_into_tensor(send, unit.group_size, group)], unit.group_size)
+
+
+# run eagerly under compile=True (a stage-3 gather is launched inside a compiled forward): AOT
+# autograd cannot functionalize an in-place functional collective (`broadcast_` returns its input)
+@torch.compiler.disable
+def _issue_broadcasts(flat: list[torch.Tensor], unit: ShardUnit, row_numel: int, group: str) -> _Gather:
+    """Each owner's row straight into the gathered buffer (no send copy), then broadcast from it."""
+    buffer = torch.empty(unit.group_size, row_numel, dtype=unit.dtype, device=flat[0].device)
+    row, column = buffer[dist.get_rank(_resolve_process_group(group))], 0
+    for shard in flat:
+        row[column:column + shard.numel()].copy_(shard)
+        column += shard.numel()
+    return _Gather(buffer, [_c10d.broadcast_(buffer[owner], owner, group) for owner in range(unit.group_size)],
+                   unit.group_size)
