@@ -305,18 +305,13 @@ def _gradient_and_optimizer(ledgers: BlockLedgers, candidate: Candidate, cluster
             tail.copies += copy
             if zero < 3:
                 tail.copies += copy
-            else:  # each gather an all-gather, or one broadcast per owner (a dp-th of the unit each)
-                calls, kind, size = ((dp, "broadcast", math.ceil(unit / dp)) if gather == "broadcast"
-                                     else (1, "all_gather", unit))
-                tail.behind_forward += [price(kind, "dp", size, gathers * calls, stage=at)] * (gathers * calls)
-                tail.behind_backward += [price(kind, "dp", size, gathers * calls, stage=at)] * (gathers * calls)
+            else:
+                tail.behind_forward += _gather_seconds(price, gather, dp, unit, gathers, at)
+                tail.behind_backward += _gather_seconds(price, gather, dp, unit, gathers, at)
                 tail.copies += 2 * gathers * copy
         for part in (stage.stages if zero < 3 else []):  # each pipeline stage's units in one collective
             staged = part.blocks * block.param_bytes + rest_params(ledgers, part.first, part.last)
-            if gather == "broadcast":  # one per owner
-                tail.after += dp * price("broadcast", "dp", math.ceil(staged / dp), dp, stage=at)
-            else:
-                tail.after += price("all_gather", "dp", staged, stage=at)
+            tail.after += sum(_gather_seconds(price, gather, dp, staged, 1, at))
     shard = dp if zero and dp > 1 else 1  # ZeRO reduces a unit's extra axes on its shard, after the reduce-scatter
     for key, nbytes in synced.items():
         for chained in price.sync_keys(key.split(JOIN)):
@@ -325,6 +320,13 @@ def _gradient_and_optimizer(ledgers: BlockLedgers, candidate: Candidate, cluster
     tail.optimizer = (OPTIMIZER_CALLS * sum(tensors) * cluster.op_overhead  # each tensor at the mean's bandwidth
                       + OPTIMIZER_TRAFFIC * owned / cluster.bandwidth_for(owned / max(sum(tensors), 1)))
     return tail
+
+
+def _gather_seconds(price: _Pricer, kind: str, dp: int, nbytes: int, gathers: int, at: int) -> list[float]:
+    """Each call of `gathers` gathers of `nbytes` over dp: an all-gather, or one broadcast per owner
+    of a dp-th of it (`comm_kinds.parameter_gather_kind`)."""
+    calls, kind, size = (dp, "broadcast", math.ceil(nbytes / dp)) if kind == "broadcast" else (1, "all_gather", nbytes)
+    return [price(kind, "dp", size, gathers * calls, stage=at)] * (gathers * calls)
 
 
 def _pipelined(stages: list[_Stage], ranks: list[_Rank], candidate: Candidate, cluster: Cluster, price: _Pricer,

@@ -164,9 +164,8 @@ def _unit_entries(unit, entry, *, pipelined: bool) -> list[CommEntry]:
     name, tensors = f"unit {unit.index} {unit.name or '<root>'}", ",".join(p.fqn for p in unit.params[:3]) + (
         "..." if len(unit.params) > 3 else "")
     entries = []
-    if unit.stage == 3:  # an all-gather, or one broadcast per owner of its row (logical: the row, times n)
-        kind, logical, times, how = (("broadcast", gathered // unit.group_size, unit.group_size, ", one broadcast per "
-                                      "owner") if unit.gather_kind == "broadcast" else ("all_gather", gathered, 1, ""))
+    if unit.stage == 3:
+        kind, logical, times, how = _gather_calls(unit, gathered)
         entries.append(entry("forward", kind, unit.axis, name, tensors, f"ZeRO-3 parameters before use{how}",
                              unit.dtype, logical, times=times))
         if unit.reshard and not pipelined:
@@ -182,21 +181,26 @@ def _unit_entries(unit, entry, *, pipelined: bool) -> list[CommEntry]:
     return entries
 
 
+def _gather_calls(unit, gathered: int) -> tuple[str, int, int, str]:
+    """(kind, logical bytes per call, calls, note) of gathering `gathered` bytes as `unit.gather_kind`
+    says: one all-gather (logical: the gathered buffer), or one broadcast per owner (its row)."""
+    if unit.gather_kind == "broadcast":
+        return "broadcast", gathered // unit.group_size, unit.group_size, ", one broadcast per owner"
+    return "all_gather", gathered, 1, ""
+
+
 def _refresh_entries(units: list, entry) -> list[CommEntry]:
-    """ZeRO-1/2 after the optimizer step: each refresh group's units in one all-gather (logical:
-    the gathered buffer), or one broadcast per owner (logical: the owner's row, `times` n)."""
+    """ZeRO-1/2 after the optimizer step: each refresh group's units in one gather (`_gather_calls`)."""
     entries = []
     for group in refresh_groups(units):
-        first, row = group[0], sum(u.shard_numel for u in group) * group[0].dtype.itemsize
+        first = group[0]
+        kind, logical, times, how = _gather_calls(first, first.group_size * sum(u.shard_numel for u in group)
+                                                  * first.dtype.itemsize)
         name = "unit " + ",".join(str(u.index) for u in group)
         tensors = ",".join(u.name or "<root>" for u in group[:3]) + ("..." if len(group) > 3 else "")
-        why = f"ZeRO-{first.stage} updated parameters after the step"
-        if first.gather_kind == "broadcast":
-            entries.append(entry("optimizer", "broadcast", first.axis, name, tensors, f"{why}, one broadcast per owner",
-                                 first.dtype, row, times=first.group_size, stage=-1))
-        else:
-            entries.append(entry("optimizer", "all_gather", first.axis, name, tensors, why, first.dtype,
-                                 first.group_size * row))
+        entries.append(entry("optimizer", kind, first.axis, name, tensors,
+                             f"ZeRO-{first.stage} updated parameters after the step{how}", first.dtype, logical,
+                             times=times))
     return entries
 
 
