@@ -179,6 +179,12 @@ class Cluster:
             return 1.0
         return self.gpus_per_node / self.processors
 
+    def shared_memory_seconds(self, logical_bytes: int) -> float:
+        """One collective through shared memory (`runtime/shared_memory.py`): each rank reads its
+        part of every rank's row and writes its result, ~2 S bytes of memory traffic, plus its two
+        barriers (two operator calls' fixed cost)."""
+        return 2 * logical_bytes / self.bandwidth_for(logical_bytes) + 2 * self.op_overhead
+
     def collective_seconds(self, kind: str, group_size: int, logical_bytes: "int | sympy.Expr", link: str) -> float:
         """One call of a collective (`comm_kinds.KINDS`) of `logical_bytes` over `group_size` ranks."""
         if group_size <= 1 and not KINDS[kind].peer:

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import sympy
 import torch.distributed as dist
 
+from autopar.errors import PlanError
 from autopar.ir import simplified
 from autopar.mesh import Mesh
 from autopar.runtime import collectives, p2p
@@ -124,6 +125,18 @@ def gradient_exchange_kind(declared: str, backend: str | None = None) -> str:
     a backend of EXCHANGE_FOR_REDUCE_SCATTER (the initialised process group's, or `backend`), and
     the reduce-scatter without one (plans made for a cluster, not for this process group)."""
     return _on_backend(declared, backend, EXCHANGE_FOR_REDUCE_SCATTER, "all_to_all", "reduce_scatter")
+
+
+# How a declared collective moves: through the process group (gloo, NCCL), or, for the ranks of one
+# host, through a shared-memory file (`autopar/runtime/shared_memory.py`: no bytes on any network;
+# declared with `data_parallel(transport=)` / `zero(transport=)`; its ledger entries say so).
+PROCESS_GROUP, SHARED_MEMORY = "process_group", "shared_memory"
+TRANSPORTS = (PROCESS_GROUP, SHARED_MEMORY)
+
+
+def check_transport(strategy: str, transport: str) -> None:
+    if transport not in TRANSPORTS:
+        raise PlanError(f"{strategy}(transport={transport!r}): choose one of {', '.join(TRANSPORTS)}")
 
 
 def _bind_peer(value: Any, mesh: Mesh, rank: int, groups: dict[str, str]) -> int:

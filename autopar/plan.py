@@ -14,7 +14,7 @@ import math
 import time
 from contextlib import contextmanager
 from copy import deepcopy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
@@ -25,6 +25,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils import _pytree as pytree
 
 from autopar.check_rank_graphs import check_rank_graphs
+from autopar.comm_kinds import SHARED_MEMORY
 from autopar.context import CompileContext
 from autopar.errors import PlanError
 from autopar.ir import SPEC, local_shape, shard_dim
@@ -238,6 +239,7 @@ def _check_microbatch_divides(strategy: ResolvedStrategy, mesh: Mesh, declared: 
 
 
 def _stage_buckets(stage: Stage, context: CompileContext, mesh: Mesh, cap_bytes: int) -> list[Bucket]:
+    """The stage's gradient buckets; those over one axis declared `transport="shared_memory"` go through it."""
     params = []
     for node in stage.graph_module.graph.nodes:
         info = context.placeholders.get(node.name)
@@ -245,7 +247,9 @@ def _stage_buckets(stage: Stage, context: CompileContext, mesh: Mesh, cap_bytes:
             spec = node.meta[SPEC]
             numel = math.prod(local_shape(spec.tensor_meta.shape, spec.placements, mesh.shape))
             params.append((info.target, numel, spec.tensor_meta.dtype, mesh.sync_keys(node.meta.get(GRAD_SYNC, ()))))
-    return plan_buckets(params, cap_bytes=cap_bytes)
+    shared = context.strategy.shared_memory_axes()
+    return [replace(b, transport=SHARED_MEMORY) if len(b.axes) == 1 and b.axes[0] in shared else b
+            for b in plan_buckets(params, cap_bytes=cap_bytes)]
 
 
 def _with_param_dtype(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
@@ -310,6 +314,7 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | None" = No
     masters = _keep_master_weights(traced, model) if param_dtype is not None else {}
     with _timed(seconds, "resolve_strategies"):
         strategy = resolve_strategies(mesh, list(strategies), traced.graph_module, traced.placeholders)
+        strategy.shared_memory_axes()  # refused here, before the passes, where an axis crosses nodes
     if pipelined is not None:
         first = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
         _check_microbatch_divides(strategy, mesh, pipelined, first.shape[pipelined.batch_dim])

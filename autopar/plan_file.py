@@ -22,6 +22,7 @@ import torch
 from tabulate import tabulate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from autopar.comm_kinds import PROCESS_GROUP
 from autopar.errors import PlanError
 from autopar.ir import ARG_SPECS as ARG_SPECS_KEY, ORIGIN, RULE, SPEC, describe, local_shape, module_path, source_line
 from autopar.ledger.comm import CommEntry, CommLedger
@@ -128,7 +129,14 @@ def _entry_data(entry: CommEntry, ledger: CommLedger) -> dict[str, Any]:
             "group_size": entry.group_size, "module": entry.module, "tensor": entry.tensor, "why": entry.why,
             "dtype": str(entry.dtype).replace("torch.", ""), "bytes": str(entry.logical_bytes),
             "bytes_value": ledger.number(entry.logical_bytes), "wire_bytes_value": ledger.number(entry.wire_bytes),
-            "stage": entry.stage, "times": entry.times, **({"behind": entry.behind} if entry.behind else {})}
+            "stage": entry.stage, "times": entry.times, **({"behind": entry.behind} if entry.behind else {}),
+            **_transport(entry)}
+
+
+def _transport(item: Any) -> dict[str, str]:
+    """A ledger entry's, bucket's or unit's transport, written only where it is not the process group
+    (files of plans without `transport="shared_memory"` read as before)."""
+    return {"transport": item.transport} if item.transport != PROCESS_GROUP else {}
 
 
 def plan_document(plan: Any) -> dict[str, Any]:
@@ -145,11 +153,12 @@ def plan_document(plan: Any) -> dict[str, Any]:
         "nodes": nodes,
         "collectives": [_entry_data(e, plan.comm) for e in plan.comm.entries],
         "buckets": [{"axes": list(b.axes), "dtype": str(b.dtype).replace("torch.", ""), "params": list(b.params),
-                     "numel": b.numel, "stage": stage.index} for stage in plan.stages for b in stage.buckets],
+                     "numel": b.numel, "stage": stage.index, **_transport(b)} for stage in plan.stages
+                    for b in stage.buckets],
         "units": [{"index": u.index, "name": u.name, "axis": u.axis, "stage": u.stage, "reshard": u.reshard,
                    "extra_axes": list(u.extra_axes), "shard_numel": u.shard_numel, "pipeline_stage": u.pipeline_stage,
                    "reduce_kind": u.reduce_kind, "reduce_dtype": str(u.reduce_dtype).replace("torch.", ""),
-                   "gather_kind": u.gather_kind,
+                   "gather_kind": u.gather_kind, **_transport(u),
                    "params": [[p.fqn, list(p.shape), p.rows] for p in u.params]} for u in plan.units],
         "memory": _memory_data(plan),
         "pipeline": _pipeline_data(plan),
@@ -296,7 +305,8 @@ class PlanDocument:
         entries = [CommEntry(phase=e["phase"], kind=e["kind"], axis=e["axis"], link=e["link"],
                              group_size=e["group_size"], module=e["module"], tensor=e["tensor"], why=e["why"],
                              dtype=getattr(torch, e["dtype"]), logical_bytes=sympy.sympify(e["bytes"], locals=locals_),
-                             stage=e["stage"], times=e["times"], behind=e.get("behind", ""))
+                             stage=e["stage"], times=e["times"], behind=e.get("behind", ""),
+                             transport=e.get("transport", PROCESS_GROUP))
                    for e in self.data["collectives"]]
         pipeline = self.data.get("pipeline")
         coordinates = {s["index"]: s["coordinate"] for s in pipeline["stages"]} if pipeline else None

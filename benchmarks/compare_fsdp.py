@@ -10,6 +10,8 @@ Each row runs on four local CPU processes (gloo, one thread each, `autopar.runti
 | zero2_fsdp | the same                             | FSDP2 as zero3's with reshard_after_forward=False (SHARD_GRAD_OP: |
 |       |                                           | one all-gather and one reduce-scatter per step, as ZeRO-2)   |
 | zero1 | `zero(stage=1)` on dp=4                   | DDP + `ZeroRedundancyOptimizer(AdamW)` (PyTorch's ZeRO-1)    |
+| zero2_shm, zero1_shm | the same with `transport="shared_memory"` | as zero2, zero1 (PyTorch has no shared-memory     |
+|       |                                           | transport for CPU tensors)                                   |
 
 Both programs start from the same weights (`torch.manual_seed(0)` before each is built) and
 train on the same global batch: autopar's module takes `module.local_batch(*global_batch)`
@@ -155,6 +157,7 @@ class Row:
     stage: int
     pytorch: Callable[[Settings, tuple, int], Program]
     pytorch_description: str
+    transport: str = "process_group"  # autopar's zero(transport=)
 
 
 ROWS = {
@@ -164,17 +167,20 @@ ROWS = {
     "zero2_fsdp": Row(2, pytorch_fsdp2_grad_op, "FSDP2 as zero3's, reshard_after_forward=False (FSDP's SHARD_GRAD_OP: "
                                                 "the same all-gather and reduce-scatter per step as ZeRO-2)"),
     "zero1": Row(1, pytorch_ddp_zero1, "DDP + ZeroRedundancyOptimizer(optimizer_class=AdamW)"),
+    "zero2_shm": Row(2, pytorch_ddp, "DDP, as zero2 (autopar's exchanges through shared memory, not gloo)",
+                     "shared_memory"),
+    "zero1_shm": Row(1, pytorch_ddp_zero1, "DDP + ZeroRedundancyOptimizer, as zero1 (autopar's exchanges through "
+                                           "shared memory)", "shared_memory"),
 }
 
 
 def autopar_side(row: Row, settings: Settings, global_batch: tuple) -> tuple[Program, int]:
     """autopar's program for this rank and the plan's static ledger total (bytes per step per rank)."""
     module = autopar.parallelize(build_model(settings), f"dp={WORLD_SIZE}",
-                                 strategies=[autopar.zero(stage=row.stage)], example_inputs=global_batch,
-                                 compile=settings.compile)
-    ledger = module.plan.comm
+                                 strategies=[autopar.zero(stage=row.stage, transport=row.transport)],
+                                 example_inputs=global_batch, compile=settings.compile)
     program = Program(module, adamw(module.parameters(), settings), module.local_batch(*global_batch))
-    return program, ledger.number(ledger.total())
+    return program, sum(nbytes for _, nbytes in module.plan.comm.by_key().values())  # through the process groups
 
 
 def live_tensors(*roots: Any) -> list[torch.Tensor]:

@@ -12,6 +12,8 @@ Each row runs on four local CPU processes (gloo, one thread each, `autopar.runti
 |         |                                         | on attn/mlp (torchtitan's Llama plan)                   |
 | dp2_tp2 | data_parallel + tensor_parallel on      | tp4's plan on mesh["tp"] + DDP on mesh["dp"]            |
 |         | dp=2,tp=2                               |                                                         |
+| dp4_shm | data_parallel(transport="shared_memory")| DistributedDataParallel, as dp4 (PyTorch has no shared- |
+|         | on dp=4                                 | memory transport for CPU tensors)                       |
 
 A training step is zero_grad, forward, backward and an AdamW step. Both programs start from the
 same weights (`torch.manual_seed(0)` on every rank before parallelizing) and train on the same
@@ -23,7 +25,8 @@ global batch; their steps alternate, so machine drift hits both alike (`measure`
   all-gather output, reduce-scatter input, all-to-all input, broadcast input), counted on the
   first, untimed step by `CollectiveBytes`, a dispatch mode defined here that sees classic c10d
   ops (DDP) and functional collectives (DTensor, autopar). autopar's step is also counted by
-  `autopar.measure.comm_counter.CommCounter` and shown next to its plan's static ledger.
+  `autopar.measure.comm_counter.CommCounter` and shown next to its plan's static ledger (its
+  entries through the process groups: a shared-memory transport's are in the ledger, not here).
 - Loss: the first-step loss of both programs (PyTorch's local losses averaged over ranks, which
   is the global-batch mean when the batch is split evenly), and the largest relative gap over all steps.
 
@@ -240,6 +243,8 @@ class Row:
 
 ROWS = {
     "dp4": Row("dp=4", lambda: [autopar.data_parallel()], pytorch_ddp, "DDP, batch slice per rank"),
+    "dp4_shm": Row("dp=4", lambda: [autopar.data_parallel(transport="shared_memory")], pytorch_ddp,
+                   "DDP, batch slice per rank (autopar's gradient all-reduce through shared memory, not gloo)"),
     "tp4": Row("tp=4", lambda: [autopar.tensor_parallel()], pytorch_tp,
                "parallelize_module: Colwise q/k/v/up, Rowwise o/down, vocab-parallel embed_tokens and lm_head"),
     "tp4_sp": Row("tp=4", lambda: [autopar.sequence_parallel()], functools.partial(pytorch_tp, sequence_parallel=True),
@@ -253,8 +258,8 @@ def autopar_side(row: Row, settings: Settings, global_batch: tuple) -> tuple[Ste
     """autopar's step for this rank and the plan's static ledger total (bytes per step per rank)."""
     module = autopar.parallelize(build_model(settings), row.mesh, strategies=row.strategies(),
                                  example_inputs=global_batch, compile=settings.compile)
-    ledger = module.plan.comm
-    return make_step(module, module.local_batch(*global_batch), lr=settings.lr), ledger.number(ledger.total())
+    through_groups = sum(nbytes for _, nbytes in module.plan.comm.by_key().values())  # not shared memory's
+    return make_step(module, module.local_batch(*global_batch), lr=settings.lr), through_groups
 
 
 def as_float(loss: torch.Tensor) -> float:

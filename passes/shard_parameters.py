@@ -28,13 +28,14 @@ import re
 import torch
 import torch.fx
 
-from autopar.comm_kinds import gradient_exchange_kind, parameter_gather_kind
+from autopar.comm_kinds import SHARED_MEMORY, gradient_exchange_kind, parameter_gather_kind
 from autopar.context import CompileContext
 from autopar.errors import PlanError
 from autopar.ir import ARG_SPECS, COLLECTIVE, LOCAL_ARGS, RULE, SPEC, local_shape, module_path
 from autopar.passes.insert_grad_reductions import GRAD_SYNC
 from autopar.program import Program
 from autopar.runtime import sharded_state
+from autopar.strategies.zero import ShardedState
 from autopar.zero_units import ShardUnit, UnitParam, rows_per_rank
 
 ZERO_UNIT = "autopar_zero_unit"  # on gather / getitem / boundary nodes: the unit's index
@@ -90,9 +91,17 @@ def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declar
                                 prefetch=declared.prefetch, backward_prefetch=declared.backward_prefetch,
                                 master_dtype=master,
                                 reduce_dtype=declared.reduce_dtype or dtype, pipeline_stage=stage,
-                                reduce_kind=gradient_exchange_kind(declared.reduce),
-                                gather_kind=parameter_gather_kind(declared.gather)), nodes))
+                                **_kinds(declared)), nodes))
     return units
+
+
+def _kinds(declared: ShardedState) -> dict[str, str]:
+    """The unit's reduce and gather kinds and their transport: through shared memory a reduce-scatter
+    and an all-gather (`runtime/shared_memory.py`), else as `comm_kinds` resolves the declared ones."""
+    if declared.transport == SHARED_MEMORY:
+        return {"reduce_kind": "reduce_scatter", "gather_kind": "all_gather", "transport": SHARED_MEMORY}
+    return {"reduce_kind": gradient_exchange_kind(declared.reduce),
+            "gather_kind": parameter_gather_kind(declared.gather)}
 
 
 def _graph_order(graph: torch.fx.Graph, order: dict[torch.fx.Node, int], wanted: list[torch.fx.Node]

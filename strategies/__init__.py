@@ -79,6 +79,8 @@ class Strategy:
     context: "ContextDeclaration | None" = None  # sequence shards and their attention (strategies/context.py)
     experts: "ExpertDeclaration | None" = None  # experts split over this axis, tokens exchanged (strategies/expert.py)
     regather_in_backward: bool = False  # all-gathers on this axis keep their input for backward, not output
+    # how gradient buckets over this axis (and ZeRO's exchanges on it) move: `comm_kinds.TRANSPORTS`
+    transport: str = "process_group"
     notes: tuple[str, ...] = ()  # what the strategy left out and why (e.g. a pattern it could not shard)
 
 
@@ -141,6 +143,19 @@ class ResolvedStrategy:
         found = [(s.axis, s.sharded_state) for axis in self.mesh.names for s in self._for_axis(axis)
                  if s.sharded_state is not None]
         return found[0] if found else None
+
+    def shared_memory_axes(self) -> frozenset[str]:
+        """The axes whose gradient buckets and ZeRO exchanges go through shared memory
+        (`transport="shared_memory"`); each must keep its groups inside one node."""
+        axes = frozenset(s.axis for axis in self.mesh.names for s in self._for_axis(axis)
+                         if s.transport == "shared_memory")
+        for axis in sorted(axes):
+            if self.mesh.link(axis) != "intra":
+                raise PlanError(f"transport='shared_memory' on axis {axis!r}, whose groups cross nodes "
+                                f"({self.mesh.ranks_per_node} ranks per node on mesh {self.mesh}); shared memory "
+                                f"joins the processes of one host only. fix: declare it on an axis inside a node, "
+                                f"or transport='process_group'")
+        return axes
 
     def pipeline(self) -> "tuple[str, PipelineDeclaration] | None":
         """(axis, declaration) of the pipeline strategy, if any (not on a size-1 axis)."""

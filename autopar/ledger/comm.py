@@ -26,7 +26,7 @@ import sympy
 import torch
 from tabulate import tabulate
 
-from autopar.comm_kinds import wire_bytes
+from autopar.comm_kinds import PROCESS_GROUP, SHARED_MEMORY, wire_bytes
 from autopar.ir import simplified
 from autopar.mesh import JOIN, Mesh
 from autopar.zero_units import refresh_groups
@@ -50,10 +50,20 @@ class CommEntry:
     # tensor-parallel input gradient's reduction issued before its linears' weight-gradient taps
     # (`passes/schedule_collectives.py`); the cost model hides it behind them
     behind: str = ""
+    # `comm_kinds.TRANSPORTS`: "shared_memory" moves through a shared-memory file of one host
+    # (`runtime/shared_memory.py`): no bytes on any network, none through the process group
+    transport: str = PROCESS_GROUP
 
     @property
     def wire_bytes(self) -> sympy.Expr:
+        if self.transport == SHARED_MEMORY:
+            return sympy.Integer(0)
         return wire_bytes(self.kind, self.group_size, self.logical_bytes)
+
+    @property
+    def path(self) -> str:
+        """The link it crosses: 'intra' or 'inter' node, or 'shm' (shared memory, no network)."""
+        return "shm" if self.transport == SHARED_MEMORY else self.link
 
 
 @dataclass
@@ -97,11 +107,15 @@ class CommLedger:
         here = self.mesh.coordinate(rank, self.pipeline_axis)
         return [e for e in self.entries if e.stage is None or self.stage_coordinates[e.stage] == here]
 
-    def by_key(self, *, rank: int | None = None) -> dict[tuple[str, str, str], tuple[int, int]]:
+    def by_key(self, *, rank: int | None = None, transport: str | None = PROCESS_GROUP
+               ) -> dict[tuple[str, str, str], tuple[int, int]]:
         """(phase, kind, axis) -> (calls, logical bytes as a number) per step: what `rank` should
-        measure (every stage's entries when rank is None)."""
+        measure (every stage's entries when rank is None) on `transport` (default: through the
+        process group, what its collectives count; None: every transport)."""
         result: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
         for e in (self.for_rank(rank) if rank is not None else self.entries):
+            if transport is not None and e.transport != transport:
+                continue
             row = result[(e.phase, e.kind, e.axis)]
             row[0] += e.times
             row[1] += e.times * self.number(e.logical_bytes)
@@ -111,9 +125,11 @@ class CommLedger:
         """by_key() for one optimizer step over `micro_batches` forward/backward passes. With
         `no_sync` (ParallelModule.no_sync around all but the last), gradients are reduced once and
         ZeRO-3 units are gathered once and kept, never re-gathered in backward; without it every
-        micro-batch repeats the step's gathers and reductions."""
+        micro-batch repeats the step's gathers and reductions. Through the process group only (as by_key)."""
         result: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
         for e in self.entries:
+            if e.transport != PROCESS_GROUP:
+                continue
             state = e.module.startswith(("unit ", "bucket "))
             calls = e.times  # per forward/backward pass (a gather by broadcasts: one per owner; a kernel's calls)
             if e.phase == "optimizer":
@@ -131,7 +147,7 @@ class CommLedger:
     def table(self) -> str:
         grouped: dict[tuple, list[CommEntry]] = defaultdict(list)
         for e in self.entries:
-            grouped[(e.stage, e.phase, e.module or "<top>", e.kind, e.axis, e.link)].append(e)
+            grouped[(e.stage, e.phase, e.module or "<top>", e.kind, e.axis, e.path)].append(e)
         staged = self.stage_coordinates is not None
         rows = []
         for (stage, phase, module, kind, axis, link), entries in grouped.items():
@@ -147,7 +163,7 @@ class CommLedger:
     def totals_table(self) -> str:
         rows = []
         for axis in sorted({e.axis for e in self.entries}):
-            link = next(e.link for e in self.entries if e.axis == axis)
+            link = "/".join(sorted({e.path for e in self.entries if e.axis == axis}))
             logical, wire = self.total(axis=axis), self.total(axis=axis, wire=True)
             rows.append([axis, link, self.count(axis=axis), str(logical), self.number(logical), self.number(wire)])
         logical, wire = self.total(), self.total(wire=True)
@@ -174,7 +190,7 @@ def _unit_entries(unit, entry, *, pipelined: bool) -> list[CommEntry]:
                                  logical, times=times))
     how = "" if unit.reduce_kind == "reduce_scatter" else " (exchanged whole, summed by each owner)"
     entries.append(entry("grad_sync", unit.reduce_kind, unit.axis, name, tensors,
-                         f"gradients to their owners{how}", unit.reduce_dtype, reduced))
+                         f"gradients to their owners{how}", unit.reduce_dtype, reduced, transport=unit.transport))
     for axis in unit.extra_axes:
         entries.append(entry("grad_sync", "all_reduce", axis, name, tensors, "gradient shard over a replicated axis",
                              unit.reduce_dtype, unit.shard_numel * unit.reduce_dtype.itemsize))
@@ -200,7 +216,7 @@ def _refresh_entries(units: list, entry) -> list[CommEntry]:
         tensors = ",".join(u.name or "<root>" for u in group[:3]) + ("..." if len(group) > 3 else "")
         entries.append(entry("optimizer", kind, first.axis, name, tensors,
                              f"ZeRO-{first.stage} updated parameters after the step{how}", first.dtype, logical,
-                             times=times))
+                             times=times, transport=first.transport))
     return entries
 
 
@@ -227,11 +243,12 @@ def build_comm_ledger(program: Any, mesh: Mesh, symbols: dict[sympy.Symbol, symp
     stage_index = 0
 
     def entry(phase: str, kind: str, axis: str, module: str, tensor: str, why: str, dtype: torch.dtype,
-              logical: sympy.Expr, *, times: int = 1, stage: int | None = -1, behind: str = "") -> CommEntry:
+              logical: sympy.Expr, *, times: int = 1, stage: int | None = -1, behind: str = "",
+              transport: str = PROCESS_GROUP) -> CommEntry:
         return CommEntry(phase=phase, kind=kind, axis=axis, link=mesh.link(axis), group_size=mesh.group_size(axis),
                          module=module, tensor=tensor, why=why, dtype=dtype,
                          logical_bytes=simplified(sympy.sympify(logical).subs(symbols)),
-                         stage=stage_index if stage == -1 else stage, times=times, behind=behind)
+                         stage=stage_index if stage == -1 else stage, times=times, behind=behind, transport=transport)
 
     entries = []
     for stage in program.stages:
@@ -256,7 +273,7 @@ def build_comm_ledger(program: Any, mesh: Mesh, symbols: dict[sympy.Symbol, symp
             for axis in bucket.axes:
                 entries.append(entry("grad_sync", "all_reduce", axis, name, ",".join(bucket.params[:3])
                                      + ("..." if len(bucket.params) > 3 else ""), "gradient synchronisation",
-                                     bucket.dtype, bucket.numel * bucket.dtype.itemsize))
+                                     bucket.dtype, bucket.numel * bucket.dtype.itemsize, transport=bucket.transport))
         for unit in stage.units:
             entries.extend(_unit_entries(unit, entry, pipelined=pipeline is not None))
         entries.extend(_refresh_entries(stage.units, entry))

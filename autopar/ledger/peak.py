@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import sympy
 
+from autopar.comm_kinds import SHARED_MEMORY
 from autopar.ir import SPEC, local_numel
 from autopar.ledger.activations import ZERO_UNIT
 from autopar.ledger.memory import (OPTIMIZER_STATE, ZERO1_EXCHANGES, ZERO_GRADIENT_SHARDS, MemoryLedger,
@@ -260,9 +261,11 @@ def largest_optimized(plan: Any, stages: list, optimizer: str) -> int:
 def _regather(units: list) -> int:
     """ZeRO-1/2 after the optimizer: one refresh group at a time (`refresh_groups`), its gathered
     buffer and, for an all-gather, the send buffer of the rank's shards; owners broadcast into
-    their rows of the gathered buffer."""
+    their rows of the gathered buffer. A shared-memory group gathers into rows held throughout."""
     largest = 0
     for group in refresh_groups(units):
+        if group[0].transport == SHARED_MEMORY:  # its rows are held (`memory._shared_memory_entries`)
+            continue
         row = sum(u.shard_numel for u in group) * group[0].dtype.itemsize
         largest = max(largest, group[0].group_size * row + (row if group[0].gather_kind == "all_gather" else 0))
     return largest

@@ -16,6 +16,11 @@ launched (its previous collective has had a bucket's worth of backward to finish
 of backward — a chain of asynchronous collectives, where waiting on every axis but the last
 held backward up at each bucket. Every rank advances the chains at the same points, so each
 process group sees the same order of collectives on every rank.
+
+Buckets over an axis declared `transport="shared_memory"` (`Bucket.transport`) live in this
+rank's row of a shared-memory file (`runtime/shared_memory.py`), one per axis and dtype: nothing
+is issued during backward, and the end-of-backward callback reduces all of them at once (a
+barrier, each rank summing its chunk into every row, a barrier) before the process-group waits.
 """
 from __future__ import annotations
 
@@ -23,7 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.comm_kinds import SHARED_MEMORY
 from autopar.runtime import progress
+from autopar.runtime.shared_memory import SharedMemoryGroup, require_cpu
 
 
 
@@ -33,6 +40,7 @@ class Bucket:
     dtype: torch.dtype
     params: tuple[str, ...]
     numel: int
+    transport: str = "process_group"  # or "shared_memory" (`autopar.runtime.shared_memory`)
 
 
 def plan_buckets(params: list[tuple[str, int, torch.dtype, tuple[str, ...]]], *, cap_bytes: int) -> list[Bucket]:
@@ -81,7 +89,9 @@ class GradSynchronizer:
             for fqn in bucket.params:
                 self._slot[fqn] = (index, offset)
                 offset += self.params[fqn].numel()
-        self._flat = [torch.zeros(b.numel, dtype=b.dtype, device=self.params[b.params[0]].device) for b in buckets]
+        self._flat = [torch.zeros(b.numel, dtype=b.dtype, device=self.params[b.params[0]].device)
+                      if b.transport != SHARED_MEMORY else None for b in buckets]
+        self._shared = self._shared_rows()  # bucket -> its SharedMemoryGroup (transport="shared_memory")
         self._ready: list[set[str]] = [set() for _ in buckets]
         self._launched: dict[int, torch.Tensor] = {}
         self._axes_issued: dict[int, int] = {}  # bucket -> its axes issued so far (a chain, module docstring)
@@ -89,6 +99,25 @@ class GradSynchronizer:
         self.enabled = True  # False under ParallelModule.no_sync: gradients accumulate in param.grad
         for fqn in self._slot:
             self.params[fqn].register_post_accumulate_grad_hook(self._make_hook(fqn))
+
+    def _shared_rows(self) -> dict[int, SharedMemoryGroup]:
+        """One shared-memory group per axis and dtype for the buckets declared on it: each bucket's
+        flat buffer becomes its slice of this rank's row, so backward writes the gradients where
+        the other ranks sum them (`runtime/shared_memory.py`)."""
+        keyed: dict[tuple, list[int]] = {}
+        for index, bucket in enumerate(self.buckets):
+            if bucket.transport == SHARED_MEMORY:
+                keyed.setdefault((bucket.axes[0], bucket.dtype), []).append(index)
+        shared = {}
+        for (axis, dtype), indices in keyed.items():
+            require_cpu(self.params[self.buckets[indices[0]].params[0]], f"the gradient buckets over {axis!r}")
+            group = SharedMemoryGroup(self.groups[axis], sum(self.buckets[i].numel for i in indices), dtype)
+            offset = 0
+            for index in indices:
+                self._flat[index] = group.row()[offset:offset + self.buckets[index].numel]
+                offset += self.buckets[index].numel
+                shared[index] = group
+        return shared
 
     def _view(self, fqn: str) -> torch.Tensor:
         index, offset = self._slot[fqn]
@@ -130,6 +159,9 @@ class GradSynchronizer:
         issued, axes = self._axes_issued[index], self.buckets[index].axes
         if issued == len(axes):
             return
+        if index in self._shared:  # reduced at the end of backward, all the group's buckets at once
+            self._launched[index], self._axes_issued[index] = None, issued + 1
+            return
         if issued:
             torch.ops._c10d_functional.wait_tensor(self._launched[index])
         self._launched[index] = torch.ops._c10d_functional.all_reduce_(self._flat[index], "sum",
@@ -157,8 +189,11 @@ class GradSynchronizer:
         while any(self._axes_issued[i] < len(self.buckets[i].axes) for i in self._axes_issued):
             for index in list(self._axes_issued):  # the chains' remaining axes, bucket by bucket in step
                 self._next_axis(index)
+        for group in {id(g): g for g in self._shared.values()}.values():
+            group.all_reduce()
         for index, pending in self._launched.items():
-            torch.ops._c10d_functional.wait_tensor(pending)
+            if pending is not None:
+                torch.ops._c10d_functional.wait_tensor(pending)
             for fqn in self.buckets[index].params:
                 self.params[fqn].grad = self._view(fqn)
         self._launched.clear()
