@@ -6,7 +6,8 @@ gradients are handed over when most activations are freed. Measured from outside
 (`benchmarks/planner_vs_measured.py`), the step's peak sits at one of these moments:
 
 - **backward starts**: what the rank always holds (`steady`: parameters, buffers, optimizer state,
-  persistent gradient buffers — data-parallel buckets, ZeRO-1's full-gradient buffer), every saved
+  persistent gradient buffers — data-parallel buckets, ZeRO-1's full-gradient buffer, the
+  shared-memory files of `transport="shared_memory"`), every saved
   activation, what the first backward ops allocate beyond them (`backward_working`, from a fake run:
   the loss's gradient over the vocabulary), ZeRO-3 units gathered then, a recomputed region's
   activations. Under a pipeline "activations" is the schedule's own peak (`schedules.peak_live`):
@@ -45,8 +46,8 @@ import sympy
 from autopar.comm_kinds import SHARED_MEMORY
 from autopar.ir import SPEC, local_numel
 from autopar.ledger.activations import ZERO_UNIT
-from autopar.ledger.memory import (OPTIMIZER_STATE, ZERO1_EXCHANGES, ZERO_GRADIENT_SHARDS, MemoryLedger,
-                                   _rank_placeholders, _schedule_inputs)
+from autopar.ledger.memory import (OPTIMIZER_STATE, SHARED_BUCKET_ROWS, SHARED_UNIT_ROWS, ZERO1_EXCHANGES,
+                                   ZERO_GRADIENT_SHARDS, MemoryLedger, _rank_placeholders, _schedule_inputs)
 from autopar.zero_units import refresh_groups
 
 
@@ -82,7 +83,8 @@ def moments(terms: PeakTerms) -> dict[str, int]:
     return result
 
 
-PERSISTENT_GRADIENTS = ("bucket buffers (gradients are views)", "ZeRO-1 full-gradient buffer")
+PERSISTENT_GRADIENTS = ("bucket buffers (gradients are views)", "ZeRO-1 full-gradient buffer", SHARED_BUCKET_ROWS,
+                        SHARED_UNIT_ROWS)
 GATHERED_AT_BACKWARD = ("ZeRO-3 units kept gathered forward to backward", "ZeRO-3 units gathered for the whole pipeline step")
 
 
@@ -208,10 +210,12 @@ def _pending_gradients(plan: Any, units: list, unit: Any) -> int:
 def _handed_and_laid_out(unit: Any) -> int:
     """A unit's gradients whole, as autograd hands them over, and laid out flat for its collective
     (twice when stages 2/3 exchange it by an all-to-all, launched there: the receive buffer is the
-    input's size; ZeRO-1 launches its reductions at the end of backward)."""
+    input's size; ZeRO-1 launches its reductions at the end of backward; not at all where stages
+    2/3 lay it out in their shared-memory row, held throughout)."""
     laid_out = unit.gathered_numel * unit.reduce_dtype.itemsize
-    return sum(math.prod(p.shape) for p in unit.params) * unit.dtype.itemsize + \
-        laid_out * (2 if unit.reduce_kind == "all_to_all" and unit.stage > 1 else 1)
+    copies = 0 if unit.transport == SHARED_MEMORY and unit.stage > 1 else (
+        2 if unit.reduce_kind == "all_to_all" and unit.stage > 1 else 1)
+    return sum(math.prod(p.shape) for p in unit.params) * unit.dtype.itemsize + laid_out * copies
 
 
 def _unit_positions(plan: Any, unit: Any) -> tuple[dict[str, int], list[int]]:
