@@ -85,7 +85,8 @@ import autopar  # noqa: E402
 from autopar.measure.comm_counter import CommCounter  # noqa: E402
 from benchmarks.compare_step_time import (KINDS, QUICK_DEFAULTS, WORLD_SIZE, CollectiveBytes,  # noqa: E402
                                           alternate_steps, as_float, batch_slice, build_model, compiled,
-                                          graphs_compiled, median_step_ms, mib, run_rows)
+                                          graphs_compiled, ledger_bytes, median_step_ms, mib)
+from benchmarks.row_runs import run_rows  # noqa: E402
 from examples.gpt import GPTConfig, example_batch  # noqa: E402
 
 TOTAL = "Total"  # MemTracker's key for the sum over categories
@@ -180,7 +181,7 @@ def autopar_side(row: Row, settings: Settings, global_batch: tuple) -> tuple[Pro
                                  strategies=[autopar.zero(stage=row.stage, transport=row.transport)],
                                  example_inputs=global_batch, compile=settings.compile)
     program = Program(module, adamw(module.parameters(), settings), module.local_batch(*global_batch))
-    return program, sum(nbytes for _, nbytes in module.plan.comm.by_key().values())  # through the process groups
+    return program, ledger_bytes(module)
 
 
 def live_tensors(*roots: Any) -> list[torch.Tensor]:
@@ -281,13 +282,13 @@ def measure(programs: dict[str, Program], settings: Settings) -> dict[str, dict[
 def run_row(rank: int, world_size: int, row_name: str, settings: Settings) -> dict[str, Any]:
     row = ROWS[row_name]
     global_batch = example_batch(settings.model, batch=settings.batch)
-    autopar_program, ledger_bytes = autopar_side(row, settings, global_batch)
+    autopar_program, ledger_total = autopar_side(row, settings, global_batch)
     programs = {"autopar": autopar_program, "pytorch": row.pytorch(settings, global_batch, rank)}
     graphs: dict[str, int] = {}
     for name, program in programs.items():
         program.step = graphs_compiled(program.step, graphs, name)
     results = measure(programs, settings)
-    results["autopar"]["ledger_bytes"] = ledger_bytes
+    results["autopar"]["ledger_bytes"] = ledger_total
     if settings.compile:
         results["autopar"]["graphs"] = graphs
     return results
@@ -401,7 +402,8 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, list[str], 
 
 def main() -> None:
     settings, rows, timeout_s = parse_settings()
-    print_report(run_rows(rows, settings, timeout_s=timeout_s, run=run_row, summarize=summarize_row, columns=13),
+    print_report(run_rows(rows, settings, timeout_s=timeout_s, run=run_row, summarize=summarize_row, columns=13,
+                          world_size=WORLD_SIZE),
                  rows, settings)
 
 

@@ -74,8 +74,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples`, `ben
 
 import autopar  # noqa: E402
 from benchmarks.compare_fsdp import Program, adamw, memory_step, ratio, track_program  # noqa: E402
-from benchmarks.compare_step_time import (alternate_steps, as_float, build_model, median_step_ms, mib,  # noqa: E402
-                                          run_rows)
+from benchmarks.compare_step_time import alternate_steps, as_float, build_model, median_step_ms, mib  # noqa: E402
+from benchmarks.row_runs import run_rows  # noqa: E402
 from examples.gpt import GPT, GPTConfig, example_batch  # noqa: E402
 
 

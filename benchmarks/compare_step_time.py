@@ -12,8 +12,7 @@ Each row runs on four local CPU processes (gloo, one thread each, `autopar.runti
 |         |                                         | on attn/mlp (torchtitan's Llama plan)                   |
 | dp2_tp2 | data_parallel + tensor_parallel on      | tp4's plan on mesh["tp"] + DDP on mesh["dp"]            |
 |         | dp=2,tp=2                               |                                                         |
-| dp4_shm | data_parallel(transport="shared_memory")| DistributedDataParallel, as dp4 (PyTorch has no shared- |
-|         | on dp=4                                 | memory transport for CPU tensors)                       |
+| dp4_shm | dp4 with transport="shared_memory"      | as dp4 (PyTorch has no shared-memory CPU transport)     |
 
 A training step is zero_grad, forward, backward and an AdamW step. Both programs start from the
 same weights (`torch.manual_seed(0)` on every rank before parallelizing) and train on the same
@@ -25,8 +24,7 @@ global batch; their steps alternate, so machine drift hits both alike (`measure`
   all-gather output, reduce-scatter input, all-to-all input, broadcast input), counted on the
   first, untimed step by `CollectiveBytes`, a dispatch mode defined here that sees classic c10d
   ops (DDP) and functional collectives (DTensor, autopar). autopar's step is also counted by
-  `autopar.measure.comm_counter.CommCounter` and shown next to its plan's static ledger (its
-  entries through the process groups: a shared-memory transport's are in the ledger, not here).
+  `autopar.measure.comm_counter.CommCounter` and shown next to its plan's ledger (`ledger_bytes`).
 - Loss: the first-step loss of both programs (PyTorch's local losses averaged over ranks, which
   is the global-batch mean when the batch is split evenly), and the largest relative gap over all steps.
 
@@ -68,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` is no
 
 import autopar  # noqa: E402
 from autopar.measure.comm_counter import CommCounter  # noqa: E402
-from autopar.runtime.launch import launch  # noqa: E402
+from benchmarks.row_runs import run_rows  # noqa: E402
 from examples.gpt import GPT, GPTConfig, example_batch  # noqa: E402
 
 WORLD_SIZE = 4
@@ -258,8 +256,13 @@ def autopar_side(row: Row, settings: Settings, global_batch: tuple) -> tuple[Ste
     """autopar's step for this rank and the plan's static ledger total (bytes per step per rank)."""
     module = autopar.parallelize(build_model(settings), row.mesh, strategies=row.strategies(),
                                  example_inputs=global_batch, compile=settings.compile)
-    through_groups = sum(nbytes for _, nbytes in module.plan.comm.by_key().values())  # not shared memory's
-    return make_step(module, module.local_batch(*global_batch), lr=settings.lr), through_groups
+    return make_step(module, module.local_batch(*global_batch), lr=settings.lr), ledger_bytes(module)
+
+
+def ledger_bytes(module: torch.nn.Module) -> int:
+    """The plan's static ledger: bytes per step per rank through the process groups (what the
+    counters see; a shared-memory transport's entries are in the ledger, not among them)."""
+    return sum(nbytes for _, nbytes in module.plan.comm.by_key().values())
 
 
 def as_float(loss: torch.Tensor) -> float:
@@ -338,7 +341,7 @@ def run_row(rank: int, world_size: int, row_name: str, settings: Settings) -> di
     """One rank of one row: build both programs, measure them, return per-rank results and notes."""
     row = ROWS[row_name]
     global_batch = example_batch(settings.model, batch=settings.batch)
-    autopar_step, ledger_bytes = autopar_side(row, settings, global_batch)
+    autopar_step, ledger_total = autopar_side(row, settings, global_batch)
     steps, notes = {"autopar": autopar_step}, []
     try:
         steps["pytorch"] = row.pytorch(settings, global_batch, rank)
@@ -346,7 +349,7 @@ def run_row(rank: int, world_size: int, row_name: str, settings: Settings) -> di
         notes.append(f"PyTorch side failed to build: {type(error).__name__}: {error}")
     graphs: dict[str, int] = {}
     results = measure({name: graphs_compiled(step, graphs, name) for name, step in steps.items()}, settings, notes)
-    results["autopar"]["ledger_bytes"] = ledger_bytes
+    results["autopar"]["ledger_bytes"] = ledger_total
     if settings.compile:
         notes.append("graphs dynamo compiled on rank 0: " + ", ".join(f"{name} {n}" for name, n in graphs.items()))
     return {"sides": results, "notes": notes}
@@ -430,33 +433,6 @@ def print_report(summaries: list[tuple[list[Any], list[list[Any]], list[str]]], 
         print("\nNotes:\n" + "\n".join(f"- {note}" for note in notes))
 
 
-def failure_reason(text: str, *, limit: int = 400) -> str:
-    """The exception line of the last traceback in `text` and what follows it, on one line."""
-    lines = text.strip().splitlines()
-    exception_lines = [i for i, line in enumerate(lines) if re.match(r"^[\w.]+(Error|Exception)\b", line)]
-    start = exception_lines[-1] if exception_lines else len(lines) - 1
-    return " ".join(line.strip() for line in lines[start:])[:limit]
-
-
-def run_rows(row_names: list[str], settings: Any, *, timeout_s: float, run: Callable | None = None,
-             summarize: Callable | None = None, columns: int = 9, world_size: int = WORLD_SIZE) -> list[tuple]:
-    """Each row on `world_size` processes (`run`, default this file's run_row), summarised; a failed
-    row becomes `columns` n/a cells and a note."""
-    run, summarize = run or run_row, summarize or summarize_row
-    summaries = []
-    for row_name in row_names:
-        start = time.perf_counter()
-        try:
-            ranks = launch(run, world_size, row_name, settings, timeout_s=timeout_s)
-        except RuntimeError as error:
-            summaries.append(([row_name, *["n/a"] * columns], [], [f"{row_name}: failed: {failure_reason(str(error))}"]))
-            print(f"{row_name}: failed in {time.perf_counter() - start:.0f} s", flush=True)
-            continue
-        summaries.append(summarize(row_name, ranks))
-        print(f"{row_name}: done in {time.perf_counter() - start:.0f} s", flush=True)
-    return summaries
-
-
 QUICK_DEFAULTS = {"layers": 2, "d_model": 32, "heads": 4, "d_ff": 128, "seq_len": 16, "vocab": 128, "warmup": 1,
                   "steps": 3}
 
@@ -495,7 +471,8 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, list[str], 
 
 def main() -> None:
     settings, rows, timeout_s = parse_settings()
-    print_report(run_rows(rows, settings, timeout_s=timeout_s), rows, settings)
+    print_report(run_rows(rows, settings, timeout_s=timeout_s, run=run_row, summarize=summarize_row,
+                          world_size=WORLD_SIZE), rows, settings)
 
 
 if __name__ == "__main__":

@@ -78,8 +78,8 @@ import autopar  # noqa: E402
 from autopar.measure.comm_counter import CommCounter  # noqa: E402
 from autopar.runtime.launch import launch  # noqa: E402
 from benchmarks.compare_fsdp import MEMORY_CATEGORIES, Program, memory_step, ratio, track_program  # noqa: E402
-from benchmarks.compare_step_time import (alternate_steps, as_float, batch_slice, failure_reason,  # noqa: E402
-                                          median_step_ms, mib)
+from benchmarks.compare_step_time import alternate_steps, as_float, batch_slice, median_step_ms, mib  # noqa: E402
+from benchmarks.row_runs import failure_reason  # noqa: E402
 from examples.gpt import example_batch  # noqa: E402
 from examples.moe import Experts, MoEConfig, MoEGPT, grouped_mm  # noqa: E402
 

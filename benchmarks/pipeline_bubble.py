@@ -78,7 +78,8 @@ from autopar.ledger.bubble import (build_bubble_ledger, measured_fractions, meas
 from autopar.runtime.launch import launch  # noqa: E402
 from autopar.views.timeline import render_timeline  # noqa: E402
 from benchmarks.compare_pipeline import GPTStage, token_cross_entropy  # noqa: E402
-from benchmarks.compare_step_time import alternate_steps, build_model, failure_reason  # noqa: E402
+from benchmarks.compare_step_time import alternate_steps, build_model  # noqa: E402
+from benchmarks.row_runs import failure_reason  # noqa: E402
 from examples.gpt import GPTConfig, example_batch  # noqa: E402
 
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1}
