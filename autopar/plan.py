@@ -248,8 +248,16 @@ def _stage_buckets(stage: Stage, context: CompileContext, mesh: Mesh, cap_bytes:
             numel = math.prod(local_shape(spec.tensor_meta.shape, spec.placements, mesh.shape))
             params.append((info.target, numel, spec.tensor_meta.dtype, mesh.sync_keys(node.meta.get(GRAD_SYNC, ()))))
     shared = context.strategy.shared_memory_axes()
-    return [replace(b, transport=SHARED_MEMORY) if len(b.axes) == 1 and b.axes[0] in shared else b
+    return [replace(b, transport=SHARED_MEMORY) if _through_shared_memory(b, shared) else b
             for b in plan_buckets(params, cap_bytes=cap_bytes)]
+
+
+def _through_shared_memory(bucket: Bucket, shared: frozenset[str]) -> bool:
+    """A bucket reduced over one group whose axes include one declared `transport="shared_memory"`:
+    the axis alone, or joined with others of its link in one flattened group (`dp+cp`,
+    `Mesh.sync_keys`; on the declared axis's link, so inside a node). A chain of groups (a
+    sub-group, another link) stays on the process group, as its ledger entries say."""
+    return len(bucket.axes) == 1 and any(axis in shared for axis in bucket.axes[0].split("+"))
 
 
 def _with_param_dtype(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:

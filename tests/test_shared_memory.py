@@ -37,6 +37,9 @@ CASES = {
     # the dp groups are {0, 2} and {1, 3}: an owner's rank in its group is not its global rank
     "zero2_dp2_tp2": ("dp=2,tp=2", lambda: [autopar.zero(stage=2, transport=SHARED_MEMORY),
                                             autopar.tensor_parallel()]),
+    # the gradients are partial over dp and cp: one bucket over the flattened group dp+cp (Mesh.sync_keys)
+    "dp2_cp2": ("dp=2,cp=2", lambda: [autopar.data_parallel(transport=SHARED_MEMORY),
+                                      autopar.context_parallel()]),
 }
 
 
@@ -57,10 +60,11 @@ def test_shared_memory_transport_matches_single_device(case):
     assert _files() == before, "a shared-memory file was left in /dev/shm"
     plan = autopar.plan(build(), mesh, strategies=strategies(), example_inputs=batches[0])
     shared = {(e.phase, e.kind) for e in plan.comm.entries if e.transport == SHARED_MEMORY}
-    expected = {"dp4": {("grad_sync", "all_reduce")}}.get(
+    expected = {"dp4": {("grad_sync", "all_reduce")}, "dp2_cp2": {("grad_sync", "all_reduce")}}.get(
         case, {("grad_sync", "reduce_scatter"), ("optimizer", "all_gather")})
     assert shared == expected
     assert all(e.wire_bytes == 0 and e.path == "shm" for e in plan.comm.entries if e.transport == SHARED_MEMORY)
+    assert not [e for e in plan.comm.entries if e.phase == "grad_sync" and e.transport != SHARED_MEMORY]
 
 
 @pytest.mark.timeout(300)
@@ -126,6 +130,32 @@ def test_a_rank_gone_astray_ends_the_job_with_its_name(how, message):
         launch(_one_rank_goes_astray, 2, how, timeout_s=60, deadline_s=90)
     if how == "exits":  # found by its pid, not at the 60 s timeout
         assert time.monotonic() - started < 30
+
+
+def _waits_for_a_late_rank(rank, world, late_s):
+    group = dist.new_group(list(range(world)))
+    rows = shared_memory.SharedMemoryGroup(group.group_name, 8, torch.float32, timeout_s=60)
+    rows.barrier()
+    if rank == 1:
+        time.sleep(late_s)
+        rows.row().fill_(1.0)
+    cpu, wall = time.process_time(), time.monotonic()
+    rows.barrier()
+    waited = {"cpu_s": time.process_time() - cpu, "wall_s": time.monotonic() - wall}
+    seen = rows.rows[1].sum().item()
+    rows.barrier()
+    return {**waited, "seen": seen}
+
+
+@pytest.mark.timeout(120)
+def test_a_waiting_rank_sleeps_and_wakes_when_the_last_one_arrives():
+    """Rank 0 waits 2 s in a barrier for rank 1: it sleeps (its process CPU time, counted by the
+    OS, is a small part of the wait; polling with sched_yield spent all 2 s on the CPU) and then
+    sees what rank 1 wrote before arriving."""
+    first, _ = launch(_waits_for_a_late_rank, 2, 2.0, timeout_s=60)
+    assert first["wall_s"] > 1.5
+    assert first["cpu_s"] < 0.1 * first["wall_s"], first
+    assert first["seen"] == 8.0
 
 
 def test_shared_memory_is_refused_where_it_cannot_run():
