@@ -30,7 +30,7 @@ from autopar.context import CompileContext
 from autopar.errors import PlanError
 from autopar.ir import SPEC, local_shape, shard_dim
 from autopar.ledger.comm import CommLedger, build_comm_ledger
-from autopar.mesh import Mesh, release_planning_caches
+from autopar.mesh import JOIN, Mesh, release_planning_caches
 from autopar.passes import PassRecord, default_passes, run_passes
 from autopar.passes.emit_rank_graph import emit_rank_graph
 from autopar.passes.insert_grad_reductions import GRAD_SYNC
@@ -248,16 +248,17 @@ def _stage_buckets(stage: Stage, context: CompileContext, mesh: Mesh, cap_bytes:
             numel = math.prod(local_shape(spec.tensor_meta.shape, spec.placements, mesh.shape))
             params.append((info.target, numel, spec.tensor_meta.dtype, mesh.sync_keys(node.meta.get(GRAD_SYNC, ()))))
     shared = context.strategy.shared_memory_axes()
-    return [replace(b, transport=SHARED_MEMORY) if _through_shared_memory(b, shared) else b
+    return [replace(b, transport=SHARED_MEMORY) if _through_shared_memory(b, shared, mesh) else b
             for b in plan_buckets(params, cap_bytes=cap_bytes)]
 
 
-def _through_shared_memory(bucket: Bucket, shared: frozenset[str]) -> bool:
+def _through_shared_memory(bucket: Bucket, shared: frozenset[str], mesh: Mesh) -> bool:
     """A bucket reduced over one group whose axes include one declared `transport="shared_memory"`:
     the axis alone, or joined with others of its link in one flattened group (`dp+cp`,
     `Mesh.sync_keys`; on the declared axis's link, so inside a node). A chain of groups (a
     sub-group, another link) stays on the process group, as its ledger entries say."""
-    return len(bucket.axes) == 1 and any(axis in shared for axis in bucket.axes[0].split("+"))
+    return (len(bucket.axes) == 1 and any(axis in shared for axis in bucket.axes[0].split(JOIN))
+            and mesh.link(bucket.axes[0]) == "intra")
 
 
 def _with_param_dtype(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:

@@ -132,6 +132,32 @@ def test_a_rank_gone_astray_ends_the_job_with_its_name(how, message):
         assert time.monotonic() - started < 30
 
 
+def _wakes_the_other(rank, world, late_s):
+    from autopar.runtime import futex
+
+    group = dist.new_group(list(range(world)))
+    rows = shared_memory.SharedMemoryGroup(group.group_name, 8, torch.float32, timeout_s=60)
+    word = rows.row().data_ptr() if rank == 1 else rows.rows[1].data_ptr()
+    rows.barrier()
+    if rank == 1:
+        time.sleep(late_s)
+        rows.row()[0] = 1.0  # the word's bits change
+        futex.wake(word)
+        return None
+    started = time.monotonic()
+    futex.wait(word, 0, 20.0)  # the word still holds 0.0's bits, unless rank 1 was quicker
+    return time.monotonic() - started
+
+
+@pytest.mark.timeout(120)
+def test_futex_wakes_a_sleeper_in_another_process():
+    """A rank sleeping on a word of the shared file with a 20 s timeout returns once the other
+    process changes the word and wakes it (0.5 s later), not at the timeout: the two processes'
+    futex keys match (a file mapping shared, not private)."""
+    waited, _ = launch(_wakes_the_other, 2, 0.5, timeout_s=60)
+    assert waited < 10.0, waited
+
+
 def _waits_for_a_late_rank(rank, world, late_s):
     group = dist.new_group(list(range(world)))
     rows = shared_memory.SharedMemoryGroup(group.group_name, 8, torch.float32, timeout_s=60)
@@ -156,6 +182,19 @@ def test_a_waiting_rank_sleeps_and_wakes_when_the_last_one_arrives():
     assert first["wall_s"] > 1.5
     assert first["cpu_s"] < 0.1 * first["wall_s"], first
     assert first["seen"] == 8.0
+
+
+def test_a_chain_of_groups_stays_on_the_process_group():
+    """dp inside a node, cp across nodes: a gradient partial over both is reduced over dp, then cp
+    (two groups on different links, `Mesh.sync_keys`); shared memory joins one host's ranks only,
+    so neither goes through it, and the ledger says so."""
+    mesh = autopar.Mesh.parse("cp=2,dp=2", ranks_per_node=2)
+    plan = autopar.plan(GPT(CONFIG), mesh, strategies=[autopar.data_parallel(transport=SHARED_MEMORY),
+                                                       autopar.context_parallel()],
+                        example_inputs=example_batch(CONFIG, batch=8))
+    syncs = [e for e in plan.comm.entries if e.phase == "grad_sync"]
+    assert {e.axis for e in syncs} == {"dp", "cp"}
+    assert all(e.transport != SHARED_MEMORY for e in syncs)
 
 
 def test_shared_memory_is_refused_where_it_cannot_run():

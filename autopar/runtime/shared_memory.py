@@ -73,9 +73,10 @@ class SharedMemoryGroup:
         if platform.machine().lower() not in ORDERED_STORES:
             raise RuntimeError(f"transport='shared_memory' relies on x86's store order (a rank's rows visible before "
                                f"its flag) and this machine is {platform.machine()}; use transport='process_group'")
-        if sys.platform != "linux":
-            raise RuntimeError(f"transport='shared_memory' runs on Linux (futex, /dev/shm), not {sys.platform}; "
-                               f"use transport='process_group'")
+        if sys.platform != "linux" or sys.maxsize < 2**63 - 1:
+            raise RuntimeError(f"transport='shared_memory' runs in 64-bit processes on Linux (futex, /dev/shm), not "
+                               f"{sys.platform} ({'64' if sys.maxsize >= 2**63 - 1 else '32'}-bit); use "
+                               f"transport='process_group'")
         group = _resolve_process_group(group_name)
         self.rank, self.size, self.numel = dist.get_rank(group), group.size(), numel
         self.timeout_s = timeout_s if timeout_s is not None else _group_timeout(group)
@@ -85,6 +86,11 @@ class SharedMemoryGroup:
         # each rank's cache line: [generation, tag of odd generations, tag of even ones, pid]
         self._flags = whole[:header].view(torch.int64).view(self.size, FLAG_BYTES // 8)
         self._flags[self.rank, _PID] = os.getpid()
+        try:  # a system without futex (a sandbox that filters it) fails here, at setup, not mid-step
+            futex.wake(self._generation_word(self.rank))
+        except OSError as error:
+            raise SharedMemoryError(f"transport='shared_memory' sleeps on futex and this system refuses it ({error}); "
+                                    f"use transport='process_group'") from None
         self.rows = whole[header:].view(dtype).view(self.size, numel)
         self._generation = 0
 
