@@ -3,12 +3,13 @@ shared-memory barrier (`shared_memory.SharedMemoryGroup.barrier`).
 
 A rank that reaches a barrier before the others used to poll their flags with `sched_yield`; on a
 machine with more ranks than cores the pollers kept taking time slices from the ranks still
-computing (on this 2-core machine, 4 ranks: a data-parallel step 157-160 ms polling against
-~150 ms sleeping). Here it sleeps in the kernel on the flag's word instead (`wait`), and a rank
-that changes its flag wakes the sleepers on it (`wake`): the kernel compares the word with the
-value the sleeper last read before it sleeps, so a change made in between is never missed. The
-words are in a file mapped shared by every rank (not FUTEX_PRIVATE). Python has no futex call,
-so this one goes through libc's `syscall` (x86-64's number; the transport runs only on x86).
+computing (on this 2-core machine, 4 ranks, back-to-back runs of compare_step_time.py's dp4_shm row:
+a step of 163-175 ms polling against 159-160 ms sleeping). Here it sleeps in the kernel on the
+flag's word instead (`wait`), and a rank that changes its flag wakes the sleepers on it (`wake`):
+the kernel compares the word with the value the sleeper last read before it sleeps, so a change made
+in between is never missed. The words are in a file mapped shared by every rank (not FUTEX_PRIVATE).
+Python has no futex call, so this one goes through libc's `syscall` (x86-64's number; the transport
+runs only in 64-bit processes on x86-64 Linux, `SharedMemoryGroup` checks).
 """
 from __future__ import annotations
 
