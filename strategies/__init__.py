@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import Placement
 
+from autopar.comm_kinds import SHARED_MEMORY
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
 from autopar.strategies.token_shard import TokenShard
@@ -148,7 +149,7 @@ class ResolvedStrategy:
         """The axes whose gradient buckets and ZeRO exchanges go through shared memory
         (`transport="shared_memory"`); each must keep its groups inside one node."""
         axes = frozenset(s.axis for axis in self.mesh.names for s in self._for_axis(axis)
-                         if s.transport == "shared_memory")
+                         if s.transport == SHARED_MEMORY)
         for axis in sorted(axes):
             if self.mesh.link(axis) != "intra":
                 raise PlanError(f"transport='shared_memory' on axis {axis!r}, whose groups cross nodes "

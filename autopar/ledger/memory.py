@@ -40,6 +40,7 @@ from tabulate import tabulate
 
 from autopar.comm_kinds import SHARED_MEMORY
 from autopar.ir import SPEC, local_numel
+from autopar.runtime.grad_sync import shared_bucket_files
 from autopar.runtime.shared_memory import FLAG_BYTES, unit_row_bytes
 
 ZERO1_EXCHANGES = "ZeRO-1 all-to-all receive buffers at the end of backward (every unit)"
@@ -157,11 +158,9 @@ def _shared_memory_entries(plan: Any, stages: list) -> list[MemoryEntry]:
     its buckets and one per axis of its ZeRO units (`runtime/shared_memory.SharedExchanges`)."""
     entries = []
     for stage in stages:
-        rows: dict[tuple, int] = defaultdict(int)
-        for bucket in (b for b in stage.buckets if b.transport == SHARED_MEMORY):
-            rows[(bucket.axes[0], bucket.dtype)] += bucket.numel * bucket.dtype.itemsize
-        for key, row in rows.items():
-            n = plan.mesh.group_size(key[0])
+        for (key, dtype), indices in shared_bucket_files(stage.buckets).items():
+            row = sum(stage.buckets[i].numel for i in indices) * dtype.itemsize
+            n = plan.mesh.group_size(key)
             entries.append(MemoryEntry("gradients", SHARED_BUCKET_ROWS, sympy.Integer((n - 1) * row + n * FLAG_BYTES)))
         for axis, row in unit_row_bytes(stage.units).items():
             n = plan.mesh.group_size(axis)

@@ -43,6 +43,16 @@ class Bucket:
     transport: str = "process_group"  # or "shared_memory" (`autopar.runtime.shared_memory`)
 
 
+def shared_bucket_files(buckets: "list[Bucket]") -> dict[tuple[str, torch.dtype], list[int]]:
+    """(group key, dtype) -> the buckets through shared memory laid out side by side in each rank's
+    row of one file, in launch order: the file layout `GradSync` maps and the memory ledger counts."""
+    files: dict[tuple[str, torch.dtype], list[int]] = {}
+    for index, bucket in enumerate(buckets):
+        if bucket.transport == SHARED_MEMORY:
+            files.setdefault((bucket.axes[0], bucket.dtype), []).append(index)
+    return files
+
+
 def plan_buckets(params: list[tuple[str, int, torch.dtype, tuple[str, ...]]], *, cap_bytes: int) -> list[Bucket]:
     """params: (fqn, local numel, dtype, axes) in graph order. Returns buckets in launch order."""
     buckets: list[Bucket] = []
@@ -104,12 +114,8 @@ class GradSynchronizer:
         """One shared-memory group per axis and dtype for the buckets declared on it: each bucket's
         flat buffer becomes its slice of this rank's row, so backward writes the gradients where
         the other ranks sum them (`runtime/shared_memory.py`)."""
-        keyed: dict[tuple, list[int]] = {}
-        for index, bucket in enumerate(self.buckets):
-            if bucket.transport == SHARED_MEMORY:
-                keyed.setdefault((bucket.axes[0], bucket.dtype), []).append(index)
         shared = {}
-        for (axis, dtype), indices in keyed.items():
+        for (axis, dtype), indices in shared_bucket_files(self.buckets).items():
             require_cpu(self.params[self.buckets[indices[0]].params[0]], f"the gradient buckets over {axis!r}")
             group = SharedMemoryGroup(self.groups[axis], sum(self.buckets[i].numel for i in indices), dtype)
             offset = 0
