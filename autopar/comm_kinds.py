@@ -29,6 +29,8 @@ its row of the gathered buffer (`BROADCASTS_FOR_ALL_GATHER`).
 from __future__ import annotations
 
 import functools
+import platform
+import sys
 
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -132,11 +134,43 @@ def gradient_exchange_kind(declared: str, backend: str | None = None) -> str:
 # declared with `data_parallel(transport=)` / `zero(transport=)`; its ledger entries say so).
 PROCESS_GROUP, SHARED_MEMORY = "process_group", "shared_memory"
 TRANSPORTS = (PROCESS_GROUP, SHARED_MEMORY)
+AUTO_TRANSPORT = "auto"  # the default: `transport_kind` picks one of TRANSPORTS per axis
+
+# Backends whose collectives between the ranks of one host are slower than a shared-memory file:
+# gloo moves them through loopback TCP (two kernel copies a byte, a ring of 2(n-1) steps, each
+# waiting for its peer to be scheduled). On this project's 2-core machine, 4 ranks, the example
+# GPT's data-parallel step (13.4 MiB of gradients) took 0.87-0.92x DDP's time through shared memory
+# and 1.00-1.02x through gloo (benchmarks/compare_step_time.py, 2026-12-05). An MPI's shared-memory
+# transport and NCCL's SHM/P2P ones are what such a job would get there by default, too.
+SHARED_MEMORY_BACKENDS = ("gloo",)
+ORDERED_STORES = ("x86_64", "amd64")  # machines whose stores become visible to others in program order
+
+
+def shared_memory_unsupported() -> str | None:
+    """Why this machine cannot run the shared-memory transport (`runtime/shared_memory.py` relies on
+    x86's store order, Linux's futex and /dev/shm, a 64-bit process), or None where it can."""
+    if platform.machine().lower() not in ORDERED_STORES:
+        return f"it relies on x86's store order (a rank's rows visible before its flag) and this is {platform.machine()}"
+    if sys.platform != "linux" or sys.maxsize < 2**63 - 1:
+        return (f"it runs in 64-bit processes on Linux (futex, /dev/shm), not {sys.platform} "
+                f"({'64' if sys.maxsize >= 2**63 - 1 else '32'}-bit)")
+    return None
 
 
 def check_transport(strategy: str, transport: str) -> None:
-    if transport not in TRANSPORTS:
-        raise PlanError(f"{strategy}(transport={transport!r}): choose one of {', '.join(TRANSPORTS)}")
+    if transport not in (AUTO_TRANSPORT, *TRANSPORTS):
+        raise PlanError(f"{strategy}(transport={transport!r}): choose one of {AUTO_TRANSPORT}, {', '.join(TRANSPORTS)}")
+
+
+def transport_kind(declared: str, backend: str | None = None) -> str:
+    """PROCESS_GROUP or SHARED_MEMORY for a declared transport: "auto" picks shared memory on a
+    backend of SHARED_MEMORY_BACKENDS (the initialised process group's, or `backend`) on a machine
+    that runs it, and the process group otherwise or when planning without one. Only for an axis
+    whose groups stay inside one node (`ResolvedStrategy.shared_memory_axes`)."""
+    if declared != AUTO_TRANSPORT:
+        return declared
+    fast = (backend or runtime_backend()) in SHARED_MEMORY_BACKENDS and shared_memory_unsupported() is None
+    return SHARED_MEMORY if fast else PROCESS_GROUP
 
 
 def _bind_peer(value: Any, mesh: Mesh, rank: int, groups: dict[str, str]) -> int:

@@ -4,7 +4,8 @@ Each row runs on four local CPU processes (gloo, one thread each, `autopar.runti
 
 | row     | autopar                                 | PyTorch                                                 |
 |---------|-----------------------------------------|---------------------------------------------------------|
-| dp4     | data_parallel on dp=4                   | DistributedDataParallel on the rank's batch slice       |
+| dp4     | data_parallel on dp=4 (transport "auto":| DistributedDataParallel on the rank's batch slice       |
+|         | its buckets through shared memory here) |                                                         |
 | tp4     | tensor_parallel on tp=4                 | parallelize_module: Colwise q/k/v/up, Rowwise o/down,   |
 |         |                                         | vocab-parallel embed_tokens, Colwise lm_head with       |
 |         |                                         | loss_parallel                                           |
@@ -12,7 +13,7 @@ Each row runs on four local CPU processes (gloo, one thread each, `autopar.runti
 |         |                                         | on attn/mlp (torchtitan's Llama plan)                   |
 | dp2_tp2 | data_parallel + tensor_parallel on      | tp4's plan on mesh["tp"] + DDP on mesh["dp"]            |
 |         | dp=2,tp=2                               |                                                         |
-| dp4_shm | dp4 with transport="shared_memory"      | as dp4 (PyTorch has no shared-memory CPU transport)     |
+| dp4_gloo| dp4 with transport="process_group"      | as dp4                                                  |
 
 A training step is zero_grad, forward, backward and an AdamW step. Both programs start from the
 same weights (`torch.manual_seed(0)` on every rank before parallelizing) and train on the same
@@ -240,9 +241,10 @@ class Row:
 
 
 ROWS = {
-    "dp4": Row("dp=4", lambda: [autopar.data_parallel()], pytorch_ddp, "DDP, batch slice per rank"),
-    "dp4_shm": Row("dp=4", lambda: [autopar.data_parallel(transport="shared_memory")], pytorch_ddp,
-                   "DDP, batch slice per rank (autopar's gradient all-reduce through shared memory, not gloo)"),
+    "dp4": Row("dp=4", lambda: [autopar.data_parallel()], pytorch_ddp,
+               "DDP, batch slice per rank (autopar's default transport: its gradient all-reduce through shared memory)"),
+    "dp4_gloo": Row("dp=4", lambda: [autopar.data_parallel(transport="process_group")], pytorch_ddp,
+                    "DDP, batch slice per rank (autopar's gradient all-reduce through gloo, as DDP's)"),
     "tp4": Row("tp=4", lambda: [autopar.tensor_parallel()], pytorch_tp,
                "parallelize_module: Colwise q/k/v/up, Rowwise o/down, vocab-parallel embed_tokens and lm_head"),
     "tp4_sp": Row("tp=4", lambda: [autopar.sequence_parallel()], functools.partial(pytorch_tp, sequence_parallel=True),

@@ -91,14 +91,15 @@ def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declar
                                 prefetch=declared.prefetch, backward_prefetch=declared.backward_prefetch,
                                 master_dtype=master,
                                 reduce_dtype=declared.reduce_dtype or dtype, pipeline_stage=stage,
-                                **_kinds(declared)), nodes))
+                                **_kinds(declared, shared=axis in ctx.strategy.shared_memory_axes())), nodes))
     return units
 
 
-def _kinds(declared: ShardedState) -> dict[str, str]:
-    """The unit's reduce and gather kinds and their transport: through shared memory a reduce-scatter
-    and an all-gather (`runtime/shared_memory.py`), else as `comm_kinds` resolves the declared ones."""
-    if declared.transport == SHARED_MEMORY:
+def _kinds(declared: ShardedState, *, shared: bool) -> dict[str, str]:
+    """The unit's reduce and gather kinds and their transport: on an axis through shared memory
+    (`ResolvedStrategy.shared_memory_axes`) a reduce-scatter and an all-gather
+    (`runtime/shared_memory.py`), else as `comm_kinds` resolves the declared ones."""
+    if shared:
         return {"reduce_kind": "reduce_scatter", "gather_kind": "all_gather", "transport": SHARED_MEMORY}
     return {"reduce_kind": gradient_exchange_kind(declared.reduce),
             "gather_kind": parameter_gather_kind(declared.gather)}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import Shard
 
-from autopar.comm_kinds import SHARED_MEMORY, check_transport
+from autopar.comm_kinds import AUTO_TRANSPORT, PROCESS_GROUP, SHARED_MEMORY, check_transport
 from autopar.errors import PlanError
 from autopar.strategies import InputRule, Strategy
 from autopar.strategies.data_parallel import data_parallel
@@ -45,14 +45,14 @@ class ShardedState:
     reduce_dtype: torch.dtype | None = None  # gradients reduce-scattered in this dtype (default param_dtype)
     reduce: str = "auto"  # how gradients reach their owners: "reduce_scatter", "all_to_all" or "auto"
     gather: str = "auto"  # how shards are gathered: "all_gather", "broadcast" or "auto"
-    transport: str = "process_group"  # or "shared_memory" (stages 1/2): reductions and gathers through it
+    transport: str = "process_group"  # or "shared_memory" (stages 1/2): reductions and gathers through it; "auto"
 
 
 def zero(*, stage: int, axis: str = "dp", batch_dim: int = 0, reshard_after_forward: bool = True,
          prefetch: bool = True, backward_prefetch: bool = False, reshard_root: bool = False,
          units: tuple[str, ...] | list[str] | None = None,
          param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-         reduce: str = "auto", gather: str = "auto", transport: str = "process_group") -> Strategy:
+         reduce: str = "auto", gather: str = "auto", transport: str = "auto") -> Strategy:
     """ZeRO stage 1, 2 or 3 on `axis` (which is then also the data-parallel axis).
 
     Mixed precision: `param_dtype=torch.bfloat16` traces and runs the model with bf16 parameters
@@ -81,7 +81,9 @@ def zero(*, stage: int, axis: str = "dp", batch_dim: int = 0, reshard_after_forw
     its row and each owner sums its shard's column; each owner writes its updated shards into its
     row and every rank copies the rows into its parameters. `reduce` and `gather` stay "auto" then.
     Stage 3 gathers each unit while the previous one computes, which this synchronous transport
-    cannot, and refuses it.
+    cannot, and refuses it. `transport="auto"` (default) is shared memory where `data_parallel`'s
+    would be (an axis inside one node, a gloo job: `autopar.comm_kinds.transport_kind`) at stages
+    1 and 2 with `reduce` and `gather` left "auto", and the process group otherwise.
 
     `backward_prefetch` is off by default: it holds two gathered blocks at the start of backward,
     where activations peak, and bought no time on CPU gloo (benchmarks/compare_fsdp.py: peak
@@ -94,6 +96,8 @@ def zero(*, stage: int, axis: str = "dp", batch_dim: int = 0, reshard_after_forw
     if gather not in REFRESHES:
         raise PlanError(f"zero(gather={gather!r}): choose one of {', '.join(REFRESHES)}")
     check_transport("zero", transport)
+    if transport == AUTO_TRANSPORT and (stage == 3 or reduce != "auto" or gather != "auto"):
+        transport = PROCESS_GROUP  # what shared memory cannot carry (below) stays on the process group
     if transport == SHARED_MEMORY and (stage == 3 or reduce != "auto" or gather != "auto"):
         raise PlanError(f"zero(stage={stage}, transport='shared_memory', reduce={reduce!r}, gather={gather!r}): "
                         f"shared memory carries the reductions and gathers of stages 1 and 2 itself; fix: stage=1 "

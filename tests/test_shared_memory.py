@@ -207,5 +207,5 @@ def test_shared_memory_is_refused_where_it_cannot_run():
         autopar.zero(stage=3, transport=SHARED_MEMORY)
     with pytest.raises(autopar.PlanError, match="reduce and gather left 'auto'"):
         autopar.zero(stage=2, transport=SHARED_MEMORY, reduce="all_to_all")
-    with pytest.raises(autopar.PlanError, match="choose one of process_group, shared_memory"):
+    with pytest.raises(autopar.PlanError, match="choose one of auto, process_group, shared_memory"):
         autopar.data_parallel(transport="shm")

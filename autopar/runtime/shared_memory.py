@@ -40,9 +40,7 @@ one has failed to; only a rank 0 killed within those milliseconds leaves it behi
 from __future__ import annotations
 
 import os
-import platform
 import socket
-import sys
 import time
 import uuid
 
@@ -50,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from autopar.comm_kinds import SHARED_MEMORY
+from autopar.comm_kinds import SHARED_MEMORY, shared_memory_unsupported
 from autopar.runtime import futex
 from autopar.zero_units import ShardUnit, refresh_groups
 
@@ -63,20 +61,15 @@ class SharedMemoryError(RuntimeError):
     """A shared-memory exchange cannot go on: a rank missing, exited or out of step, or no file."""
 _WAIT_SLICE_S = 0.02  # a sleeping rank wakes at least this often to look for exited ranks and its timeout
 DIRECTORY = "/dev/shm"
-ORDERED_STORES = ("x86_64", "amd64")  # machines whose stores become visible to others in program order
 
 
 class SharedMemoryGroup:
     """One row of `numel` elements of `dtype` per rank of the process group `group_name`."""
 
     def __init__(self, group_name: str, numel: int, dtype: torch.dtype, *, timeout_s: float | None = None) -> None:
-        if platform.machine().lower() not in ORDERED_STORES:
-            raise RuntimeError(f"transport='shared_memory' relies on x86's store order (a rank's rows visible before "
-                               f"its flag) and this machine is {platform.machine()}; use transport='process_group'")
-        if sys.platform != "linux" or sys.maxsize < 2**63 - 1:
-            raise RuntimeError(f"transport='shared_memory' runs in 64-bit processes on Linux (futex, /dev/shm), not "
-                               f"{sys.platform} ({'64' if sys.maxsize >= 2**63 - 1 else '32'}-bit); use "
-                               f"transport='process_group'")
+        unsupported = shared_memory_unsupported()
+        if unsupported:
+            raise RuntimeError(f"transport='shared_memory' cannot run here: {unsupported}; use transport='process_group'")
         group = _resolve_process_group(group_name)
         self.rank, self.size, self.numel = dist.get_rank(group), group.size(), numel
         self.timeout_s = timeout_s if timeout_s is not None else _group_timeout(group)
