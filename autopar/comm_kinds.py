@@ -150,7 +150,8 @@ def shared_memory_unsupported() -> str | None:
     """Why this machine cannot run the shared-memory transport (`runtime/shared_memory.py` relies on
     x86's store order, Linux's futex and /dev/shm, a 64-bit process), or None where it can."""
     if platform.machine().lower() not in ORDERED_STORES:
-        return f"it relies on x86's store order (a rank's rows visible before its flag) and this is {platform.machine()}"
+        return (f"it relies on x86's store order (a rank's rows visible before its flag) and this is "
+                f"{platform.machine()}")
     if sys.platform != "linux" or sys.maxsize < 2**63 - 1:
         return (f"it runs in 64-bit processes on Linux (futex, /dev/shm), not {sys.platform} "
                 f"({'64' if sys.maxsize >= 2**63 - 1 else '32'}-bit)")

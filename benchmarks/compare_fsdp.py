@@ -12,8 +12,9 @@ Each row runs on four local CPU processes (gloo, one thread each, `autopar.runti
 | zero1 | `zero(stage=1)` on dp=4                   | DDP + `ZeroRedundancyOptimizer(AdamW)` (PyTorch's ZeRO-1)    |
 | zero2_gloo, zero1_gloo | the same with `transport="process_group"` | as zero2, zero1                                |
 
-zero2 and zero1 take zero()'s default transport, "auto": on this gloo machine their exchanges go
-through shared memory (`autopar.comm_kinds.transport_kind`); the _gloo rows through gloo, as PyTorch's.
+zero2, zero2_fsdp and zero1 take zero()'s default transport, "auto": on this gloo machine their
+exchanges go through shared memory (`autopar.comm_kinds.transport_kind`); the _gloo rows through
+gloo, as PyTorch's.
 
 Both programs start from the same weights (`torch.manual_seed(0)` before each is built) and
 train on the same global batch: autopar's module takes `module.local_batch(*global_batch)`
@@ -382,7 +383,8 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, list[str], 
     parser.add_argument("--batch", type=int, default=8, help="global batch")
     parser.add_argument("--warmup", type=int, default=2,
                         help="untimed steps (>= 2; the first is counted, the second measures memory)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--steps", type=int, default=10,
+                        help="timed steps (their median; 5 read ±4%% between runs here)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck row is abandoned")
     parser.add_argument("--compile", action="store_true",
                         help="both sides through torch.compile (inductor); the counted and the memory steps "

@@ -242,7 +242,7 @@ class Row:
 
 ROWS = {
     "dp4": Row("dp=4", lambda: [autopar.data_parallel()], pytorch_ddp,
-               "DDP, batch slice per rank (autopar's default transport: its gradient all-reduce through shared memory)"),
+               "DDP, batch slice per rank (autopar's default transport: its gradients through shared memory)"),
     "dp4_gloo": Row("dp=4", lambda: [autopar.data_parallel(transport="process_group")], pytorch_ddp,
                     "DDP, batch slice per rank (autopar's gradient all-reduce through gloo, as DDP's)"),
     "tp4": Row("tp=4", lambda: [autopar.tensor_parallel()], pytorch_tp,
@@ -451,7 +451,8 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, list[str], 
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--batch", type=int, default=8, help="global batch")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (>= 1; the first is counted)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--steps", type=int, default=10,
+                        help="timed steps (their median; 5 read ±4%% between runs here)")
     parser.add_argument("--no-loss-parallel", action="store_true", help="PyTorch lm_head gathers the logits")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck row is abandoned")
     parser.add_argument("--compile", action="store_true",

@@ -16,8 +16,9 @@ barrier (after it, what every rank wrote before it is visible), reads, and passe
 - `all_reduce(numel)`: every rank's row becomes the sum of all rows. Rank r adds chunk r of the
   other rows into rank 0's row, in rank order (the bits of `ordered_sum`), and copies the sum into
   chunk r of the other rows: each chunk is summed once, so every replica gets the same bits (no
-  separate sum buffer: in a back-to-back run, 4 ranks, 13.4 MiB, 8.0 against 10.5 ms with one). A data-parallel gradient bucket *is* its
-  rank's slice of its row (backward writes the gradients where the others read them).
+  separate sum buffer: in a back-to-back run, 4 ranks, 13.4 MiB, 8.0 against 10.5 ms with one).
+  A data-parallel gradient bucket *is* its rank's slice of its row (backward writes the gradients
+  where the others read them).
 - `SharedExchanges`: ZeRO-1/2's reduce-scatter of a unit's gradients (each owner sums its shard's
   column of every row) and all-gather of the updated shards (every rank copies every row).
 Measured alone (4 ranks, 13.4 MiB fp32, median of 15): the all-reduce 4.3 ms when the values are
@@ -70,7 +71,8 @@ class SharedMemoryGroup:
     def __init__(self, group_name: str, numel: int, dtype: torch.dtype, *, timeout_s: float | None = None) -> None:
         unsupported = shared_memory_unsupported()
         if unsupported:
-            raise RuntimeError(f"transport='shared_memory' cannot run here: {unsupported}; use transport='process_group'")
+            raise RuntimeError(f"transport='shared_memory' cannot run here: {unsupported}; use "
+                               f"transport='process_group'")
         group = _resolve_process_group(group_name)
         self.rank, self.size, self.numel = dist.get_rank(group), group.size(), numel
         self.timeout_s = timeout_s if timeout_s is not None else _group_timeout(group)
