@@ -131,7 +131,8 @@ def gradient_exchange_kind(declared: str, backend: str | None = None) -> str:
 
 # How a declared collective moves: through the process group (gloo, NCCL), or, for the ranks of one
 # host, through a shared-memory file (`autopar/runtime/shared_memory.py`: no bytes on any network;
-# declared with `data_parallel(transport=)` / `zero(transport=)`; its ledger entries say so).
+# `data_parallel(transport=)` / `zero(transport=)`, "auto" by default: `transport_kind`; the
+# ledger entries say which).
 PROCESS_GROUP, SHARED_MEMORY = "process_group", "shared_memory"
 TRANSPORTS = (PROCESS_GROUP, SHARED_MEMORY)
 AUTO_TRANSPORT = "auto"  # the default: `transport_kind` picks one of TRANSPORTS per axis

@@ -239,7 +239,8 @@ def _check_microbatch_divides(strategy: ResolvedStrategy, mesh: Mesh, declared: 
 
 
 def _stage_buckets(stage: Stage, context: CompileContext, mesh: Mesh, cap_bytes: int) -> list[Bucket]:
-    """The stage's gradient buckets; those over one axis declared `transport="shared_memory"` go through it."""
+    """The stage's gradient buckets; those over an axis through shared memory (declared, or "auto"
+    on gloo: `ResolvedStrategy.shared_memory_axes`) go through it."""
     params = []
     for node in stage.graph_module.graph.nodes:
         info = context.placeholders.get(node.name)
@@ -253,7 +254,7 @@ def _stage_buckets(stage: Stage, context: CompileContext, mesh: Mesh, cap_bytes:
 
 
 def _through_shared_memory(bucket: Bucket, shared: frozenset[str], mesh: Mesh) -> bool:
-    """A bucket reduced over one group whose axes include one declared `transport="shared_memory"`:
+    """A bucket reduced over one group whose axes include one through shared memory:
     the axis alone, or joined with others of its link in one flattened group (`dp+cp`,
     `Mesh.sync_keys`; on the declared axis's link, so inside a node). A chain of groups (a
     sub-group, another link) stays on the process group, as its ledger entries say."""

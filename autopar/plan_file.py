@@ -135,7 +135,7 @@ def _entry_data(entry: CommEntry, ledger: CommLedger) -> dict[str, Any]:
 
 def _transport(item: Any) -> dict[str, str]:
     """A ledger entry's, bucket's or unit's transport, written only where it is not the process group
-    (files of plans without `transport="shared_memory"` read as before)."""
+    (files of plans with nothing through shared memory read as before)."""
     return {"transport": item.transport} if item.transport != PROCESS_GROUP else {}
 
 

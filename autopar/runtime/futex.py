@@ -3,8 +3,9 @@ shared-memory barrier (`shared_memory.SharedMemoryGroup.barrier`).
 
 A rank that reaches a barrier before the others used to poll their flags with `sched_yield`; on a
 machine with more ranks than cores the pollers kept taking time slices from the ranks still
-computing (on this 2-core machine, 4 ranks, back-to-back runs of compare_step_time.py's dp4_shm row:
-a step of 163-175 ms polling against 159-160 ms sleeping). Here it sleeps in the kernel on the
+computing (on this 2-core machine, 4 ranks, back-to-back runs of compare_step_time.py's dp4 row
+through shared memory, then named dp4_shm: a step of 163-175 ms polling against 159-160 ms
+sleeping). Here it sleeps in the kernel on the
 flag's word instead (`wait`), and a rank that changes its flag wakes the sleepers on it (`wake`):
 the kernel compares the word with the value the sleeper last read before it sleeps, so a change made
 in between is never missed. The words are in a file mapped shared by every rank (not FUTEX_PRIVATE).

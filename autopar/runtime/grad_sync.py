@@ -17,10 +17,11 @@ of backward — a chain of asynchronous collectives, where waiting on every axis
 held backward up at each bucket. Every rank advances the chains at the same points, so each
 process group sees the same order of collectives on every rank.
 
-Buckets over an axis declared `transport="shared_memory"` (`Bucket.transport`) live in this
+Buckets through shared memory (`Bucket.transport`: declared, or "auto" on gloo) live in this
 rank's row of a shared-memory file (`runtime/shared_memory.py`), one per axis and dtype: nothing
 is issued during backward, and the end-of-backward callback reduces all of them at once (a
-barrier, each rank summing its chunk into every row, a barrier) before the process-group waits.
+barrier, each rank summing its chunk into rank 0's row and copying it into the others', a
+barrier) before the process-group waits.
 """
 from __future__ import annotations
 

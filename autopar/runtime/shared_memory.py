@@ -4,10 +4,11 @@ gloo moves every byte through loopback TCP even between processes of one machine
 all-reduce over 4 ranks on this 2-core machine takes 24-28 ms alone and 45-55 ms inside a
 training step, because the kernel copies each byte twice and gloo's threads compete with the
 ranks' compute for the cores. NCCL reaches the ranks of one GPU host through shared memory or
-NVLink; PyTorch ships no such path for CPU tensors, so this file is one. It runs only where a
-strategy declares it (`transport="shared_memory"` on `data_parallel` / `zero`), on an axis whose
-groups stay inside a node (checked at plan time, and here against the host and the file), for
-CPU tensors on x86.
+NVLink; PyTorch ships no such path for CPU tensors, so this file is one. It runs where a
+strategy declares it (`transport="shared_memory"` on `data_parallel` / `zero`) or where their
+default, "auto", picks it (a gloo job: `comm_kinds.transport_kind`), on an axis whose groups stay
+inside a node (checked at plan time, and here against the host and the file), for CPU tensors on
+x86.
 
 `SharedMemoryGroup` maps one file in /dev/shm into every rank of a process group: a cache line of
 flags per rank and one row of `numel` elements per rank. Every exchange writes rows, passes a
@@ -60,7 +61,12 @@ _GENERATION, _PID = 0, 3  # int64 slots of a rank's line (1 and 2: the tags of o
 
 
 class SharedMemoryError(RuntimeError):
-    """A shared-memory exchange cannot go on: a rank missing, exited or out of step, or no file."""
+    """A shared-memory exchange cannot go on: no file, no room, a host or device it cannot serve."""
+
+
+class SharedMemoryPeerError(SharedMemoryError):
+    """A barrier cannot complete: a rank of the group exited, did not arrive in time, or is out of
+    step (a distributed failure: `runtime/progress.py` reports where every rank was)."""
 _WAIT_SLICE_S = 0.02  # a sleeping rank wakes at least this often to look for exited ranks and its timeout
 DIRECTORY = "/dev/shm"
 
@@ -114,8 +120,9 @@ class SharedMemoryGroup:
             deadline = self._check_waiting(deadline)
         tags = self._flags[:, slot].tolist()
         if any(t != tag for t in tags):
-            raise SharedMemoryError(f"shared-memory barrier {self._generation}: the ranks are out of step, exchanging "
-                                    f"{tags} (rank order); every rank must run the same exchanges in the same order")
+            raise SharedMemoryPeerError(f"shared-memory barrier {self._generation}: the ranks are out of step, "
+                                        f"exchanging {tags} (rank order); every rank must run the same exchanges "
+                                        f"in the same order")
 
     def _generation_word(self, rank: int) -> int:
         """The address of `rank`'s generation (its low 32 bits: the futex word it is woken on)."""
@@ -131,13 +138,13 @@ class SharedMemoryGroup:
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
-                raise SharedMemoryError(f"shared-memory barrier {self._generation}: rank {rank} of the group (pid "
-                                        f"{pid}) has exited") from None
+                raise SharedMemoryPeerError(f"shared-memory barrier {self._generation}: rank {rank} of the group "
+                                            f"(pid {pid}) has exited") from None
             except PermissionError:
                 pass
         if now > deadline:
-            raise SharedMemoryError(f"shared-memory barrier {self._generation}: ranks {missing} of the group did not "
-                                    f"arrive within {self.timeout_s:.0f} s (one failed or is stuck)")
+            raise SharedMemoryPeerError(f"shared-memory barrier {self._generation}: ranks {missing} of the group "
+                                        f"did not arrive within {self.timeout_s:.0f} s (one failed or is stuck)")
         return deadline
 
     def all_reduce(self, numel: int | None = None) -> None:
@@ -218,8 +225,9 @@ def _create(path: str, nbytes: int) -> None:
 def _not_shared(path: str, nbytes: int, host: str) -> str:
     """Why this rank cannot map rank 0's file, or "" when it can."""
     if host != socket.gethostname():
-        return (f"transport='shared_memory' joins host {socket.gethostname()!r} with rank 0's {host!r}; declare it "
-                f"only on an axis whose groups stay inside one node (ranks_per_node)")
+        return (f"transport='shared_memory' joins host {socket.gethostname()!r} with rank 0's {host!r}: the plan "
+                f"took the axis to stay inside one node. Give the node size (parallelize(ranks_per_node=...), or "
+                f"launch with torchrun, which sets LOCAL_WORLD_SIZE), or declare transport='process_group'")
     try:
         found = os.stat(path).st_size
     except FileNotFoundError:
