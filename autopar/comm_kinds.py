@@ -161,17 +161,22 @@ def shared_memory_unsupported() -> str | None:
 
 def check_transport(strategy: str, transport: str) -> None:
     if transport not in (AUTO_TRANSPORT, *TRANSPORTS):
-        raise PlanError(f"{strategy}(transport={transport!r}): choose one of {AUTO_TRANSPORT}, {', '.join(TRANSPORTS)}")
+        raise PlanError(f"{strategy}(transport={transport!r}): choose one of "
+                        f"{', '.join((AUTO_TRANSPORT, *TRANSPORTS))}")
 
 
 def transport_kind(declared: str, backend: str | None = None) -> str:
     """PROCESS_GROUP or SHARED_MEMORY for a declared transport: "auto" picks shared memory on a
     backend of SHARED_MEMORY_BACKENDS (the initialised process group's, or `backend`) on a machine
     that runs it, and the process group otherwise or when planning without one. Only for an axis
-    whose groups stay inside one node (`ResolvedStrategy.shared_memory_axes`)."""
+    whose groups stay inside one node (`ResolvedStrategy.shared_memory_axes`). A backend per device
+    ("cpu:gloo,cuda:nccl", what `init_process_group()` picks on a GPU machine) is not gloo here: its
+    parameters may be on a GPU, which the shared rows cannot hold."""
     if declared != AUTO_TRANSPORT:
         return declared
-    fast = (backend or runtime_backend()) in SHARED_MEMORY_BACKENDS and shared_memory_unsupported() is None
+    if backend is None and dist.is_available() and dist.is_initialized():
+        backend = dist.get_backend()
+    fast = backend in SHARED_MEMORY_BACKENDS and shared_memory_unsupported() is None
     return SHARED_MEMORY if fast else PROCESS_GROUP
 
 

@@ -61,6 +61,7 @@ def _inside(node: torch.fx.Node, unit_name: str) -> bool:
 def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declared, *, first: int,
                 stage: int) -> list[tuple[ShardUnit, list]]:
     size = ctx.mesh.size(axis)
+    shared = axis in ctx.strategy.shared_memory_axes()
     groups: dict[tuple, list[tuple[UnitParam, torch.fx.Node]]] = {}
     for node in gm.graph.nodes:
         info = ctx.placeholders.get(node.name)
@@ -91,7 +92,7 @@ def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declar
                                 prefetch=declared.prefetch, backward_prefetch=declared.backward_prefetch,
                                 master_dtype=master,
                                 reduce_dtype=declared.reduce_dtype or dtype, pipeline_stage=stage,
-                                **_kinds(declared, shared=axis in ctx.strategy.shared_memory_axes())), nodes))
+                                **_kinds(declared, shared=shared)), nodes))
     return units
 
 

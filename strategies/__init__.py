@@ -152,8 +152,9 @@ class ResolvedStrategy:
         inside one node where `comm_kinds.transport_kind` picks it (gloo on this machine)."""
         axes = set()
         for axis in self.mesh.names:
-            for declared in {s.transport for s in self._for_axis(axis)}:
-                inside = self.mesh.link(axis) == "intra"
+            declarations = {s.transport for s in self._for_axis(axis)}
+            inside = bool(declarations) and self.mesh.link(axis) == "intra"
+            for declared in declarations:
                 if declared == SHARED_MEMORY and not inside:
                     raise PlanError(f"transport='shared_memory' on axis {axis!r}, whose groups cross nodes "
                                     f"({self.mesh.ranks_per_node} ranks per node on mesh {self.mesh}); shared memory "

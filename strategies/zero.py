@@ -96,9 +96,10 @@ def zero(*, stage: int, axis: str = "dp", batch_dim: int = 0, reshard_after_forw
     if gather not in REFRESHES:
         raise PlanError(f"zero(gather={gather!r}): choose one of {', '.join(REFRESHES)}")
     check_transport("zero", transport)
-    if transport == AUTO_TRANSPORT and (stage == 3 or reduce != "auto" or gather != "auto"):
-        transport = PROCESS_GROUP  # what shared memory cannot carry (below) stays on the process group
-    if transport == SHARED_MEMORY and (stage == 3 or reduce != "auto" or gather != "auto"):
+    carried = stage in (1, 2) and reduce == "auto" and gather == "auto"  # what shared memory can carry
+    if transport == AUTO_TRANSPORT and not carried:
+        transport = PROCESS_GROUP
+    if transport == SHARED_MEMORY and not carried:
         raise PlanError(f"zero(stage={stage}, transport='shared_memory', reduce={reduce!r}, gather={gather!r}): "
                         f"shared memory carries the reductions and gathers of stages 1 and 2 itself; fix: stage=1 "
                         f"or 2 with reduce and gather left 'auto', or transport='process_group' for stage 3 (its "

@@ -33,6 +33,8 @@ def _transports(mesh, strategies) -> set[tuple[str, str, str]]:
 def test_auto_resolves_by_backend_and_machine():
     assert transport_kind("auto", backend="gloo") == HERE
     assert transport_kind("auto", backend="nccl") == PROCESS_GROUP
+    # init_process_group()'s default on a GPU machine: its parameters may be on the GPU
+    assert transport_kind("auto", backend="cpu:gloo,cuda:nccl") == PROCESS_GROUP
     assert transport_kind(PROCESS_GROUP, backend="gloo") == PROCESS_GROUP
     assert transport_kind(SHARED_MEMORY, backend="nccl") == SHARED_MEMORY
     assert autopar.data_parallel().transport == autopar.zero(stage=2).transport == "auto"
