@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import PlanError
+from autopar.job_hosts import check_node_size, job_hosts, node_size
 from autopar.mesh import Mesh
 from autopar.plan import Plan, plan
 from autopar.plan_once import (agree_on_plan_file, fingerprint, load_runnable_plan, obtain_plan, save_runnable_plan,
@@ -42,10 +43,12 @@ def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | Non
     if not dist.is_initialized():
         raise RuntimeError("autopar.parallelize needs an initialised process group (run under torchrun, or call "
                            "torch.distributed.init_process_group first); use autopar.plan to plan without one")
-    if ranks_per_node is None and "LOCAL_WORLD_SIZE" in os.environ:  # torchrun knows the node size
-        ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     compile_options = _compile_options(compile, dynamic=bool(dynamic_dims))
-    parsed = Mesh.parse(mesh, ranks_per_node=ranks_per_node) if mesh is not None else None
+    if mesh is not None and plan_file is None and cluster is None:
+        parsed = _job_mesh(mesh, ranks_per_node)
+    else:  # a plan file's mesh says its node size itself; a given mesh is only compared with it
+        node = ranks_per_node if ranks_per_node is not None else _torchrun_node_size()
+        parsed = Mesh.parse(mesh, ranks_per_node=node) if mesh is not None else None
     options = {"dynamic_dims": dynamic_dims, "bucket_cap_mb": bucket_cap_mb}
     if cluster is not None:
         return _parallelize_on(model, _job_cluster(cluster, parsed, strategies, plan_file, dynamic_dims, bucket_cap_mb),
@@ -68,6 +71,26 @@ def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | Non
     return _module(the_plan, timing, model, dynamic_dims, compile_options)
 
 
+def _torchrun_node_size() -> int | None:
+    return int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
+
+
+def _job_mesh(mesh: "Mesh | str | dict[str, int]", ranks_per_node: int | None) -> Mesh:
+    """The mesh with this job's node size: as declared (the mesh's `;node=`, `ranks_per_node=`,
+    torchrun's LOCAL_WORLD_SIZE, in that order) and checked against the ranks' hosts, or, where
+    none is declared, read off the hosts (`autopar/job_hosts.py`)."""
+    sources = [("the mesh's ;node=", Mesh.parse(mesh).ranks_per_node), ("ranks_per_node=", ranks_per_node),
+               ("torchrun's LOCAL_WORLD_SIZE", _torchrun_node_size())]
+    source, declared = next(((name, size) for name, size in sources if size is not None), (None, None))
+    parsed = Mesh.parse(mesh, ranks_per_node=declared)
+    parsed.check_world_size(dist.get_world_size())
+    hosts = job_hosts()
+    if declared is None:
+        return Mesh.parse(parsed, ranks_per_node=node_size(hosts))
+    check_node_size(declared, hosts, source)
+    return parsed
+
+
 def _job_cluster(cluster: Any, mesh: "Mesh | None", strategies: Sequence[Any] | None, plan_file: Any,
                  dynamic_dims: dict | None, bucket_cap_mb: float) -> Any:
     """`cluster=`'s cluster, refused with what to change where it cannot describe this job (the
@@ -84,6 +107,7 @@ def _job_cluster(cluster: Any, mesh: "Mesh | None", strategies: Sequence[Any] | 
         raise PlanError(f"cluster {chosen.label} has {chosen.world_size} ranks but this job has "
                         f"{dist.get_world_size()}\n  fix: describe the job's machines (autopar.Cluster(nodes=, "
                         f"gpus_per_node=, ...)), or launch {chosen.world_size} ranks")
+    check_node_size(min(chosen.gpus_per_node, chosen.world_size), job_hosts(), f"cluster {chosen.label}")
     return chosen
 
 

@@ -99,7 +99,7 @@ def _plan(args: argparse.Namespace, *, explain: bool = False):
     mesh = Mesh.parse(args.mesh, ranks_per_node=args.node)
     strategies = strategies_for(args.strategy, mesh, _pipeline_options(args), _context_options(args))
     return plan(model, mesh, strategies=strategies + _recompute_option(args), example_inputs=inputs,
-                dynamic_dims=_symbolic(args.symbolic), explain=explain)
+                dynamic_dims=_symbolic(args.symbolic), explain=explain, backend=args.backend)
 
 
 def _recompute_option(args: argparse.Namespace) -> list[Any]:
@@ -264,6 +264,9 @@ def _planning_arguments(command: argparse.ArgumentParser) -> None:
     command.add_argument("--mesh", help="axes, e.g. dp=2,tp=2 (plan --auto chooses them)")
     command.add_argument("--strategy", help="comma-separated: " + ", ".join(STRATEGY_NAMES))
     command.add_argument("--node", type=int, help="ranks per node (axes spanning nodes are 'inter')")
+    command.add_argument("--backend", choices=("gloo", "nccl"),
+                         help="plan as a job on this process-group backend: transport 'auto' resolves as there "
+                              "(gloo: shared memory inside a node on this machine); default: the process group")
     command.add_argument("--symbolic", help="symbolic input dims, e.g. b=0,s=1")
     command.add_argument("--schedule", help="pp: gpipe, 1f1b, interleaved_1f1b or zb_h1 (default 1f1b)")
     command.add_argument("--microbatches", type=int, help="pp: micro-batches per step (default 4)")

@@ -291,7 +291,7 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | None" = No
          strategies: Sequence[Any] | None = None, example_inputs: Sequence[Any], example_kwargs: dict | None = None,
          dynamic_dims: dict[str, int] | None = None, ranks_per_node: int | None = None, bucket_cap_mb: float = 25.0,
          explain: bool = False, reuse_blocks: bool = True, cluster: Any = None, space: Any = None,
-         _measured_only: bool = False) -> Plan:
+         backend: str | None = None, _measured_only: bool = False) -> Plan:
     """Plan `model` for `mesh` in this process; no process group is needed. See module docstring.
 
     `explain=True` also records, for every op DTensor decided, the alternatives it weighed.
@@ -299,7 +299,9 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | None" = No
     (`autopar/repeated_blocks.py`; the plan is the same, only slower). With `cluster=` (an
     `autopar.Cluster` or a preset's name) and neither mesh nor strategies, the planner chooses
     them (`autopar/planner.py`; `space=` narrows its search) and the winner's plan is returned,
-    its `search` holding the ranking. (`_measured_only`, internal: the planner's per-layout
+    its `search` holding the ranking. `backend="gloo"` (or "nccl") plans as a job on that process
+    group's backend would: the transport "auto" resolves as there (`comm_kinds.transport_kind`;
+    default: the initialised group's backend, and without one the process group). (`_measured_only`, internal: the planner's per-layout
     plans, `autopar/block_ledgers.py`, are read for their ledgers and never run, so they skip
     running every rank graph on fake tensors, `check_rank_graphs`; every plan a user gets is
     checked.)"""
@@ -323,7 +325,8 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | None" = No
     seconds.update(traced.seconds)
     masters = _keep_master_weights(traced, model) if param_dtype is not None else {}
     with _timed(seconds, "resolve_strategies"):
-        strategy = resolve_strategies(mesh, list(strategies), traced.graph_module, traced.placeholders)
+        strategy = resolve_strategies(mesh, list(strategies), traced.graph_module, traced.placeholders,
+                                      backend=backend)
         strategy.shared_memory_axes()  # refused here, before the passes, where an axis crosses nodes
     if pipelined is not None:
         first = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))

@@ -122,6 +122,8 @@ class ResolvedStrategy:
     strategies: tuple[Strategy, ...]
     recompute: "RecomputeDeclaration | None" = None  # regions run again in backward (strategies/recompute.py)
     schedule: "ScheduleDeclaration | None" = None  # collectives overlapped or not (strategies/schedule.py)
+    # the process group's backend the plan is for (`plan(backend=)`); None: the initialised group's, if any
+    backend: str | None = None
     _lookups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _first(self, strategy: Strategy, kind: str, path: str):
@@ -149,7 +151,8 @@ class ResolvedStrategy:
     def shared_memory_axes(self) -> frozenset[str]:
         """The axes whose gradient buckets and ZeRO exchanges go through shared memory: declared
         `transport="shared_memory"`, which must keep its groups inside one node, or "auto" on an axis
-        inside one node where `comm_kinds.transport_kind` picks it (gloo on this machine)."""
+        inside one node where `comm_kinds.transport_kind` picks it (gloo on this machine: the job's
+        process group, or the backend the plan is made for)."""
         axes = set()
         for axis in self.mesh.names:
             declarations = {s.transport for s in self._for_axis(axis)}
@@ -160,7 +163,7 @@ class ResolvedStrategy:
                                     f"({self.mesh.ranks_per_node} ranks per node on mesh {self.mesh}); shared memory "
                                     f"joins the processes of one host only. fix: declare it on an axis inside a "
                                     f"node, or transport='process_group'")
-                if inside and transport_kind(declared) == SHARED_MEMORY:
+                if inside and transport_kind(declared, self.backend) == SHARED_MEMORY:
                     axes.add(axis)
         return frozenset(axes)
 
@@ -258,7 +261,8 @@ class ResolvedStrategy:
 
 
 def resolve_strategies(mesh: Mesh, strategies: "list[Strategy] | tuple[Strategy, ...]",
-                       graph_module: "torch.fx.GraphModule", placeholders: "dict[str, PlaceholderInfo]") -> ResolvedStrategy:
+                       graph_module: "torch.fx.GraphModule", placeholders: "dict[str, PlaceholderInfo]", *,
+                       backend: str | None = None) -> ResolvedStrategy:
     """Bind deferred strategies (the tensor-parallel layout found in the traced graph) and check
     every strategy names an axis of `mesh`."""
     from autopar.strategies.recompute import RecomputeDeclaration
@@ -302,4 +306,4 @@ def resolve_strategies(mesh: Mesh, strategies: "list[Strategy] | tuple[Strategy,
     if len(pipelines) > 1:
         raise PlanError(f"strategies {[s.name for s in pipelines]} each declare a pipeline; declare one pipeline axis")
     return ResolvedStrategy(mesh=mesh, strategies=tuple(strategies), recompute=recomputes[0] if recomputes else None,
-                            schedule=schedules[0] if schedules else None)
+                            schedule=schedules[0] if schedules else None, backend=backend)

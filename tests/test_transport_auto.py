@@ -18,6 +18,7 @@ import autopar
 from autopar.comm_kinds import PROCESS_GROUP, SHARED_MEMORY, shared_memory_unsupported, transport_kind
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
+from tests.cli_in_process import run_cli
 from tests.numerics import STEPS, single_device
 from tests.test_zero_numerics import run_and_check
 
@@ -25,8 +26,9 @@ CONFIG = GPTConfig(vocab_size=128, seq_len=16, n_layer=2, n_head=4, d_model=32, 
 HERE = SHARED_MEMORY if shared_memory_unsupported() is None else PROCESS_GROUP  # what auto picks on gloo here
 
 
-def _transports(mesh, strategies) -> set[tuple[str, str, str]]:
-    plan = autopar.plan(GPT(CONFIG), mesh, strategies=strategies, example_inputs=example_batch(CONFIG, batch=8))
+def _transports(mesh, strategies, **options) -> set[tuple[str, str, str]]:
+    plan = autopar.plan(GPT(CONFIG), mesh, strategies=strategies, example_inputs=example_batch(CONFIG, batch=8),
+                        **options)
     return {(e.phase, e.kind, e.transport) for e in plan.comm.entries if e.phase in ("grad_sync", "optimizer")}
 
 
@@ -44,6 +46,25 @@ def test_auto_resolves_by_backend_and_machine():
     assert autopar.zero(stage=1, gather="all_gather").transport == PROCESS_GROUP
     # planning without a process group: the process group
     assert _transports("dp=2", [autopar.data_parallel()]) == {("grad_sync", "all_reduce", PROCESS_GROUP)}
+
+
+def test_a_plan_made_for_a_backend_resolves_auto_as_a_job_on_it():
+    """`plan(backend=)` and the CLI's `--backend`: the plan (and ledger) a job on that backend would
+    make, without a process group; expert parallelism's buckets take "auto" as data parallelism's."""
+    assert _transports("dp=2", [autopar.data_parallel()], backend="gloo") == {("grad_sync", "all_reduce", HERE)}
+    assert _transports("dp=2", [autopar.data_parallel()], backend="nccl") == {("grad_sync", "all_reduce", PROCESS_GROUP)}
+    assert _transports("dp=4", [autopar.zero(stage=2)], backend="gloo") == {
+        ("grad_sync", "reduce_scatter", HERE), ("optimizer", "all_gather", HERE)}
+    assert _transports(autopar.Mesh.parse("dp=2,tp=2", ranks_per_node=2),  # dp across nodes
+                       [autopar.data_parallel(), autopar.tensor_parallel()], backend="gloo") == {
+        ("grad_sync", "all_reduce", PROCESS_GROUP)}
+    assert autopar.expert_parallel().transport == "auto"
+    with pytest.raises(autopar.PlanError, match="expert_parallel"):
+        autopar.expert_parallel(transport="tcp")
+    shown = run_cli("plan", "examples.gpt:example", "--mesh", "dp=2", "--strategy", "dp", "--backend", "gloo")
+    assert shown.returncode == 0, shown.stderr
+    bucket = next(line for line in shown.stdout.splitlines() if line.startswith("grad_sync"))
+    assert bucket.split()[5] == ("shm" if HERE == SHARED_MEMORY else "intra"), bucket
 
 
 def _job_transports(rank: int, world: int) -> dict[str, set]:

@@ -227,8 +227,9 @@ def _not_shared(path: str, nbytes: int, host: str) -> str:
     """Why this rank cannot map rank 0's file, or "" when it can."""
     if host != socket.gethostname():
         return (f"transport='shared_memory' joins host {socket.gethostname()!r} with rank 0's {host!r}: the plan "
-                f"took the axis to stay inside one node. Give the node size (parallelize(ranks_per_node=...), or "
-                f"launch with torchrun, which sets LOCAL_WORLD_SIZE), or declare transport='process_group'")
+                f"took the axis to stay inside one node (a plan file made for other hosts? parallelize checks a "
+                f"node size against the hosts only when it plans); plan in this job, or declare "
+                f"transport='process_group'")
     try:
         found = os.stat(path).st_size
     except FileNotFoundError:
