@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import PlanError
-from autopar.job_hosts import check_node_size, job_hosts, node_size
+from autopar.job_hosts import job_node_size
 from autopar.mesh import Mesh
 from autopar.plan import Plan, plan
 from autopar.plan_once import (agree_on_plan_file, fingerprint, load_runnable_plan, obtain_plan, save_runnable_plan,
@@ -79,16 +79,13 @@ def _job_mesh(mesh: "Mesh | str | dict[str, int]", ranks_per_node: int | None) -
     """The mesh with this job's node size: as declared (the mesh's `;node=`, `ranks_per_node=`,
     torchrun's LOCAL_WORLD_SIZE, in that order) and checked against the ranks' hosts, or, where
     none is declared, read off the hosts (`autopar/job_hosts.py`)."""
-    sources = [("the mesh's ;node=", Mesh.parse(mesh).ranks_per_node), ("ranks_per_node=", ranks_per_node),
-               ("torchrun's LOCAL_WORLD_SIZE", _torchrun_node_size())]
-    source, declared = next(((name, size) for name, size in sources if size is not None), (None, None))
+    sources = [(Mesh.parse(mesh).ranks_per_node, "the mesh's ;node=", "write ;node={size} in the mesh"),
+               (ranks_per_node, "ranks_per_node=", "ranks_per_node={size}"),
+               (_torchrun_node_size(), "torchrun's LOCAL_WORLD_SIZE", "ranks_per_node={size}, which overrides it")]
+    declared, source, fix = next((found for found in sources if found[0] is not None), (None, "", ""))
     parsed = Mesh.parse(mesh, ranks_per_node=declared)
     parsed.check_world_size(dist.get_world_size())
-    hosts = job_hosts()
-    if declared is None:
-        return Mesh.parse(parsed, ranks_per_node=node_size(hosts))
-    check_node_size(declared, hosts, source)
-    return parsed
+    return Mesh.parse(parsed, ranks_per_node=job_node_size(declared, source, fix))
 
 
 def _job_cluster(cluster: Any, mesh: "Mesh | None", strategies: Sequence[Any] | None, plan_file: Any,
@@ -107,7 +104,8 @@ def _job_cluster(cluster: Any, mesh: "Mesh | None", strategies: Sequence[Any] | 
         raise PlanError(f"cluster {chosen.label} has {chosen.world_size} ranks but this job has "
                         f"{dist.get_world_size()}\n  fix: describe the job's machines (autopar.Cluster(nodes=, "
                         f"gpus_per_node=, ...)), or launch {chosen.world_size} ranks")
-    check_node_size(min(chosen.gpus_per_node, chosen.world_size), job_hosts(), f"cluster {chosen.label}")
+    job_node_size(min(chosen.gpus_per_node, chosen.world_size), f"cluster {chosen.label}",
+                  "describe the machines with autopar.Cluster(gpus_per_node={size}, ...)")
     return chosen
 
 

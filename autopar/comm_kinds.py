@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from autopar.errors import PlanError
 from autopar.ir import simplified
-from autopar.mesh import Mesh
+from autopar.mesh import JOIN, Mesh
 from autopar.runtime import collectives, p2p
 
 
@@ -157,6 +157,27 @@ def shared_memory_unsupported() -> str | None:
         return (f"it runs in 64-bit processes on Linux (futex, /dev/shm), not {sys.platform} "
                 f"({'64' if sys.maxsize >= 2**63 - 1 else '32'}-bit)")
     return None
+
+
+# The rank graph's all-reduces of at most this many bytes, known when the plan is made, on a group
+# key through shared memory (`key_through_shared_memory`) go through it too: a loss's sum and count, an
+# MoE block's statistics (`autopar/runtime/small_exchanges.py`).
+SMALL_EXCHANGE_BYTES = 64 * 1024
+
+
+def key_through_shared_memory(key: str, shared: frozenset[str], mesh: Mesh) -> bool:
+    """A group key (an axis, or axes on one link joined by `mesh.JOIN`) reduced through shared memory:
+    one of its axes goes through it (`ResolvedStrategy.shared_memory_axes`), and its groups stay
+    inside one node. A sub-group (`pp@0,3`) does not."""
+    return "@" not in key and any(axis in shared for axis in key.split(JOIN)) and mesh.link(key) == "intra"
+
+
+def small_through_shared_memory(kind: str, key: str, logical_bytes: Any, shared: frozenset[str],
+                                mesh: Mesh) -> bool:
+    """Whether a rank graph's collective goes through its group's small exchange: an all-reduce of a
+    size known when the plan is made (no symbol) of at most SMALL_EXCHANGE_BYTES, on such a key."""
+    return (kind == "all_reduce" and not getattr(logical_bytes, "free_symbols", ())
+            and int(logical_bytes) <= SMALL_EXCHANGE_BYTES and key_through_shared_memory(key, shared, mesh))
 
 
 def check_transport(strategy: str, transport: str) -> None:

@@ -2,61 +2,84 @@
 
 `parallelize` needs the node size to know which mesh axes stay inside a node: the ledger's
 links, and where the transport "auto" may pick shared memory (only inside one host). torchrun
-says it (`LOCAL_WORLD_SIZE`), and a user may (`ranks_per_node=`, `;node=` in the mesh). Where
-neither does (a job started by SLURM, mpirun or its own `init_process_group`), the ranks' host
-names give it: `job_hosts` exchanges them through the job's store (as process groups
-rendezvous; no collective is issued) and `node_size` reads the node size off them. A declared
+says it (`LOCAL_WORLD_SIZE`), and a user may (`ranks_per_node=`, `;node=` in the mesh,
+`Cluster(gpus_per_node=)`). Where none does (a job started by SLURM, mpirun or its own
+`init_process_group`), the ranks' host names give it (`node_size`). In a gloo job a declared
 node size is checked against them (`check_node_size`): a node that would span several hosts is
-refused at plan time, where shared memory would otherwise fail at setup and the ledger would
-price cross-host links as a node's.
+refused at plan time, where shared memory would otherwise fail at setup. Under other backends
+the declaration stands (it only prices the links there).
 
-All ranks on one host (every test on this machine) accept any declared node size: that is how a
-multi-node job is rehearsed on one machine (`torchrun --nnodes=2` on localhost, `ranks_per_node=2`).
+`job_node_size` runs the exchange through the job's store, as process groups rendezvous (no
+collective): every rank leaves its host name, rank 0 alone reads them all and publishes one
+verdict, the node size or the error, which every rank reads, so all ranks raise the same error
+or none does. All ranks on one host (every test on this machine) accept any declared size: that
+is how a multi-node job is rehearsed on one machine (`torchrun --nnodes=2` on localhost).
 """
 from __future__ import annotations
 
+import math
 import socket
+from itertools import groupby
 
 import torch.distributed as dist
 
+from autopar.comm_kinds import SHARED_MEMORY_BACKENDS
 from autopar.errors import PlanError
 
 _exchanges = 0  # exchanges so far in this process (every rank runs them in the same order)
+_OK, _REFUSED = "ok ", "refused "
 
 
-def job_hosts() -> tuple[str, ...]:
-    """The host name of every rank of the initialised default group, by rank."""
+def job_node_size(declared: int | None, source: str = "", fix: str = "") -> int | None:
+    """This job's node size: `declared` (said by `source`; `fix` names the setting to change,
+    with "{size}" for the size the hosts give) checked against the ranks' hosts in a gloo job, or,
+    where None, read off them (None: one host)."""
     global _exchanges
     _exchanges += 1
     store = dist.distributed_c10d._get_default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
     key = f"autopar/hosts/{_exchanges}"
-    store.set(f"{key}/{rank}", socket.gethostname())
-    if rank == 0:  # one reader of every key, then one key every rank reads: O(world) store operations
-        names = [store.get(f"{key}/{other}").decode() for other in range(world)]
-        store.set(key, "\n".join(names))
-    return tuple(store.get(key).decode().split("\n"))
+    if rank != 0:
+        store.set(f"{key}/{rank}", socket.gethostname())
+    else:
+        others = [f"{key}/{other}" for other in range(1, world)]
+        hosts = [socket.gethostname()] + [name.decode() for name in (store.multi_get(others) if others else [])]
+        try:
+            verdict = _OK + str(_checked(declared, hosts, source, fix) if declared is not None else node_size(hosts))
+        except PlanError as error:
+            verdict = _REFUSED + str(error)
+        store.set(key, verdict)
+        for name in others:
+            store.delete_key(name)
+    verdict = store.get(key).decode()
+    if verdict.startswith(_REFUSED):
+        raise PlanError(verdict[len(_REFUSED):])
+    return declared if declared is not None else (None if verdict == _OK + "None" else int(verdict[len(_OK):]))
+
+
+def _checked(declared: int, hosts: list[str], source: str, fix: str) -> int:
+    if dist.get_backend() in SHARED_MEMORY_BACKENDS:
+        check_node_size(declared, hosts, source, fix)
+    return declared
 
 
 def node_size(hosts: "tuple[str, ...] | list[str]") -> int | None:
-    """Ranks per node from the ranks' hosts: None when they share one host; k when each host runs k
-    consecutive ranks; 1 when the hosts hold the ranks unevenly or interleaved (the mesh's nodes are
-    blocks of consecutive ranks, so no size fits: every axis then counts as crossing nodes)."""
+    """Ranks per node from the ranks' hosts: None when they share one host, else the largest size
+    whose blocks of consecutive ranks each lie on one host (the gcd of the runs of ranks on one
+    host: k for k ranks per host, 1 for hosts that interleave their ranks; every axis then counts
+    as crossing nodes)."""
     if len(set(hosts)) <= 1:
         return None
-    size = len(hosts) // len(set(hosts))
-    blocks = [hosts[start:start + size] for start in range(0, len(hosts), size)]
-    regular = len(hosts) % size == 0 and all(len(set(block)) == 1 for block in blocks) and \
-        len({block[0] for block in blocks}) == len(blocks)
-    return size if regular else 1
+    return math.gcd(*(len(list(run)) for _, run in groupby(hosts)))
 
 
-def check_node_size(declared: int | None, hosts: "tuple[str, ...] | list[str]", where: str) -> None:
+def check_node_size(declared: int | None, hosts: "tuple[str, ...] | list[str]", source: str,
+                    fix: str = "ranks_per_node={size}") -> None:
     """Refuse a declared node size (None: the whole world) under which one node spans several hosts."""
     size = declared or len(hosts)
     for start in range(0, len(hosts), size):
         block = hosts[start:start + size]
         if len(set(block)) > 1:
-            raise PlanError(f"{where} gives {size} ranks per node, so ranks {start}..{start + len(block) - 1} share "
-                            f"one, but they run on hosts {sorted(set(block))}\n  fix: ranks_per_node={node_size(hosts)} (what the hosts "
-                            f"give), or leave the node size undeclared to take it from them")
+            raise PlanError(f"{source} gives {size} ranks per node, so ranks {start}..{start + len(block) - 1} "
+                            f"share one, but they run on hosts {sorted(set(block))}\n  fix: "
+                            f"{fix.format(size=node_size(hosts))} (what the hosts give)")

@@ -25,12 +25,12 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils import _pytree as pytree
 
 from autopar.check_rank_graphs import check_rank_graphs
-from autopar.comm_kinds import SHARED_MEMORY
+from autopar.comm_kinds import SHARED_MEMORY, key_through_shared_memory
 from autopar.context import CompileContext
 from autopar.errors import PlanError
 from autopar.ir import SPEC, local_shape, shard_dim
 from autopar.ledger.comm import CommLedger, build_comm_ledger
-from autopar.mesh import JOIN, Mesh, release_planning_caches
+from autopar.mesh import Mesh, release_planning_caches
 from autopar.passes import PassRecord, default_passes, run_passes
 from autopar.passes.emit_rank_graph import emit_rank_graph
 from autopar.passes.insert_grad_reductions import GRAD_SYNC
@@ -258,8 +258,7 @@ def _through_shared_memory(bucket: Bucket, shared: frozenset[str], mesh: Mesh) -
     the axis alone, or joined with others of its link in one flattened group (`dp+cp`,
     `Mesh.sync_keys`; on the declared axis's link, so inside a node). A chain of groups (a
     sub-group, another link) stays on the process group, as its ledger entries say."""
-    return (len(bucket.axes) == 1 and any(axis in shared for axis in bucket.axes[0].split(JOIN))
-            and mesh.link(bucket.axes[0]) == "intra")
+    return len(bucket.axes) == 1 and key_through_shared_memory(bucket.axes[0], shared, mesh)
 
 
 def _with_param_dtype(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
@@ -301,7 +300,8 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | None" = No
     them (`autopar/planner.py`; `space=` narrows its search) and the winner's plan is returned,
     its `search` holding the ranking. `backend="gloo"` (or "nccl") plans as a job on that process
     group's backend would: the transport "auto" resolves as there (`comm_kinds.transport_kind`;
-    default: the initialised group's backend, and without one the process group). (`_measured_only`, internal: the planner's per-layout
+    default: the initialised group's backend, and without one the process group).
+    (`_measured_only`, internal: the planner's per-layout
     plans, `autopar/block_ledgers.py`, are read for their ledgers and never run, so they skip
     running every rank graph on fake tensors, `check_rank_graphs`; every plan a user gets is
     checked.)"""
@@ -339,7 +339,8 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | None" = No
     with _timed(seconds, "comm_ledger"):
         for stage in program.stages:
             stage.buckets = _stage_buckets(stage, context, mesh, int(bucket_cap_mb * 2**20))
-        comm = build_comm_ledger(program, mesh, traced.symbols, traced.symbol_values)
+        comm = build_comm_ledger(program, mesh, traced.symbols, traced.symbol_values,
+                                 shared_axes=strategy.shared_memory_axes())
     planned = Plan(mesh=mesh, strategy=strategy, traced=traced, program=program, context=context,
                    pass_records=records, comm=comm, phase_seconds=seconds)
     if not _measured_only:

@@ -92,18 +92,19 @@ def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declar
                                 prefetch=declared.prefetch, backward_prefetch=declared.backward_prefetch,
                                 master_dtype=master,
                                 reduce_dtype=declared.reduce_dtype or dtype, pipeline_stage=stage,
-                                **_kinds(declared, shared=shared)), nodes))
+                                **_kinds(declared, shared=shared, backend=ctx.strategy.backend)), nodes))
     return units
 
 
-def _kinds(declared: ShardedState, *, shared: bool) -> dict[str, str]:
+def _kinds(declared: ShardedState, *, shared: bool, backend: str | None) -> dict[str, str]:
     """The unit's reduce and gather kinds and their transport: on an axis through shared memory
     (`ResolvedStrategy.shared_memory_axes`) a reduce-scatter and an all-gather
-    (`runtime/shared_memory.py`), else as `comm_kinds` resolves the declared ones."""
+    (`runtime/shared_memory.py`), else as `comm_kinds` resolves the declared ones for `backend`
+    (the plan's, `plan(backend=)`; None: the initialised process group's)."""
     if shared:
         return {"reduce_kind": "reduce_scatter", "gather_kind": "all_gather", "transport": SHARED_MEMORY}
-    return {"reduce_kind": gradient_exchange_kind(declared.reduce),
-            "gather_kind": parameter_gather_kind(declared.gather)}
+    return {"reduce_kind": gradient_exchange_kind(declared.reduce, backend),
+            "gather_kind": parameter_gather_kind(declared.gather, backend)}
 
 
 def _graph_order(graph: torch.fx.Graph, order: dict[torch.fx.Node, int], wanted: list[torch.fx.Node]

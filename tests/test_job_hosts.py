@@ -27,11 +27,12 @@ def test_node_size_from_hosts():
     assert node_size(["a"] * 4) is None  # one host: the whole world is one node
     assert node_size(["a", "a", "b", "b"]) == 2
     assert node_size(["a", "a", "b", "b", "c", "c"]) == 2
+    assert node_size(["a", "a", "b", "b", "b", "b"]) == 2  # blocks of 2 each lie on one host
+    assert node_size(["a", "a", "b", "b", "a", "a"]) == 2
     assert node_size(["a", "b"]) == 1
-    # no block size fits: every axis counts as crossing nodes
+    # hosts that interleave their ranks: every axis counts as crossing nodes
     assert node_size(["a", "b", "a", "b"]) == 1
     assert node_size(["a", "a", "a", "b"]) == 1
-    assert node_size(["a", "a", "b", "b", "a", "a"]) == 1  # a host's ranks apart
 
 
 def test_a_declared_node_that_spans_hosts_is_refused():
@@ -41,8 +42,8 @@ def test_a_declared_node_that_spans_hosts_is_refused():
     with pytest.raises(autopar.PlanError, match=r"ranks 0\.\.3 share one, but they run on hosts \['a', 'b'\]"
                                                 r"(.|\n)*fix: ranks_per_node=2"):
         check_node_size(4, ["a", "a", "b", "b"], "ranks_per_node=")
-    with pytest.raises(autopar.PlanError, match=r"ranks 0\.\.1 share one(.|\n)*fix: ranks_per_node=1"):
-        check_node_size(2, ["a", "b", "a", "b"], "the mesh's ;node=")
+    with pytest.raises(autopar.PlanError, match=r"ranks 0\.\.1 share one(.|\n)*fix: write ;node=1 in the mesh"):
+        check_node_size(2, ["a", "b", "a", "b"], "the mesh's ;node=", "write ;node={size} in the mesh")
 
 
 def _bucket_transports(module) -> set[tuple[tuple[str, ...], str]]:
@@ -66,7 +67,9 @@ def _jobs_on_hosts(rank: int, world: int) -> dict:
     for name, hosts, mesh, options in [
             ("dp_across", "aabb", "dp=2,tp=2", {}), ("interleaved", "abab", "dp=2,tp=2", {}),
             ("declared_too_big", "aabb", "dp=2,tp=2", {"ranks_per_node": 4}),
-            ("mesh_too_big", "aabb", "dp=2,tp=2;node=4", {}), ("rehearsal", "aaaa", "dp=2,tp=2", {"ranks_per_node": 2})]:
+            ("mesh_too_big", "aabb", "dp=2,tp=2;node=4", {}), ("rehearsal", "aaaa", "dp=2,tp=2", {"ranks_per_node": 2}),
+            # rank 1 alone declares a node that spans hosts: every rank fails, none waits for it
+            ("one_rank_differs", "aabb", "dp=2,tp=2", {"ranks_per_node": 4 if rank == 1 else 2})]:
         module = parallelize(hosts, mesh, **options)
         found[name] = module if isinstance(module, str) else (str(module.plan.mesh), _bucket_transports(module))
     # dp inside each host (tp across): shared memory set up on each host, and one step as one device
@@ -87,12 +90,15 @@ def _jobs_on_hosts(rank: int, world: int) -> dict:
 
 @pytest.mark.timeout(180)
 def test_the_node_size_comes_from_the_hosts_where_none_is_declared():
-    found = launch(_jobs_on_hosts, 4, timeout_s=120)[0]
+    every = launch(_jobs_on_hosts, 4, timeout_s=120)
+    assert all(isinstance(ranks["one_rank_differs"], str) for ranks in every), [r["one_rank_differs"] for r in every]
+    found = every[0]
     # dp's groups {0, 2} and {1, 3} cross hosts a and b: the process group
     assert found["dp_across"] == ("dp=2,tp=2;node=2", {(("dp",), PROCESS_GROUP)})
     assert found["interleaved"] == ("dp=2,tp=2;node=1", {(("dp",), PROCESS_GROUP)})
     assert "ranks_per_node= gives 4 ranks per node, so ranks 0..3 share one" in found["declared_too_big"]
     assert "the mesh's ;node= gives 4 ranks per node" in found["mesh_too_big"]
+    assert "fix: write ;node=2 in the mesh" in found["mesh_too_big"]
     assert found["rehearsal"] == ("dp=2,tp=2;node=2", {(("dp",), PROCESS_GROUP)})
     assert found["dp_inside"] == ("tp=2,dp=2;node=2", {(("dp",), HERE)})
     autopar_loss, single = found["loss"]

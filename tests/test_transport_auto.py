@@ -52,12 +52,19 @@ def test_a_plan_made_for_a_backend_resolves_auto_as_a_job_on_it():
     """`plan(backend=)` and the CLI's `--backend`: the plan (and ledger) a job on that backend would
     make, without a process group; expert parallelism's buckets take "auto" as data parallelism's."""
     assert _transports("dp=2", [autopar.data_parallel()], backend="gloo") == {("grad_sync", "all_reduce", HERE)}
-    assert _transports("dp=2", [autopar.data_parallel()], backend="nccl") == {("grad_sync", "all_reduce", PROCESS_GROUP)}
+    assert _transports("dp=2", [autopar.data_parallel()], backend="nccl") == {
+        ("grad_sync", "all_reduce", PROCESS_GROUP)}
     assert _transports("dp=4", [autopar.zero(stage=2)], backend="gloo") == {
         ("grad_sync", "reduce_scatter", HERE), ("optimizer", "all_gather", HERE)}
     assert _transports(autopar.Mesh.parse("dp=2,tp=2", ranks_per_node=2),  # dp across nodes
                        [autopar.data_parallel(), autopar.tensor_parallel()], backend="gloo") == {
         ("grad_sync", "all_reduce", PROCESS_GROUP)}
+    # ZeRO's "auto" exchanges too: owners' broadcasts and an all-to-all on gloo, NCCL's collectives without one
+    zero3 = {backend: {e.kind for e in autopar.plan(GPT(CONFIG), "dp=4", strategies=[autopar.zero(stage=3)],
+                                                  example_inputs=example_batch(CONFIG, batch=8),
+                                                  backend=backend).comm.entries} for backend in ("gloo", None)}
+    assert {"all_to_all", "broadcast"} <= zero3["gloo"] and not {"reduce_scatter", "all_gather"} & zero3["gloo"]
+    assert {"reduce_scatter", "all_gather"} <= zero3[None] and not {"all_to_all", "broadcast"} & zero3[None]
     assert autopar.expert_parallel().transport == "auto"
     with pytest.raises(autopar.PlanError, match="expert_parallel"):
         autopar.expert_parallel(transport="tcp")

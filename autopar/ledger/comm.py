@@ -26,7 +26,7 @@ import sympy
 import torch
 from tabulate import tabulate
 
-from autopar.comm_kinds import PROCESS_GROUP, SHARED_MEMORY, wire_bytes
+from autopar.comm_kinds import PROCESS_GROUP, SHARED_MEMORY, small_through_shared_memory, wire_bytes
 from autopar.ir import simplified
 from autopar.mesh import JOIN, Mesh
 from autopar.zero_units import refresh_groups
@@ -233,7 +233,10 @@ WEIGHT_GRADIENTS = "weight gradients"
 
 
 def build_comm_ledger(program: Any, mesh: Mesh, symbols: dict[sympy.Symbol, sympy.Symbol],
-                      symbol_values: dict[sympy.Symbol, int]) -> CommLedger:
+                      symbol_values: dict[sympy.Symbol, int], *, shared_axes: frozenset[str] = frozenset()
+                      ) -> CommLedger:
+    """Every collective of every stage per step. `shared_axes`: the axes through shared memory; the
+    graph's small all-reduces on them go through it too (`comm_kinds.small_through_shared_memory`)."""
     from autopar.ir import COLLECTIVE, RULE, module_path
     from autopar.passes.recompute import RECOMPUTE
     from autopar.passes.schedule_collectives import tapped_starts
@@ -250,6 +253,13 @@ def build_comm_ledger(program: Any, mesh: Mesh, symbols: dict[sympy.Symbol, symp
                          logical_bytes=simplified(sympy.sympify(logical).subs(symbols)),
                          stage=stage_index if stage == -1 else stage, times=times, behind=behind, transport=transport)
 
+    def graph_transport(collective: Any) -> str:
+        """A rank graph's collective: its group's small exchange, or the process group."""
+        small = small_through_shared_memory(collective.kind, collective.axis,
+                                            simplified(sympy.sympify(collective.logical_bytes).subs(symbols)),
+                                            shared_axes if not symbol_values else frozenset(), mesh)
+        return SHARED_MEMORY if small else PROCESS_GROUP
+
     entries = []
     for stage in program.stages:
         stage_index = stage.index
@@ -261,13 +271,14 @@ def build_comm_ledger(program: Any, mesh: Mesh, symbols: dict[sympy.Symbol, symp
                     behind = WEIGHT_GRADIENTS if node in tapped and phase == "backward" else ""
                     entries.append(entry(phase, info.kind, info.axis, info.module, info.tensor,
                                          _why(info.why, phase, info.phase, region), info.dtype, info.logical_bytes,
-                                         times=micro, behind=behind))
+                                         times=micro, behind=behind, transport=graph_transport(info)))
             rule = node.meta.get(RULE)
             for internal in (rule.internal if rule is not None else []):
                 for phase in _phases(internal.phase, region):
                     entries.append(entry(phase, internal.kind, internal.axis, module_path(node), node.name,
                                          _why(internal.why, phase, internal.phase, region), internal.dtype,
-                                         internal.logical_bytes, times=micro * internal.calls))
+                                         internal.logical_bytes, times=micro * internal.calls,
+                                         transport=graph_transport(internal)))
         for index, bucket in enumerate(stage.buckets):
             name = f"bucket {index}" if pipeline is None else f"bucket {stage.index}.{index}"
             for axis in bucket.axes:

@@ -13,7 +13,9 @@ Categories (bytes per rank, sympy expressions in the traced symbols and numbers)
 - under `transport="shared_memory"`, the files a rank maps (`runtime/shared_memory.py`): every
   rank's rows and a cache line of flags per rank. Data parallelism's gradients are views of the
   rank's own row of the buckets' file, so the other rows count as gradients; ZeRO's file (a row
-  per rank for a unit's gradients, then for the updated shards) is the runtime's own;
+  per rank for a unit's gradients, then for the updated shards) is the runtime's own, as are the
+  files of the rank graph's small all-reduces through shared memory (`runtime/small_exchanges.py`,
+  counted with the model buffers);
 - transient: not held after the step: ZeRO-3 gathered units alive at once (the kept root unit,
   plus one resharded block, two with prefetching) and reduce-scatter inputs in flight (at most
   two: the one being laid out and the one landing), a gradient exchange's receive buffer
@@ -40,6 +42,7 @@ from tabulate import tabulate
 
 from autopar.comm_kinds import SHARED_MEMORY
 from autopar.ir import SPEC, local_numel
+from autopar.runtime import small_exchanges
 from autopar.runtime.grad_sync import shared_bucket_files
 from autopar.runtime.shared_memory import FLAG_BYTES, unit_row_bytes
 
@@ -54,6 +57,7 @@ ZERO_GRADIENT_SHARDS = "ZeRO gradient shards"  # the entry of a ZeRO unit's `.gr
 # transport="shared_memory" (`runtime/shared_memory.py`): a rank maps every rank's rows of each file
 SHARED_BUCKET_ROWS = "shared-memory file of the buckets: the other ranks' rows and the flags"
 SHARED_UNIT_ROWS = "ZeRO's shared-memory file: every rank's row (gradients, then updated shards) and flags"
+SMALL_EXCHANGE_FILES = "shared-memory files of the graph's small all-reduces: every rank's two slots and flags"
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,10 @@ def _shared_memory_entries(plan: Any, stages: list) -> list[MemoryEntry]:
         for axis, row in unit_row_bytes(stage.units).items():
             n = plan.mesh.group_size(axis)
             entries.append(MemoryEntry("gradients", SHARED_UNIT_ROWS, sympy.Integer(n * (row + FLAG_BYTES))))
+    small = sum(small_exchanges.file_bytes(size, plan.mesh.group_size(key))
+                for key, size in small_exchanges.plan_capacities(plan.comm.entries).items())
+    if small:
+        entries.append(MemoryEntry("model buffers", SMALL_EXCHANGE_FILES, sympy.Integer(small)))
     return entries
 
 

@@ -1,0 +1,74 @@
+"""The rank graph's small all-reduces through shared memory (`autopar/runtime/small_exchanges.py`).
+
+Every numerics test that counts gloo's collectives against the ledger checks that the plan and
+the run agree on which all-reduces take this path. Here, the exchange itself: many all-reduces
+back to back (so the two slots alternate and a rank a barrier ahead writes the slot the others have
+read), of mixed sizes, dtypes and reductions, equal on every rank to the same reduction of every
+rank's tensor gathered through gloo; and which all-reduces the plan sends there."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.comm_kinds import SHARED_MEMORY, shared_memory_unsupported
+from autopar.runtime import small_exchanges
+from autopar.runtime.collectives import issue_all_reduce, wait
+from autopar.runtime.launch import launch
+from examples.gpt import GPT, GPTConfig, example_batch
+
+CONFIG = GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=16, d_ff=32)
+pytestmark = pytest.mark.skipif(shared_memory_unsupported() is not None, reason="no shared-memory transport here")
+
+
+def _exchanges(rank: int, world: int) -> list[str]:
+    group = dist.new_group(list(range(world))).group_name
+    exchanges = small_exchanges.open_small_exchanges({group: 256})
+    small_exchanges.activate(exchanges)
+    generator = torch.Generator().manual_seed(rank)
+    wrong = []
+    for step in range(60):
+        dtype = (torch.float32, torch.float64, torch.int64, torch.bfloat16)[step % 4]
+        reduce_op = ("sum", "max", "min")[step % 3]
+        numel = 1 + step % (256 // torch.empty((), dtype=dtype).element_size())
+        mine = (torch.randn(numel, generator=generator) * 100).to(dtype)
+        assert small_exchanges.takes(mine, group, reduce_op)
+        got = wait(issue_all_reduce(mine, group, reduce_op))
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine)  # gloo: the reference, from outside the exchange
+        stacked = torch.stack(every)
+        expected = {"sum": lambda: sum(every[1:], every[0].clone()), "max": lambda: stacked.amax(0),
+                    "min": lambda: stacked.amin(0)}[reduce_op]()
+        if not torch.equal(got, expected):
+            wrong.append(f"step {step} {reduce_op} {dtype}: {got} != {expected}")
+    over = torch.zeros(65, dtype=torch.float32)  # 260 bytes: over the capacity, the process group's
+    assert not small_exchanges.takes(over, group, "sum")
+    small_exchanges.activate({})
+    return wrong
+
+
+@pytest.mark.timeout(120)
+def test_small_all_reduces_through_shared_memory_equal_the_gathered_reduction():
+    assert launch(_exchanges, 4, timeout_s=90) == [[], [], [], []]
+
+
+def test_the_plan_sends_small_all_reduces_on_a_shared_memory_axis_there():
+    batch = example_batch(CONFIG, batch=4)
+
+    def forward_entries(mesh, strategies, **options):
+        plan = autopar.plan(GPT(CONFIG), mesh, strategies=strategies, example_inputs=batch, backend="gloo", **options)
+        return {(e.kind, e.axis, e.transport) for e in plan.comm.entries if e.phase in ("forward", "backward")}
+
+    # the loss's sum and count over dp: 8 bytes
+    assert forward_entries("dp=2", [autopar.data_parallel()]) == {("all_reduce", "dp", SHARED_MEMORY)}
+    # tp's axis keeps the process group (tensor_parallel declares no transport); dp's small one moves
+    entries = forward_entries("dp=2,tp=2", [autopar.data_parallel(), autopar.tensor_parallel()])
+    assert ("all_reduce", "dp", SHARED_MEMORY) in entries
+    assert all(transport == "process_group" for _, axis, transport in entries if axis == "tp")
+    # a size the plan does not know (dynamic_dims) stays on the process group
+    assert forward_entries("dp=2", [autopar.data_parallel()], dynamic_dims={"b": 0}) == {
+        ("all_reduce", "dp", "process_group")}
+    # dp on the process group: its small all-reduces too
+    assert forward_entries("dp=2", [autopar.data_parallel(transport="process_group")]) == {
+        ("all_reduce", "dp", "process_group")}
