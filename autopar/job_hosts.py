@@ -11,8 +11,9 @@ the declaration stands (it only prices the links there).
 
 `job_node_size` runs the exchange through the job's store, as process groups rendezvous (no
 collective): every rank leaves its host name, rank 0 alone reads them all and publishes one
-verdict, the node size or the error, which every rank reads, so all ranks raise the same error
-or none does. All ranks on one host (every test on this machine) accept any declared size: that
+verdict on its own declaration, the node size or the error, which every rank reads, so all ranks
+raise the same error or none does (a rank that declares another size is refused next, when the
+plans' fingerprints are compared). All ranks on one host (every test on this machine) accept any declared size: that
 is how a multi-node job is rehearsed on one machine (`torchrun --nnodes=2` on localhost).
 """
 from __future__ import annotations

@@ -72,3 +72,37 @@ def test_the_plan_sends_small_all_reduces_on_a_shared_memory_axis_there():
     # dp on the process group: its small all-reduces too
     assert forward_entries("dp=2", [autopar.data_parallel(transport="process_group")]) == {
         ("all_reduce", "dp", "process_group")}
+
+
+def _student_and_teacher(rank: int, world: int) -> dict:
+    """A student's backward after a teacher's forward (distillation): the student's backward
+    all-reduces run under the student's exchanges, which its forward saw, not the teacher's."""
+    from autopar.measure.comm_counter import CommCounter
+    from examples.moe import MoEConfig, MoEGPT
+
+    config = MoEConfig(vocab_size=128, seq_len=16, n_layer=1, n_head=4, d_model=32, n_experts=4, top_k=2, d_expert=32)
+    batch = example_batch(config, batch=4)
+    torch.manual_seed(0)
+    student = autopar.parallelize(MoEGPT(config), "dp=2", strategies=[autopar.data_parallel()], example_inputs=batch)
+    torch.manual_seed(0)
+    teacher = autopar.parallelize(MoEGPT(config), "dp=2", strategies=[autopar.data_parallel(transport="process_group")],
+                                  example_inputs=batch)
+    local = student.local_batch(*batch)
+    loss = student(*local)
+    with torch.no_grad():
+        teacher(*local)
+    with CommCounter() as counter:
+        loss.backward()
+    measured = {kind: calls for (kind, _), (calls, _) in counter.by_key({}).items() if kind == "all_reduce"}
+    planned = sum(calls for (phase, kind, _), (calls, _) in student.plan.comm.by_key().items()
+                  if phase == "backward" and kind == "all_reduce")
+    shared = sum(e.times for e in student.plan.comm.entries
+                 if e.phase == "backward" and e.kind == "all_reduce" and e.transport == SHARED_MEMORY)
+    return {"measured": measured.get("all_reduce", 0), "planned": planned, "shared": shared}
+
+
+@pytest.mark.timeout(120)
+def test_a_backward_after_another_module_s_forward_keeps_its_own_path():
+    for result in launch(_student_and_teacher, 2, timeout_s=90):
+        assert result["shared"] > 0, result  # the MoE statistics' gradient reductions
+        assert result["measured"] == result["planned"], result  # gloo saw only the student's own

@@ -206,12 +206,13 @@ class _PartialFromReplicate(torch.autograd.Function):
 class _GradAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
+        ctx.group, ctx.exchanges = group, small_exchanges.ACTIVE
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return raw_all_reduce(grad, ctx.group, "sum"), None
+        with small_exchanges.bound(ctx.exchanges):
+            return raw_all_reduce(grad, ctx.group, "sum"), None
 
 
 def _starts(deferred: bool) -> bool:

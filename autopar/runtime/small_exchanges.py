@@ -10,7 +10,8 @@ all-reduce of at most `SMALL_EXCHANGE_BYTES`, known when the plan is made, on a 
 the plan sends through shared memory, inside one node), its ledger says so (link `shm`), and
 `ParallelModule` opens one exchange per such group (`open_small_exchanges`), sized for the largest,
 and makes its own the active ones when its forward runs (`activate`: another module in the process
-may plan the same process group differently; a backward follows its forward).
+may plan the same process group differently); a backward all-reduce runs under the exchanges its
+forward saw (`bound`, kept by the autograd function).
 `collectives.issue_all_reduce` takes this path for a tensor of at most that size on a group that has
 one; the result has arrived when it returns (its `wait` is a no-op).
 
@@ -22,14 +23,17 @@ every rank passes only once it has read exchange g. The reduction runs as the cu
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
 _OPS = {"sum": 1, "max": 2, "min": 3}  # what a barrier's tag says, with the bytes (ranks out of step fail)
 # process group name -> its exchange, of the module that ran the last forward (`activate`): process
-# group names repeat across meshes of the same ranks, and each module's plan decides for itself
+# group names repeat across meshes of the same ranks, and each module's plan decides for itself. A
+# backward all-reduce runs under the exchanges its forward saw (`bound`, from the autograd functions).
 ACTIVE: dict[str, "SmallExchange"] = {}
+OPENED: dict[str, "SmallExchange"] = {}  # the last exchange opened per group name, whichever module's
 
 
 class SmallExchange:
@@ -40,11 +44,15 @@ class SmallExchange:
         from autopar.runtime.shared_memory import SharedMemoryGroup
 
         self.capacity = _slot_bytes(capacity)
+        self.group_name = group_name
         self._group = SharedMemoryGroup(group_name, 2 * self.capacity, torch.uint8)
         self._exchanges = 0
 
     def all_reduce(self, x: torch.Tensor, reduce_op: str) -> torch.Tensor:
         nbytes = x.numel() * x.element_size()
+        if nbytes > self.capacity:  # never planned so (every rank alike): the process group, not a slot overrun
+            return torch.ops._c10d_functional.wait_tensor(
+                torch.ops._c10d_functional.all_reduce(x.contiguous(), reduce_op, self.group_name))
         start = (self._exchanges % 2) * self.capacity
         self._exchanges += 1
         rows = self._group.rows[:, start:start + nbytes]
@@ -62,7 +70,9 @@ class SmallExchange:
 
 @torch.library.custom_op("autopar::shm_all_reduce", mutates_args=())
 def shm_all_reduce(x: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
-    return ACTIVE[group_name].all_reduce(x, reduce_op)
+    # a compiled backward decided at trace time; run after another module's forward, the group's
+    # last opened exchange serves it (every rank alike)
+    return (ACTIVE.get(group_name) or OPENED[group_name]).all_reduce(x, reduce_op)
 
 
 @shm_all_reduce.register_fake
@@ -103,10 +113,27 @@ def takes(x: torch.Tensor, group_name: str, reduce_op: str) -> bool:
 def open_small_exchanges(capacities: dict[str, int]) -> dict[str, SmallExchange]:
     """One exchange per process group name, for all-reduces of up to its bytes (the plan's largest
     on that group). Every rank of each group opens it, in the same order."""
-    return {group_name: SmallExchange(group_name, capacity) for group_name, capacity in capacities.items()}
+    opened = {group_name: SmallExchange(group_name, capacity) for group_name, capacity in capacities.items()}
+    OPENED.update(opened)
+    return opened
 
 
 def activate(exchanges: dict[str, SmallExchange]) -> None:
     """The exchanges of the module whose forward runs now (and whose backward follows it)."""
     global ACTIVE
     ACTIVE = exchanges
+
+
+@contextlib.contextmanager
+def bound(exchanges: dict[str, SmallExchange]):
+    """Run a backward collective under the exchanges its forward saw (`ACTIVE` then), whichever
+    module ran a forward since. Traced code (torch.compile) decides at trace time instead."""
+    global ACTIVE
+    if torch.compiler.is_compiling():
+        yield
+        return
+    previous, ACTIVE = ACTIVE, exchanges
+    try:
+        yield
+    finally:
+        ACTIVE = previous
