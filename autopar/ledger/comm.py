@@ -255,9 +255,8 @@ def build_comm_ledger(program: Any, mesh: Mesh, symbols: dict[sympy.Symbol, symp
 
     def graph_transport(collective: Any) -> str:
         """A rank graph's collective: its group's small exchange, or the process group."""
-        small = small_through_shared_memory(collective.kind, collective.axis,
-                                            simplified(sympy.sympify(collective.logical_bytes).subs(symbols)),
-                                            shared_axes if not symbol_values else frozenset(), mesh)
+        small = not symbol_values and small_through_shared_memory(  # a size the plan knows
+            collective.kind, collective.axis, collective.logical_bytes, shared_axes, mesh)
         return SHARED_MEMORY if small else PROCESS_GROUP
 
     entries = []

@@ -41,7 +41,9 @@ class SmallExchange:
 
     def __init__(self, group_name: str, capacity: int) -> None:
         # imported here: collectives imports this file, and comm_kinds (which shared_memory reads) the collectives
-        from autopar.runtime.shared_memory import SharedMemoryGroup
+        from autopar.runtime.shared_memory import SharedMemoryGroup, ordered_sum
+
+        self._ordered_sum = ordered_sum  # the buckets' rank-order sum: the same bits on every rank
 
         self.capacity = _slot_bytes(capacity)
         self.group_name = group_name
@@ -60,9 +62,7 @@ class SmallExchange:
         self._group.barrier((nbytes << 2) | _OPS[reduce_op])
         values = rows.view(x.dtype)
         if reduce_op == "sum":
-            total = values[0].clone()
-            for other in range(1, values.shape[0]):
-                total.add_(values[other])
+            total = self._ordered_sum(values)
         else:
             total = values.amax(dim=0) if reduce_op == "max" else values.amin(dim=0)
         return total.view(x.shape)
