@@ -1,14 +1,17 @@
-"""What the scheduling pass gains: autopar with it (the default) against `autopar.schedule(overlap=False)`.
+"""What the scheduling pass gains: autopar with it (the default) against `autopar.schedule(overlap=False)`,
+and with async TP on top (`autopar.schedule(chunks=2)`: each TP/SP linear and its forward collective
+in two pieces of rows, `passes/chunk_collectives.py`).
 
 Each row is one mesh and strategy on the example GPT (the model flags of
 `benchmarks/compare_step_time.py`), on local CPU processes (gloo, one thread each). Every rank
-parallelizes the same model twice — the pass on and off — and alternates their training steps
-(zero_grad, forward, backward, AdamW), a barrier before each; the slowest rank's median over the
-timed steps is kept. The losses of both programs are printed side by side: the pass reorders
-and splits work, it does not change the arithmetic (the weight-gradient GEMMs read the same
-operands), so they agree to the last printed digit or within fp32 rounding of a GEMM's layout.
-`in flight` counts the steps the pass left with nodes between their halves in rank 0's graph
-(the report's "Collectives in flight" table).
+parallelizes the same model three times — the pass on, off, and on with chunks=2 — and alternates
+their training steps (zero_grad, forward, backward, AdamW), a barrier before each; the slowest
+rank's median over the timed steps is kept. The losses of the programs are printed side by side: the
+pass reorders and splits work, it does not change the arithmetic (the weight-gradient GEMMs read the
+same operands; a piece's matmul computes the same rows), so they agree to the last printed digit or
+within fp32 rounding of a GEMM's layout. `in flight` counts the steps the pass left with nodes
+between their halves in rank 0's graph (the report's "Collectives in flight" table); chunked, each
+piece's collective is one.
 
 | row        | ranks | mesh      | strategies                        | what the pass puts in flight                     |
 |------------|-------|-----------|-----------------------------------|--------------------------------------------------|
@@ -44,7 +47,7 @@ ROWS: dict[str, tuple[int, str, Any]] = {
     "dp2_tp2": (4, "dp=2,tp=2", lambda: [autopar.data_parallel(), autopar.tensor_parallel()]),
     "tp4_sp": (4, "tp=4", lambda: [autopar.sequence_parallel()]),
 }
-SIDES = (("on", ()), ("off", (autopar.schedule(overlap=False),)))
+SIDES = (("on", ()), ("off", (autopar.schedule(overlap=False),)), ("chunks", (autopar.schedule(chunks=2),)))
 
 
 def run_row(rank: int, world: int, row: str, settings: Settings) -> dict[str, Any]:
@@ -78,17 +81,19 @@ def main() -> None:
     for row in rows:
         world = ROWS[row][0]
         ranks = launch(run_row, world, row, settings, timeout_s=timeout_s)
-        on, off = (median_step_ms([r[side] for r in ranks]) for side, _ in SIDES)
+        on, off, chunks = (median_step_ms([r[side] for r in ranks]) for side, _ in SIDES)
         losses = [ranks[0][side]["losses"][settings.warmup + settings.steps - 1] for side, _ in SIDES]
         table.append([row, world, ROWS[row][1], ranks[0]["on"]["in_flight"], f"{on:.1f}", f"{off:.1f}",
-                      f"{on / off:.3f}", f"{losses[0]:.6f}", f"{losses[1]:.6f}"])
+                      f"{on / off:.3f}", ranks[0]["chunks"]["in_flight"], f"{chunks:.1f}", f"{chunks / on:.3f}",
+                      *(f"{loss:.6f}" for loss in losses)])
         print(f"{row}: done", flush=True)
     model = settings.model
     print(f"\nexample GPT: {model.n_layer} layers, d_model {model.d_model}, {model.n_head} heads, seq {model.seq_len}, "
           f"global batch {settings.batch}; median of {settings.steps} steps after {settings.warmup} warm-up, "
           f"slowest rank; steps of both sides alternating\n")
     print(tabulate(table, headers=["row", "ranks", "mesh", "in flight", "pass on ms", "pass off ms", "on / off",
-                                   "last loss on", "last loss off"], tablefmt="simple", disable_numparse=True))
+                                   "in flight chunked", "chunks=2 ms", "chunks / on", "last loss on", "last loss off",
+                                   "last loss chunks"], tablefmt="simple", disable_numparse=True))
 
 
 if __name__ == "__main__":

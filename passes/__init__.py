@@ -1,17 +1,18 @@
 """The compiler passes, one per file, and the runner that applies them in order.
 
-Every pass maps a `Program` (autopar.program) to a `Program`. Order: `drop_empty_concats` (an
-empty KV cache concatenated with keys and values) -> `lower_moe` (mixture-of-experts routing to
-autopar's kernels, with the all-to-all exchange under expert parallelism) -> `propagate_placements` ->
-`insert_collectives` -> `insert_grad_reductions` (these decide the whole graph) ->
-`split_pipeline` (the stage graphs: one, the whole graph, without a pipeline) ->
-`shard_parameters` (ZeRO/FSDP units per stage; a no-op without a sharded-state strategy) ->
-`recompute` (marks the regions activation recomputation runs again; a no-op without it) ->
-`schedule_collectives` (each collective split into a start and a finish, small finishes deferred
-to where they are needed; off under `autopar.schedule(overlap=False)`), then
-`emit_rank_graph` once per (rank, stage), which wraps each marked region in a checkpointed call. `run_passes` names the pass that failed, times each
-one and records how many nodes it added over all stage graphs (`PassRecord`), so `autopar plan`
-can show what each pass did.
+Every pass maps a `Program` (autopar.program) to a `Program`. Order: `drop_empty_concats` (an empty
+KV cache concatenated with keys and values) -> `lower_moe` (mixture-of-experts routing to autopar's
+kernels, with the all-to-all exchange under expert parallelism) -> `propagate_placements` ->
+`insert_collectives` -> `insert_grad_reductions` (these decide the whole graph) -> `split_pipeline`
+(the stage graphs: one, the whole graph, without a pipeline) -> `shard_parameters` (ZeRO/FSDP units
+per stage; a no-op without a sharded-state strategy) -> `recompute` (marks the regions activation
+recomputation runs again; a no-op without it) -> `chunk_collectives` (async TP: each TP/SP linear
+and its forward collective cut into pieces of rows under `autopar.schedule(chunks=k)`; a no-op
+without it) -> `schedule_collectives` (each collective split into a start and a finish, small
+finishes deferred to where they are needed; off under `autopar.schedule(overlap=False)`), then
+`emit_rank_graph` once per (rank, stage), which wraps each marked region in a checkpointed call.
+`run_passes` names the pass that failed, times each one and records how many nodes it added over all
+stage graphs (`PassRecord`), so `autopar plan` can show what each pass did.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def run_passes(program: Program, ctx: CompileContext, passes: list[Pass]) -> tup
 
 
 def default_passes() -> list[Pass]:
+    from autopar.passes.chunk_collectives import chunk_collectives
     from autopar.passes.drop_empty_concats import drop_empty_concats
     from autopar.passes.insert_collectives import insert_collectives
     from autopar.passes.insert_grad_reductions import insert_grad_reductions
@@ -66,5 +68,5 @@ def default_passes() -> list[Pass]:
     from autopar.passes.shard_parameters import shard_parameters
     from autopar.passes.split_pipeline import split_pipeline
 
-    return [drop_empty_concats, lower_moe, propagate_placements, insert_collectives, insert_grad_reductions, split_pipeline,
-            shard_parameters, recompute, schedule_collectives]
+    return [drop_empty_concats, lower_moe, propagate_placements, insert_collectives, insert_grad_reductions,
+            split_pipeline, shard_parameters, recompute, chunk_collectives, schedule_collectives]

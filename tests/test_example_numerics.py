@@ -37,6 +37,13 @@ CASES = {
     "tp4_sp_regather": ("tp=4", [autopar.sequence_parallel(regather_in_backward=True)]),
     # the batch splits over tp above (SP shards it: no layout copies); pinned to the sequence here
     "tp4_sp_on_sequence": ("tp=4", [autopar.sequence_parallel(sequence_dim=1)]),
+    # async TP (passes/chunk_collectives.py): every TP/SP linear's forward collective in 2 pieces of
+    # rows; on dimension 0 (per rank block) and on the sequence (consecutive batch rows)
+    "tp2_chunks": ("tp=2", [autopar.tensor_parallel(), autopar.schedule(chunks=2)]),
+    "tp4_sp_chunks": ("tp=4", [autopar.sequence_parallel(), autopar.schedule(chunks=2)]),
+    "dp2_tp2_sp_chunks": ("dp=2,tp=2", [autopar.data_parallel(), autopar.sequence_parallel(),
+                                        autopar.schedule(chunks=2)]),
+    "tp4_sp_on_sequence_chunks": ("tp=4", [autopar.sequence_parallel(sequence_dim=1), autopar.schedule(chunks=2)]),
 }
 
 

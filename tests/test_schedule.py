@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
 from autopar.ir import module_path
@@ -18,6 +17,7 @@ from autopar.runtime.launch import launch
 from autopar.views.html import render_html
 from examples.gpt import GPT, GPTConfig, example_batch
 from examples.moe import MoEConfig, MoEGPT
+from tests.dispatch_calls import CallNames
 
 
 def _moe_plan(*declared):
@@ -70,18 +70,6 @@ def test_overlap_off_leaves_every_collective_synchronous_and_the_ledger_unchange
     assert off.document().overlap_report() == ""
 
 
-class _Calls(TorchDispatchMode):
-    """The ATen and c10d calls made, by name, in order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.__name__.split(".")[0])
-        return func(*args, **(kwargs or {}))
-
-
 def _step(rank: int, world: int, deferred: bool) -> tuple[list[str], torch.Tensor, torch.Tensor]:
     """An all-gather (gradient partial: a reduce-scatter in backward) with a matmul chain made
     while it is in flight, forward and backward."""
@@ -91,7 +79,7 @@ def _step(rank: int, world: int, deferred: bool) -> tuple[list[str], torch.Tenso
     w = torch.randn(32, 32, requires_grad=True)
     h = torch.randn(32, 32)
     group = dist.group.WORLD.group_name
-    calls = _Calls()
+    calls = CallNames()
     with calls:
         started = collectives.all_gather(x, group=group, size=world, index=rank, dim=1, grad_partial=True,
                                          deferred=deferred)
@@ -128,7 +116,7 @@ def _tensor_parallel_calls(rank: int, world: int) -> list[str]:
     torch.manual_seed(0)
     batch = example_batch(config, batch=4)
     module = autopar.parallelize(GPT(config), "tp=2", strategies=[autopar.tensor_parallel()], example_inputs=batch)
-    calls = _Calls()
+    calls = CallNames()
     with calls:
         loss = module(*module.local_batch(*batch))
         calls.names.append("<forward done>")

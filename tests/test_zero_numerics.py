@@ -34,6 +34,9 @@ CASES = {
     "zero3_dp4": ("dp=4", [autopar.zero(stage=3)]),
     "hsdp_2x2": ("dp_rep=2,dp_shard=2", [autopar.hsdp()]),
     "zero3_tp_2x2": ("dp=2,tp=2", [autopar.fsdp(), autopar.tensor_parallel()]),
+    # async TP under FSDP: each piece's linear reads the unit's gathered weight before its release
+    "zero3_tp_sp_chunks_2x2": ("dp=2,tp=2", [autopar.fsdp(), autopar.sequence_parallel(),
+                                             autopar.schedule(chunks=2)]),
 }
 
 

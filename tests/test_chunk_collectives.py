@@ -1,0 +1,110 @@
+"""Async TP (`autopar.schedule(chunks=k)`, passes/chunk_collectives.py): which collectives are cut,
+the ledger's bytes kept, the sites left whole, and on 2 gloo ranks the order the pieces run in —
+piece j+1's all-gather in flight over piece j's matmuls, piece j's reduce-scatter over piece j+1's
+matmul. That the cut program equals one device (loss, gradients, parameters, the ledger against
+gloo's calls, the memory ledger against the bytes held) is `tests/test_example_numerics.py`'s
+`*_chunks` cases, under FSDP `tests/test_zero_numerics.py`'s `zero3_tp_sp_chunks_2x2`."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.passes.chunk_collectives import chunked_sites
+from autopar.runtime.launch import launch
+from examples.gpt import GPT, GPTConfig, example_batch
+from tests.dispatch_calls import CallNames
+
+CONFIG = GPTConfig(vocab_size=128, seq_len=16, n_layer=2, n_head=4, d_model=32, d_ff=64)
+BATCH = example_batch(CONFIG, batch=8)
+
+
+def _plan(mesh: str, *strategies) -> autopar.Plan:
+    return autopar.plan(GPT(CONFIG), mesh, strategies=list(strategies), example_inputs=BATCH)
+
+
+def _ledger(plan) -> dict[tuple[str, str, str], tuple[int, int]]:
+    """(phase, kind, axis) -> (calls, bytes) over the whole ledger."""
+    totals: dict[tuple[str, str, str], tuple[int, int]] = {}
+    for entry in plan.comm.entries:
+        key = (entry.phase, entry.kind, entry.axis)
+        calls, size = totals.get(key, (0, 0))
+        totals[key] = (calls + int(entry.times), size + int(entry.times * entry.logical_bytes))
+    return totals
+
+
+def test_the_declaration_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="whole number"):
+        autopar.schedule(chunks=0)
+    with pytest.raises(ValueError, match="needs the overlap"):
+        autopar.schedule(overlap=False, chunks=2)
+    assert autopar.schedule(chunks=2).describe() == "overlap, linears' collectives in 2 chunks"
+
+
+@pytest.mark.parametrize("mesh, strategy, sites, more_calls", [
+    # o_proj's and down's all-reduce per layer (the embedding's is no linear's: it stays whole)
+    ("tp=2", autopar.tensor_parallel, {"all_reduce": 4}, {("forward", "all_reduce"): 4}),
+    # q/k/v's and up's gathers per layer and the lm_head's, o_proj's and down's reduce-scatters, and
+    # their backward conjugates
+    ("tp=4", autopar.sequence_parallel, {"all_gather": 5, "reduce_scatter": 4},
+     {("forward", "all_gather"): 5, ("backward", "reduce_scatter"): 5, ("forward", "reduce_scatter"): 4,
+      ("backward", "all_gather"): 4}),
+])
+def test_each_linear_collective_is_cut_and_the_ledger_keeps_its_bytes(mesh, strategy, sites, more_calls):
+    whole, chunked = _plan(mesh, strategy()), _plan(mesh, strategy(), autopar.schedule(chunks=2))
+    cut = chunked_sites(chunked.stages[0].graph_module.graph)
+    assert set(cut.values()) == {2}
+    assert {kind: sum(name.startswith(kind) for name in cut) for kind in sites} == sites
+    before, after = _ledger(whole), _ledger(chunked)
+    assert before.keys() == after.keys()
+    for key, (calls, size) in before.items():
+        # the same bytes, in one more call per site cut
+        assert after[key] == (calls + more_calls.get(key[:2], 0), size), key
+
+
+def test_a_site_whose_rows_do_not_divide_stays_whole():
+    # tp=4 SP: 2 local rows of the batch per rank, which 3 pieces do not divide
+    plan = _plan("tp=4", autopar.sequence_parallel(), autopar.schedule(chunks=3))
+    assert chunked_sites(plan.stages[0].graph_module.graph) == {}
+    assert _ledger(plan) == _ledger(_plan("tp=4", autopar.sequence_parallel()))
+
+
+def _forward_calls(rank: int, world: int) -> list[str]:
+    config = GPTConfig(vocab_size=128, seq_len=16, n_layer=1, n_head=4, d_model=32, d_ff=64)
+    torch.manual_seed(0)
+    batch = example_batch(config, batch=8)
+    module = autopar.parallelize(GPT(config), "tp=2", strategies=[autopar.sequence_parallel(),
+                                                                  autopar.schedule(chunks=2)], example_inputs=batch)
+    calls = CallNames()
+    with calls:
+        loss = module(*module.local_batch(*batch))
+    loss.backward()
+    return calls.names
+
+
+def _between(calls: list[str], issued: int) -> list[str]:
+    """The calls from the collective issued at `issued` to the wait that lands it (gloo's
+    functional collectives land in issue order)."""
+    pending = sum(1 for name in calls[:issued] if name in _ISSUES) - sum(1 for name in calls[:issued]
+                                                                           if name == "wait_tensor")
+    waits = [i for i in range(issued + 1, len(calls)) if calls[i] == "wait_tensor"]
+    return calls[issued:waits[pending]]
+
+
+_ISSUES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+
+
+def test_each_piece_s_collective_is_in_flight_over_another_piece_s_matmuls():
+    for calls in launch(_forward_calls, 2, timeout_s=60, deadline_s=150):
+        gathers = [i for i, name in enumerate(calls) if name == "all_gather_into_tensor"]
+        scatters = [i for i, name in enumerate(calls) if name == "reduce_scatter_tensor"]
+        # the attention's, the MLP's and the lm_head's gathers; the embedding's reduce-scatter
+        # (whole), then o_proj's and down's; each linear's in two pieces
+        assert len(gathers) == 6 and len(scatters) == 1 + 4, calls
+        # the second piece's gather is issued before the first piece's linears and lands after them:
+        # q, k and v (3 addmm) in attention, up in the MLP, the lm_head's mm
+        matmuls = [_between(calls, i) for i in gathers[1::2]]
+        assert [c.count("addmm") + c.count("mm") for c in matmuls] == [3, 1, 1], calls
+        # o_proj's and down's first piece is reduced while the second piece's addmm runs
+        matmuls = [_between(calls, i) for i in scatters[1:]]
+        assert [c.count("addmm") for c in matmuls] == [1, 0, 1, 0], calls
