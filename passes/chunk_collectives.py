@@ -25,8 +25,10 @@ Each piece's collective keeps the original's kind, group and arguments, and its 
 A site stays whole where: its rows (local, per rank) do not divide into k (into k per rank block for
 a collective on dimension 0), a size is symbolic, the collective or the linear is in a recomputed
 region, the gathered tensor has a reader other than linears' 2-D views, the linear's output has a
-reader other than the reduction, a layout is cut in strides (a load-balanced or strided axis), or a
-side effect (a ZeRO unit's release) stands between the linears a gather feeds (their pieces run
+reader other than the reduction, an addmm adds more than a bias (a row broadcast to every row), the
+reduction is an all-reduce other than a sum or of a 1-D value, the gather re-gathers in backward
+(`sequence_parallel(regather_in_backward=True)`), a layout is cut in strides (a load-balanced or
+strided axis), or a side effect (a ZeRO unit's release) stands between the linears a gather feeds (their pieces run
 where the last of them ran). A reduction's pieces run where its linear ran, so a unit released after
 that linear is released after every piece. `chunked_sites(graph)` lists the collectives cut; the report's
 "Collectives in flight" table lists each piece's step with the nodes it is in flight over.
@@ -63,7 +65,7 @@ def chunk_collectives(program: Program, ctx: CompileContext) -> Program:
         graph = stage.graph_module.graph
         changed = False
         for node in list(graph.nodes):
-            if node.graph is not graph or node.op != "call_function":
+            if node._erased or node.op != "call_function":
                 continue  # erased by an earlier site
             if node.target is collectives.all_gather:
                 changed |= _cut_gather(graph, node, chunks, mesh_shape)
@@ -131,7 +133,7 @@ def _cut_reduction(graph: torch.fx.Graph, reduction: torch.fx.Node, chunks: int,
     linear = partial.args[0] if partial.target in _LAYOUTS else partial
     if (not _plain_step(reduction) or not _is_linear(linear) or len(linear.users) != 1 or len(partial.users) != 1
             or reduction.target is collectives.all_reduce and reduction.kwargs.get("reduce_op") != "sum"
-            or not _static(partial) or not _static(linear)):
+            or not _static(partial) or not _static(linear) or len(_shape(partial)) < 2):
         return False
     dim = reduction.kwargs.get("dim")
     x = _left(linear)
@@ -139,7 +141,8 @@ def _cut_reduction(graph: torch.fx.Graph, reduction: torch.fx.Node, chunks: int,
     if dim is not None and dim >= len(_shape(partial)) - 1 or rows != _shape(x)[0] or RECOMPUTE in linear.meta:
         return False
     blocks = reduction.kwargs["size"] if dim == 0 else 1
-    if local_shape(_shape(partial), _placements(partial), mesh_shape)[0] % (chunks * blocks):
+    if (local_shape(_shape(partial), _placements(partial), mesh_shape)[0] % (chunks * blocks)
+            or local_shape(_shape(x), _placements(x), mesh_shape)[0] % (chunks * blocks)):
         return False
     results = []
     # before the linear, not the reduction: a ZeRO unit's release after the linear's weight's last
@@ -178,7 +181,12 @@ def _static(node: torch.fx.Node) -> bool:
 
 
 def _is_linear(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target in (_aten.addmm.default, _aten.mm.default)
+    """mm, or addmm whose added term is a bias (one row, broadcast to every row of a piece)."""
+    if node.op != "call_function" or node.target not in (_aten.addmm.default, _aten.mm.default):
+        return False
+    bias = node.args[0] if node.target is _aten.addmm.default else None
+    value = bias.meta.get("val") if isinstance(bias, torch.fx.Node) else None
+    return bias is None or isinstance(value, torch.Tensor) and (value.dim() == 1 or value.shape[0] == 1)
 
 
 def _left(linear: torch.fx.Node) -> torch.fx.Node:
@@ -248,10 +256,11 @@ def _view(graph: torch.fx.Graph, view: torch.fx.Node, piece: torch.fx.Node, chun
 
 
 def _piece_linear(graph: torch.fx.Graph, linear: torch.fx.Node, piece: torch.fx.Node, chunks: int) -> torch.fx.Node:
-    """`linear` on a piece of its rows. Its transposed weight is copied per piece when the linear
-    was its only reader, so the scheduling pass can give each piece's linear its own tap."""
+    """`linear` on a piece of its rows. Its transposed weight (t, or permute [1, 0]) is copied per
+    piece when the linear was its only reader, so the scheduling pass can give each piece's linear
+    its own tap; any other right operand is shared (computed once)."""
     weight_t = linear.args[2] if linear.target is _aten.addmm.default else linear.args[1]
-    if weight_t.op == "call_function" and len(weight_t.users) == 1:
+    if _transpose(weight_t) and len(weight_t.users) == 1:
         weight_t = graph.node_copy(weight_t)
     args = list(linear.args)
     args[1 if linear.target is _aten.addmm.default else 0] = piece
@@ -286,5 +295,10 @@ def _erase(graph: torch.fx.Graph, replaced: list[torch.fx.Node]) -> None:
         inputs = node.all_input_nodes
         graph.erase_node(node)
         for weight_t in inputs:
-            if weight_t.target in (_aten.permute.default, _aten.t.default) and not weight_t.users:
+            if _transpose(weight_t) and not weight_t.users:
                 graph.erase_node(weight_t)
+
+
+def _transpose(node: torch.fx.Node) -> bool:
+    return (node.op == "call_function" and (node.target is _aten.t.default
+                                            or node.target is _aten.permute.default and list(node.args[1]) == [1, 0]))

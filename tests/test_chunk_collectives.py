@@ -69,17 +69,68 @@ def test_a_site_whose_rows_do_not_divide_stays_whole():
     assert _ledger(plan) == _ledger(_plan("tp=4", autopar.sequence_parallel()))
 
 
-def _forward_calls(rank: int, world: int) -> list[str]:
+SP_SITES = {"all_gather": 5, "reduce_scatter": 4}
+
+
+def _sites_by_kind(plan) -> dict[str, int]:
+    """Collectives cut, per kind (every one in 2 pieces)."""
+    cut = chunked_sites(plan.stages[0].graph_module.graph)
+    assert set(cut.values()) <= {2}
+    return {kind: n for kind in ("all_gather", "reduce_scatter", "all_reduce")
+            if (n := sum(name.startswith(kind) for name in cut))}
+
+
+def _numerics_cases():
+    """Every `*_chunks` case the numerics tests run, with what it must cut."""
+    from tests import test_compile, test_example_numerics, test_zero_numerics
+
+    cases = {name: (mesh, strategies) for module in (test_example_numerics, test_zero_numerics)
+             for name, (mesh, strategies) in module.CASES.items() if "chunks" in name}
+    cases.update({name: case[1:3] for name, case in test_compile.CASES.items() if "chunks" in name})
+    return cases
+
+
+@pytest.mark.parametrize("case", sorted(_numerics_cases()))
+def test_every_numerics_case_of_async_tp_is_cut(case):
+    """So those cases cannot pass with every site left whole."""
+    mesh, strategies = _numerics_cases()[case]
+    expected = {"all_reduce": 4} if case.startswith("tp2") else SP_SITES
+    assert _sites_by_kind(_plan(mesh, *strategies)) == expected
+
+
+def test_each_pipeline_stage_is_cut():
+    """`tests/test_pipeline_numerics.py`'s pp=2 x tp=2 async-TP case: a micro-batch of 4 rows."""
+    from tests.test_pipeline_numerics import FOUR
+
+    one = next(c for c in FOUR if c["name"].endswith("sp_chunks"))
+    plan = autopar.plan(GPT(CONFIG), one["mesh"], strategies=one["strategies"], example_inputs=BATCH)
+    cut = [chunked_sites(stage.graph_module.graph) for stage in plan.stages]
+    # stage 0: the first layer's two gathers and two reductions; stage 1: the second's and the lm_head's gather
+    assert [len(sites) for sites in cut] == [4, 5], cut
+
+
+def test_symbolic_sizes_and_recomputed_regions_stay_whole():
+    dynamic = autopar.plan(GPT(CONFIG), "tp=2", strategies=[autopar.tensor_parallel(), autopar.schedule(chunks=2)],
+                           example_inputs=BATCH, dynamic_dims={"b": 0})
+    assert _sites_by_kind(dynamic) == {}
+    # full recomputation: the blocks' collectives stay whole, the lm_head's gather (no block's) is cut
+    recomputed = _plan("tp=2", autopar.sequence_parallel(), autopar.recompute("full"), autopar.schedule(chunks=2))
+    assert _sites_by_kind(recomputed) == {"all_gather": 1}
+
+
+def _calls(rank: int, world: int) -> tuple[list[str], list[str]]:
+    """The ATen / c10d calls of a forward and of its backward, tp=2 SP, chunks=2."""
     config = GPTConfig(vocab_size=128, seq_len=16, n_layer=1, n_head=4, d_model=32, d_ff=64)
     torch.manual_seed(0)
     batch = example_batch(config, batch=8)
     module = autopar.parallelize(GPT(config), "tp=2", strategies=[autopar.sequence_parallel(),
                                                                   autopar.schedule(chunks=2)], example_inputs=batch)
-    calls = CallNames()
-    with calls:
+    forward, backward = CallNames(), CallNames()
+    with forward:
         loss = module(*module.local_batch(*batch))
-    loss.backward()
-    return calls.names
+    with backward:
+        loss.backward()
+    return forward.names, backward.names
 
 
 def _between(calls: list[str], issued: int) -> list[str]:
@@ -95,7 +146,7 @@ _ISSUES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
 
 
 def test_each_piece_s_collective_is_in_flight_over_another_piece_s_matmuls():
-    for calls in launch(_forward_calls, 2, timeout_s=60, deadline_s=150):
+    for calls, backward in launch(_calls, 2, timeout_s=60, deadline_s=150):
         gathers = [i for i, name in enumerate(calls) if name == "all_gather_into_tensor"]
         scatters = [i for i, name in enumerate(calls) if name == "reduce_scatter_tensor"]
         # the attention's, the MLP's and the lm_head's gathers; the embedding's reduce-scatter
@@ -108,3 +159,12 @@ def test_each_piece_s_collective_is_in_flight_over_another_piece_s_matmuls():
         # o_proj's and down's first piece is reduced while the second piece's addmm runs
         matmuls = [_between(calls, i) for i in scatters[1:]]
         assert [c.count("addmm") for c in matmuls] == [1, 0, 1, 0], calls
+        # backward, from the lm_head down: each gather's conjugate reduce-scatter (a piece's input
+        # gradient) is in flight over the other piece's input-gradient GEMMs and the weight-gradient
+        # taps (lm_head, up: 1 + 1 each; q, k, v: 3 + 3); of down's and o_proj's conjugate all-gathers,
+        # the second piece's is in flight over the first piece's two GEMMs; the embedding's is whole
+        scatters = [_between(backward, i).count("mm") for i, name in enumerate(backward)
+                    if name == "reduce_scatter_tensor"]
+        gathers = [_between(backward, i).count("mm") for i, name in enumerate(backward)
+                   if name == "all_gather_into_tensor"]
+        assert (scatters, gathers) == ([2, 2, 2, 2, 6, 6], [0, 2, 0, 2, 0]), backward

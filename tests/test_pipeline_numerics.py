@@ -91,7 +91,8 @@ def case(model: str, mesh: str, schedule: str = "1f1b", virtual: int = 1, *, lay
     strategies = [autopar.pipeline_parallel(schedule=schedule, microbatches=microbatches, virtual_stages=virtual)]
     strategies += {None: [], "dp": [autopar.data_parallel()], "zero1": [autopar.zero(stage=1)],
                    "fsdp": [autopar.fsdp()]}[data]
-    strategies += {None: [], "sp": [autopar.sequence_parallel()]}[tensor]
+    strategies += {None: [], "sp": [autopar.sequence_parallel()],
+                   "sp_chunks": [autopar.sequence_parallel(), autopar.schedule(chunks=2)]}[tensor]
     name = f"{model}{layers}-{mesh}-{schedule}" + (f"-{data}" if data else "") + (f"-{tensor}" if tensor else "")
     return {"name": name, "model": model, "layers": layers, "mesh": mesh, "strategies": strategies,
             "microbatches": microbatches}
@@ -144,7 +145,9 @@ FOUR = ([case(model, "pp=4", schedule, virtual, layers=8 if virtual > 1 else 4)
          for model in ("gpt", "llama") for schedule, virtual in SCHEDULES]
         + [case("gpt", "pp=2,dp=2", data="zero1"), case("llama", "pp=2,dp=2", data="fsdp"),
            case("gpt", "pp=2,dp=2", "interleaved_1f1b", 2, layers=8, data="fsdp"),
-           case("tied_gpt2", "pp=4", "1f1b")])
+           case("tied_gpt2", "pp=4", "1f1b"),
+           # async TP in each stage: micro-batches of 4 rows, 2 per tp rank, in 2 pieces
+           case("gpt", "pp=2,tp=2", tensor="sp_chunks", microbatches=2)])
 EIGHT = [case("gpt", "pp=2,dp=2,tp=2", data="dp", tensor="sp"), case("llama", "pp=2,dp=2,tp=2", data="zero1",
                                                                           tensor="sp")]
 

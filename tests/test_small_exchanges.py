@@ -4,7 +4,8 @@ Every numerics test that counts gloo's collectives against the ledger checks tha
 the run agree on which all-reduces take this path. Here, the exchange itself: many all-reduces
 back to back (so the two slots alternate and a rank a barrier ahead writes the slot the others have
 read), of mixed sizes, dtypes and reductions, equal on every rank to the same reduction of every
-rank's tensor gathered through gloo; and which all-reduces the plan sends there."""
+rank's tensor gathered through gloo; ranks exchanging the same bytes of other dtypes refused; and
+which all-reduces the plan sends there."""
 from __future__ import annotations
 
 import pytest
@@ -51,6 +52,26 @@ def _exchanges(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(120)
 def test_small_all_reduces_through_shared_memory_equal_the_gathered_reduction():
     assert launch(_exchanges, 4, timeout_s=90) == [[], [], [], []]
+
+
+def _out_of_step(rank: int, world: int) -> str:
+    """Rank 0 sums 2 fp32 values, rank 1 one int64: the same 8 bytes, not the same exchange."""
+    group = dist.new_group(list(range(world))).group_name
+    small_exchanges.activate(small_exchanges.open_small_exchanges({group: 256}))
+    mine = torch.ones(2) if rank == 0 else torch.ones(1, dtype=torch.int64)
+    try:
+        wait(issue_all_reduce(mine, group, "sum"))
+    except Exception as error:  # noqa: BLE001 - the message is what is checked
+        return f"{type(error).__name__}: {error}"
+    finally:
+        small_exchanges.activate({})
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_ranks_exchanging_other_dtypes_of_the_same_size_fail_instead_of_mixing_bits():
+    for outcome in launch(_out_of_step, 2, timeout_s=60):
+        assert outcome.startswith("SharedMemoryPeerError") and "out of step" in outcome, outcome
 
 
 def test_the_plan_sends_small_all_reduces_on_a_shared_memory_axis_there():

@@ -18,7 +18,8 @@ one; the result has arrived when it returns (its `wait` is a no-op).
 `SmallExchange`: each rank's row holds two slots; exchange g writes this rank's tensor into slot g
 mod 2, passes one barrier and reduces every rank's slot, in rank order (every rank computes the same
 bits). One barrier suffices: exchange g+2 writes slot g mod 2 again only after barrier g+1, which
-every rank passes only once it has read exchange g. The reduction runs as the custom op
+every rank passes only once it has read exchange g. The barrier's tag names the exchange (bytes,
+dtype, reduction), so ranks out of step fail instead of reducing each other's bits. The reduction runs as the custom op
 `autopar::shm_all_reduce`, which torch.compile keeps as one opaque call (`compile=True`).
 """
 from __future__ import annotations
@@ -28,7 +29,11 @@ from typing import Any
 
 import torch
 
-_OPS = {"sum": 1, "max": 2, "min": 3}  # what a barrier's tag says, with the bytes (ranks out of step fail)
+# what a barrier's tag says, with the bytes: ranks out of step fail instead of reading each other's slots
+_OPS = {"sum": 1, "max": 2, "min": 3}
+_DTYPES = {dtype: code for code, dtype in enumerate(
+    (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+     torch.int8, torch.uint8, torch.bool), start=1)}  # another dtype: 0
 # process group name -> its exchange, of the module that ran the last forward (`activate`): process
 # group names repeat across meshes of the same ranks, and each module's plan decides for itself. A
 # backward all-reduce runs under the exchanges its forward saw (`bound`, from the autograd functions).
@@ -59,7 +64,7 @@ class SmallExchange:
         self._exchanges += 1
         rows = self._group.rows[:, start:start + nbytes]
         rows[self._group.rank].copy_(x.detach().contiguous().view(-1).view(torch.uint8))
-        self._group.barrier((nbytes << 2) | _OPS[reduce_op])
+        self._group.barrier((nbytes << 6) | (_DTYPES.get(x.dtype, 0) << 2) | _OPS[reduce_op])
         values = rows.view(x.dtype)
         if reduce_op == "sum":
             total = self._ordered_sum(values)
