@@ -30,8 +30,8 @@ global batch; their steps alternate, so machine drift hits both alike (`measure`
   is the global-batch mean when the batch is split evenly), and the largest relative gap over all steps.
 
 `--compile`: both sides through torch.compile with inductor (autopar `compile=True`; PyTorch's
-DDP- or DTensor-wrapped model compiled whole); the step counted by `CollectiveBytes` comes after
-the timed steps (`measure_compiled`).
+DDP- or DTensor-wrapped model compiled whole; under dp×tp the TP model compiled, then wrapped by
+DDP); the step counted by `CollectiveBytes` comes after the timed steps (`measure_compiled`).
 
 Run: python benchmarks/compare_step_time.py [--quick] [--compile] [--rows dp4,tp4] [--steps N] [--warmup N]
 (`--help` lists the model flags). `--no-loss-parallel` gives PyTorch an lm_head that all-gathers
@@ -224,12 +224,16 @@ def pytorch_tp(settings: Settings, global_batch: tuple, rank: int, *, sequence_p
     model = build_model(settings)
     plan = tensor_parallel_plan(sequence_parallel=sequence_parallel, loss_parallel=settings.loss_parallel)
     parallelize_module(model, mesh["tp"], plan)
+    # under --compile the TP model is compiled before DDP wraps it (torchtitan compiles, then applies
+    # data parallelism): compiling DDP over the DTensor model fails in its second step ("backward
+    # through the graph a second time", 2026-12-05)
+    model = compiled(model, settings)
     inputs = list(global_batch)
     if dp > 1:
         model = DistributedDataParallel(model, device_mesh=mesh["dp"])
         inputs = batch_slice(global_batch, index=mesh.get_local_rank("dp"), parts=dp)
     context = loss_parallel if settings.loss_parallel else contextlib.nullcontext
-    return make_step(compiled(model, settings), inputs, lr=settings.lr, loss_context=context)
+    return make_step(model, inputs, lr=settings.lr, loss_context=context)
 
 
 @dataclass(frozen=True)
