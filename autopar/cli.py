@@ -5,6 +5,7 @@
                     [--params-only] [--save plan.json] [--compare-stages] [--compare-cp] [--timeline out.svg]
                     [--schedule 1f1b --microbatches 8 --virtual-stages 1 --stages layers.4]
                     [--cp-method ring --no-load-balance] [--recompute selective|full|GLOBS]
+                    [--no-overlap | --chunks K]
     autopar graph   TARGET --mesh ... --rank R [--diff] [--html out.html]
     autopar check   TARGET --mesh ... --baseline comm.json [--tolerance PCT] [--update]
     autopar diff    a.json b.json
@@ -19,7 +20,9 @@ dp_shard, replicated on dp_rep), tp (tensor_parallel on tp), sp (sequence_parall
 (context_parallel on cp, with --cp-method ring|allgather|alltoall and --no-load-balance), ep
 (expert_parallel on ep: experts split by expert, tokens exchanged by all-to-all); by default dp
 for a `dp` axis, tp for a `tp` axis, pp for a `pp` axis, cp for a `cp` axis and ep for an `ep` axis.
-`--recompute` adds `autopar.recompute` (selective, full, or comma-separated module globs).
+`--recompute` adds `autopar.recompute` (selective, full, or comma-separated module globs);
+`--no-overlap` adds `autopar.schedule(overlap=False)`, `--chunks K` `autopar.schedule(chunks=K)`
+(async TP: each TP/SP linear and its forward collective in K pieces of rows).
 `--auto` lets the planner choose mesh and strategies for `--cluster` (a preset: h100x8, a100x64,
 cpu2x4, ...; `autopar/planner.py`) and prints its ranking: each candidate's peak memory, bytes,
 predicted step time and why it lost; `explain TARGET --cluster NAME` names the winner's binding
@@ -98,7 +101,8 @@ def _plan(args: argparse.Namespace, *, explain: bool = False):
     model, inputs = load_target(args.target)()
     mesh = Mesh.parse(args.mesh, ranks_per_node=args.node)
     strategies = strategies_for(args.strategy, mesh, _pipeline_options(args), _context_options(args))
-    return plan(model, mesh, strategies=strategies + _recompute_option(args), example_inputs=inputs,
+    return plan(model, mesh, strategies=strategies + _recompute_option(args) + _schedule_option(args),
+                example_inputs=inputs,
                 dynamic_dims=_symbolic(args.symbolic), explain=explain, backend=args.backend)
 
 
@@ -109,6 +113,18 @@ def _recompute_option(args: argparse.Namespace) -> list[Any]:
     if not args.recompute:
         return []
     return [recompute(args.recompute if args.recompute in ("selective", "full") else args.recompute.split(","))]
+
+
+def _schedule_option(args: argparse.Namespace) -> list[Any]:
+    """`--no-overlap` / `--chunks K`: autopar.schedule(...) beside the strategies."""
+    from autopar.strategies.schedule import schedule
+
+    if not args.no_overlap and args.chunks is None:
+        return []
+    try:
+        return [schedule(overlap=not args.no_overlap, chunks=1 if args.chunks is None else args.chunks)]
+    except ValueError as error:
+        raise PlanError(f"--no-overlap / --chunks: {error}") from None
 
 
 def _pipeline_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -276,6 +292,10 @@ def _planning_arguments(command: argparse.ArgumentParser) -> None:
     command.add_argument("--cp-method", help="cp: ring, allgather or alltoall (default ring)")
     command.add_argument("--recompute", help="activation recomputation: selective (attention cores), full (every "
                                              "block) or module globs, e.g. layers.*.mlp")
+    command.add_argument("--no-overlap", action="store_true",
+                         help="every collective waits where it is issued (the scheduling pass off)")
+    command.add_argument("--chunks", type=int,
+                         help="async TP: each TP/SP linear and its forward collective in this many pieces of rows")
     command.add_argument("--no-load-balance", action="store_true",
                          help="cp: rank i holds chunk i of N (default: chunks i and 2N-1-i of 2N)")
 

@@ -41,7 +41,16 @@ def test_compare_cp_prints_the_three_lowerings():
     assert wire["ring"] > wire["allgather"] > wire["alltoall"] > 0
 
 
+def test_graph_with_chunks_prints_the_pieces():
+    """`--chunks 2`: async TP; each o_proj / down reduce-scatter of SP in two pieces of rows."""
+    result = run_cli("graph", "examples.gpt:example", "--mesh", "tp=2", "--strategy", "sp", "--rank", "0",
+                     "--chunks", "2")
+    assert result.returncode == 0, result.stderr
+    assert "row_chunks_rows" in result.stdout and "row_chunks_join" in result.stdout
+
+
 @pytest.mark.parametrize("args, words", [
+    (("plan", "examples/gpt.py", "--mesh", "tp=2", "--no-overlap", "--chunks", "2"), "needs the overlap"),
     (("plan", "examples/gpt.py", "--mesh", "dp=0"), "positive integer"),
     (("plan", "examples/gpt.py", "--mesh", "dp=2", "--strategy", "tp"), "unknown mesh axis 'tp'"),
     (("plan", "examples/gpt.py", "--mesh", "dp=2", "--strategy", "zz"), "unknown strategy 'zz'"),
