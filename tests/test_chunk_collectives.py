@@ -81,10 +81,11 @@ def _sites_by_kind(plan) -> dict[str, int]:
 
 
 def _numerics_cases():
-    """Every `*_chunks` case the numerics tests run, with what it must cut."""
-    from tests import test_compile, test_example_numerics, test_zero_numerics
+    """Every `*_chunks` case the numerics tests run (the Hugging Face cases' declarations are
+    planned here on the example GPT, as the others)."""
+    from tests import test_compile, test_example_numerics, test_hf_numerics, test_zero_numerics
 
-    cases = {name: (mesh, strategies) for module in (test_example_numerics, test_zero_numerics)
+    cases = {name: (mesh, strategies) for module in (test_example_numerics, test_zero_numerics, test_hf_numerics)
              for name, (mesh, strategies) in module.CASES.items() if "chunks" in name}
     cases.update({name: case[1:3] for name, case in test_compile.CASES.items() if "chunks" in name})
     return cases

@@ -22,6 +22,9 @@ CASES = {
     "tp2": ("tp=2", [autopar.tensor_parallel()]),
     "tp4_sp": ("tp=4", [autopar.sequence_parallel()]),
     "dp2_tp2_sp": ("dp=2,tp=2", [autopar.data_parallel(), autopar.sequence_parallel()]),
+    # async TP: GPT-2's Conv1D (addmm of an untransposed weight) and Llama's gate / up pair cut too
+    "dp2_tp2_sp_chunks": ("dp=2,tp=2", [autopar.data_parallel(), autopar.sequence_parallel(),
+                                        autopar.schedule(chunks=2)]),
 }
 _references: dict[str, dict] = {}
 
