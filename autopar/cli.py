@@ -156,6 +156,9 @@ def _require_mesh(args: argparse.Namespace) -> None:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     if args.auto:
+        if args.chunks is not None or args.no_overlap:
+            raise PlanError("--auto lets the planner choose the strategies; it does not take --chunks or "
+                            "--no-overlap (plan the chosen mesh with --mesh and --strategy to add them)")
         result, model, inputs = _search(args)
         print(result.table(top=args.top))
         print()
@@ -174,7 +177,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         model, inputs = load_target(args.target)()
         mesh = Mesh.parse(args.mesh, ranks_per_node=args.node)
         mesh.require_axis("dp", wanted_by="--compare-stages")
-        rows = compare_stages(model, mesh, strategies=strategies_for(args.strategy, mesh), example_inputs=inputs,
+        strategies = (strategies_for(args.strategy, mesh, _pipeline_options(args), _context_options(args))
+                      + _recompute_option(args) + _schedule_option(args))
+        rows = compare_stages(model, mesh, strategies=strategies, example_inputs=inputs,
                               dynamic_dims=_symbolic(args.symbolic))
         print(f"ZeRO stages on dp, mesh {mesh}: bytes per rank (memory after a step; communication per step)\n")
         print(stage_table(rows))
@@ -184,7 +189,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
         model, inputs = load_target(args.target)()
         mesh = Mesh.parse(args.mesh, ranks_per_node=args.node)
-        strategies = strategies_for(args.strategy, mesh, _pipeline_options(args), _context_options(args))
+        strategies = (strategies_for(args.strategy, mesh, _pipeline_options(args), _context_options(args))
+                      + _recompute_option(args) + _schedule_option(args))
         rows = compare_context_methods(model, mesh, strategies=strategies, example_inputs=inputs,
                                        dynamic_dims=_symbolic(args.symbolic))
         print(f"Attention on sequence shards, mesh {mesh}: bytes per rank (communication on the context "

@@ -30,8 +30,8 @@ global batch; their steps alternate, so machine drift hits both alike (`measure`
   is the global-batch mean when the batch is split evenly), and the largest relative gap over all steps.
 
 `--compile`: both sides through torch.compile with inductor (autopar `compile=True`; PyTorch's
-DDP- or DTensor-wrapped model compiled whole; under dp×tp the TP model compiled, then wrapped by
-DDP); the step counted by `CollectiveBytes` comes after the timed steps (`measure_compiled`).
+DDP- or DTensor-wrapped model compiled whole; under dp×tp each block of the TP model compiled, then
+the model wrapped by DDP, as torchtitan does); the step counted by `CollectiveBytes` comes after the timed steps (`measure_compiled`).
 
 Run: python benchmarks/compare_step_time.py [--quick] [--compile] [--rows dp4,tp4] [--steps N] [--warmup N]
 (`--help` lists the model flags). `--no-loss-parallel` gives PyTorch an lm_head that all-gathers
@@ -206,7 +206,8 @@ def tensor_parallel_plan(*, sequence_parallel: bool, loss_parallel: bool) -> dic
 
 def compiled(model: torch.nn.Module, settings: Settings) -> torch.nn.Module:
     """PyTorch's side under `--compile`: the whole (wrapped) model through torch.compile, as PyTorch's
-    docs do it (DDP: dynamo's DDPOptimizer splits the graph at the buckets; DTensor: traced as is)."""
+    docs do it (DDP: dynamo's DDPOptimizer splits the graph at the buckets; DTensor: traced as is);
+    dp×tp compiles per block instead (`pytorch_tp`)."""
     return torch.compile(model) if settings.compile else model
 
 
@@ -224,10 +225,14 @@ def pytorch_tp(settings: Settings, global_batch: tuple, rank: int, *, sequence_p
     model = build_model(settings)
     plan = tensor_parallel_plan(sequence_parallel=sequence_parallel, loss_parallel=settings.loss_parallel)
     parallelize_module(model, mesh["tp"], plan)
-    # under --compile the TP model is compiled before DDP wraps it (torchtitan compiles, then applies
-    # data parallelism): compiling DDP over the DTensor model fails in its second step ("backward
-    # through the graph a second time", 2026-12-05)
-    model = compiled(model, settings)
+    if dp > 1 and settings.compile:
+        # torchtitan's order: each block compiled, then data parallelism applied (so DDP's hooks see
+        # each block's gradients as its backward ends); compiling DDP over the DTensor model whole
+        # fails in its second step ("backward through the graph a second time", 2026-12-05)
+        for index, block in enumerate(model.layers):
+            model.layers[index] = torch.compile(block)
+    else:
+        model = compiled(model, settings)
     inputs = list(global_batch)
     if dp > 1:
         model = DistributedDataParallel(model, device_mesh=mesh["dp"])

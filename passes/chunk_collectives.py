@@ -26,7 +26,7 @@ A site stays whole where: its rows (local, per rank) do not divide into k (into 
 a collective on dimension 0), a size is symbolic, the collective or the linear is in a recomputed
 region, the gathered tensor has a reader other than linears' 2-D views, the linear's output has a
 reader other than the reduction, an addmm adds more than a bias (a row broadcast to every row), the
-reduction is an all-reduce other than a sum or of a 1-D value, the gather re-gathers in backward
+reduction is an all-reduce other than a sum or its value is 1-D, the gather re-gathers in backward
 (`sequence_parallel(regather_in_backward=True)`), a layout is cut in strides (a load-balanced or
 strided axis), or a side effect (a ZeRO unit's release) stands between the linears a gather feeds (their pieces run
 where the last of them ran). A reduction's pieces run where its linear ran, so a unit released after
@@ -186,7 +186,7 @@ def _is_linear(node: torch.fx.Node) -> bool:
         return False
     bias = node.args[0] if node.target is _aten.addmm.default else None
     value = bias.meta.get("val") if isinstance(bias, torch.fx.Node) else None
-    return bias is None or isinstance(value, torch.Tensor) and (value.dim() == 1 or value.shape[0] == 1)
+    return bias is None or isinstance(value, torch.Tensor) and (value.dim() <= 1 or value.shape[0] == 1)
 
 
 def _left(linear: torch.fx.Node) -> torch.fx.Node:
@@ -300,5 +300,6 @@ def _erase(graph: torch.fx.Graph, replaced: list[torch.fx.Node]) -> None:
 
 
 def _transpose(node: torch.fx.Node) -> bool:
+    """A 2-D weight's transpose: t, permute [1, 0] (what export writes for a linear's weight)."""
     return (node.op == "call_function" and (node.target is _aten.t.default
                                             or node.target is _aten.permute.default and list(node.args[1]) == [1, 0]))

@@ -81,11 +81,11 @@ def _sites_by_kind(plan) -> dict[str, int]:
 
 
 def _numerics_cases():
-    """Every `*_chunks` case the numerics tests run (the Hugging Face cases' declarations are
-    planned here on the example GPT, as the others)."""
-    from tests import test_compile, test_example_numerics, test_hf_numerics, test_zero_numerics
+    """Every `*_chunks` case the numerics tests run on the example GPT (the Hugging Face models'
+    below)."""
+    from tests import test_compile, test_example_numerics, test_zero_numerics
 
-    cases = {name: (mesh, strategies) for module in (test_example_numerics, test_zero_numerics, test_hf_numerics)
+    cases = {name: (mesh, strategies) for module in (test_example_numerics, test_zero_numerics)
              for name, (mesh, strategies) in module.CASES.items() if "chunks" in name}
     cases.update({name: case[1:3] for name, case in test_compile.CASES.items() if "chunks" in name})
     return cases
@@ -97,6 +97,19 @@ def test_every_numerics_case_of_async_tp_is_cut(case):
     mesh, strategies = _numerics_cases()[case]
     expected = {"all_reduce": 4} if case.startswith("tp2") else SP_SITES
     assert _sites_by_kind(_plan(mesh, *strategies)) == expected
+
+
+@pytest.mark.usefixtures("transformers")
+@pytest.mark.parametrize("model", ["tiny_gpt2", "tiny_llama"])
+def test_the_hugging_face_numerics_case_is_cut(model):
+    """GPT-2's Conv1D (addmm of an untransposed weight, shared by the pieces) and Llama's gate / up
+    pair reading one gather: `tests/test_hf_numerics.py`'s async-TP case cuts every site."""
+    from examples import hf_models
+    from tests.test_hf_numerics import BATCHES, CASES
+
+    mesh, strategies = CASES["dp2_tp2_sp_chunks"]
+    plan = autopar.plan(getattr(hf_models, model)(), mesh, strategies=strategies, example_inputs=BATCHES[0])
+    assert _sites_by_kind(plan) == SP_SITES
 
 
 def test_each_pipeline_stage_is_cut():

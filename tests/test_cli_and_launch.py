@@ -51,6 +51,9 @@ def test_graph_with_chunks_prints_the_pieces():
 
 @pytest.mark.parametrize("args, words", [
     (("plan", "examples/gpt.py", "--mesh", "tp=2", "--no-overlap", "--chunks", "2"), "needs the overlap"),
+    (("plan", "examples/gpt.py", "--cluster", "cpu2x4", "--auto", "--chunks", "2"), "does not take --chunks"),
+    (("plan", "examples/gpt.py", "--mesh", "dp=2", "--compare-stages", "--no-overlap", "--chunks", "2"),
+     "needs the overlap"),
     (("plan", "examples/gpt.py", "--mesh", "dp=0"), "positive integer"),
     (("plan", "examples/gpt.py", "--mesh", "dp=2", "--strategy", "tp"), "unknown mesh axis 'tp'"),
     (("plan", "examples/gpt.py", "--mesh", "dp=2", "--strategy", "zz"), "unknown strategy 'zz'"),

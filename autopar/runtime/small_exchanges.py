@@ -19,7 +19,8 @@ one; the result has arrived when it returns (its `wait` is a no-op).
 mod 2, passes one barrier and reduces every rank's slot, in rank order (every rank computes the same
 bits). One barrier suffices: exchange g+2 writes slot g mod 2 again only after barrier g+1, which
 every rank passes only once it has read exchange g. The barrier's tag names the exchange (bytes,
-dtype, reduction), so ranks out of step fail instead of reducing each other's bits. The reduction runs as the custom op
+dtype, reduction), so ranks out of step on any of these fail instead of reducing each other's bits
+(two consecutive exchanges alike in all three are not told apart). The reduction runs as the custom op
 `autopar::shm_all_reduce`, which torch.compile keeps as one opaque call (`compile=True`).
 """
 from __future__ import annotations
