@@ -74,6 +74,25 @@ def test_ranks_exchanging_other_dtypes_of_the_same_size_fail_instead_of_mixing_b
         assert outcome.startswith("SharedMemoryPeerError") and "out of step" in outcome, outcome
 
 
+def _released(rank: int, world: int) -> tuple[bool, bool]:
+    """A module's exchanges after the module (and its step's tensors) are gone."""
+    import gc
+    import weakref
+
+    batch = example_batch(CONFIG, batch=4)
+    module = autopar.parallelize(GPT(CONFIG), "dp=2", strategies=[autopar.data_parallel()], example_inputs=batch)
+    module(*module.local_batch(*batch)).backward()
+    exchange = weakref.ref(next(iter(small_exchanges.ACTIVE.values())))
+    del module
+    gc.collect()
+    return small_exchanges.ACTIVE == {}, exchange() is None
+
+
+@pytest.mark.timeout(120)
+def test_a_deleted_module_s_exchanges_are_released_with_it():
+    assert launch(_released, 2, timeout_s=90) == [(True, True), (True, True)]
+
+
 def test_the_plan_sends_small_all_reduces_on_a_shared_memory_axis_there():
     batch = example_batch(CONFIG, batch=4)
 

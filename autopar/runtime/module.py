@@ -19,6 +19,7 @@ equal rows) and `sharded_state.ShardedState` gathers and reduces them.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from autopar.ir import shard_dim
 from autopar.plan import Plan, shard
 from autopar.runtime import collectives, progress
 from autopar.runtime.collectives import process_group_all_reduce
-from autopar.runtime.small_exchanges import activate, open_small_exchanges, plan_capacities
+from autopar.runtime.small_exchanges import activate, deactivate, open_small_exchanges, plan_capacities
 from autopar.runtime.input_shapes import check_global_inputs, check_local_inputs
 from autopar.runtime.pipeline import PipelineExecutor
 from autopar.runtime.stage import StageRunner
@@ -101,6 +102,7 @@ class ParallelModule(torch.nn.Module):
         # the graph's small all-reduces through shared memory (runtime/small_exchanges.py)
         self._small_exchanges = open_small_exchanges({self.groups[key]: size
                                                       for key, size in plan_capacities(plan.comm.entries).items()})
+        weakref.finalize(self, deactivate, self._small_exchanges)
         self._placements = plan.parameter_placements()
         stages = plan.stages_of_rank(rank)
         self._unit_of = {p.fqn: (u, p) for stage in stages for u in stage.units for p in u.params}

@@ -26,6 +26,7 @@ dtype, reduction), so ranks out of step on any of these fail instead of reducing
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any
 
 import torch
@@ -39,7 +40,8 @@ _DTYPES = {dtype: code for code, dtype in enumerate(
 # group names repeat across meshes of the same ranks, and each module's plan decides for itself. A
 # backward all-reduce runs under the exchanges its forward saw (`bound`, from the autograd functions).
 ACTIVE: dict[str, "SmallExchange"] = {}
-OPENED: dict[str, "SmallExchange"] = {}  # the last exchange opened per group name, whichever module's
+# the last exchange opened per group name, whichever module's; weak: a deleted module's files are unmapped
+OPENED: "weakref.WeakValueDictionary[str, SmallExchange]" = weakref.WeakValueDictionary()
 
 
 class SmallExchange:
@@ -128,6 +130,14 @@ def activate(exchanges: dict[str, SmallExchange]) -> None:
     """The exchanges of the module whose forward runs now (and whose backward follows it)."""
     global ACTIVE
     ACTIVE = exchanges
+
+
+def deactivate(exchanges: dict[str, SmallExchange]) -> None:
+    """A module's exchanges leave `ACTIVE` when the module is deleted (`ParallelModule` registers
+    this as its finalizer), so their files are unmapped with it, not at the next module's forward."""
+    global ACTIVE
+    if ACTIVE is exchanges:
+        ACTIVE = {}
 
 
 @contextlib.contextmanager
