@@ -11,8 +11,8 @@ Runs last, on every stage graph, unless `autopar.schedule(overlap=False)` is dec
    input, before its first consumer; the finish moves to just before its first user (after the
    other steps `insert_collectives` put before the same consumer, say a sequence-parallel add's
    slice), whatever its size: the buffer it lands was allocated by the start, so a later finish
-   holds no more memory. A step with no call between its halves once placed is joined again
-   (synchronous, as before the pass).
+   holds no more memory. A step with no call between its halves once placed (other steps'
+   finishes alone do not count) is joined again (synchronous, as before the pass).
 2. Weight gradients behind the input gradient's reduction: the linears (addmm / mm of a
    transposed 2-D weight) that read an f or a sequence-parallel all-gather (whose backward
    reduces their input gradient) compute that gradient at once in backward and leave the weight
@@ -216,10 +216,12 @@ def _defer_small_tails(graph: torch.fx.Graph) -> None:
 
 def _join_what_nothing_separates(graph: torch.fx.Graph) -> None:
     """A step whose finish follows its start with no call between runs synchronous again: two
-    autograd functions and a flight object would cost time and overlap nothing."""
+    autograd functions and a flight object would cost time and overlap nothing. Other steps'
+    finishes alone between do not count (a second piece's reduction issued after the first's
+    compute, `passes/chunk_collectives.py`: it would wait where it is issued all the same)."""
     by_name = {node.name: node for node in graph.nodes}
     for over in overlaps(graph):
-        if not over.between:
+        if all(by_name[name].target is in_flight.finish for name in over.between):
             finish = by_name[over.finish]
             start = finish.args[0]
             finish.replace_all_uses_with(start)
