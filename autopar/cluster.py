@@ -179,11 +179,12 @@ class Cluster:
             return 1.0
         return self.gpus_per_node / self.processors
 
-    def shared_memory_seconds(self, logical_bytes: int) -> float:
+    def shared_memory_seconds(self, logical_bytes: int, *, barriers: int = 2) -> float:
         """One collective through shared memory (`runtime/shared_memory.py`): each rank reads its
-        part of every rank's row and writes its result, ~2 S bytes of memory traffic, plus its two
-        barriers (two operator calls' fixed cost)."""
-        return 2 * logical_bytes / self.bandwidth_for(logical_bytes) + 2 * self.op_overhead
+        part of every rank's row and writes its result, ~2 S bytes of memory traffic, plus its
+        barriers (an operator call's fixed cost each): two for a bucket or a ZeRO exchange, one for
+        a rank graph's small all-reduce (`runtime/small_exchanges.py`)."""
+        return 2 * logical_bytes / self.bandwidth_for(logical_bytes) + barriers * self.op_overhead
 
     def collective_seconds(self, kind: str, group_size: int, logical_bytes: "int | sympy.Expr", link: str) -> float:
         """One call of a collective (`comm_kinds.KINDS`) of `logical_bytes` over `group_size` ranks."""

@@ -85,7 +85,10 @@ def comm_time(plan: Any, cluster: Cluster, *, rank: int = 0) -> CommTime:
     rows = []
     for entry in ledger.for_rank(rank):
         logical = int(ledger.number(entry.logical_bytes))
-        one_call = (cluster.shared_memory_seconds(logical) if entry.transport == SHARED_MEMORY
+        # a rank graph's collective through shared memory is a small exchange: one barrier
+        small = entry.phase in ("forward", "backward")
+        one_call = (cluster.shared_memory_seconds(logical, barriers=1 if small else 2)
+                    if entry.transport == SHARED_MEMORY
                     else cluster.collective_seconds(entry.kind, entry.group_size, logical, entry.link))
         rows.append(CommTimeRow(entry.phase, entry.kind, entry.axis, entry.path, entry.group_size, entry.times,
                                 logical, entry.times * one_call, entry.why, entry.stage, entry.module, entry.behind))
