@@ -180,7 +180,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         strategies = (strategies_for(args.strategy, mesh, _pipeline_options(args), _context_options(args))
                       + _recompute_option(args) + _schedule_option(args))
         rows = compare_stages(model, mesh, strategies=strategies, example_inputs=inputs,
-                              dynamic_dims=_symbolic(args.symbolic))
+                              dynamic_dims=_symbolic(args.symbolic), backend=args.backend)
         print(f"ZeRO stages on dp, mesh {mesh}: bytes per rank (memory after a step; communication per step)\n")
         print(stage_table(rows))
         return 0
@@ -192,7 +192,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         strategies = (strategies_for(args.strategy, mesh, _pipeline_options(args), _context_options(args))
                       + _recompute_option(args) + _schedule_option(args))
         rows = compare_context_methods(model, mesh, strategies=strategies, example_inputs=inputs,
-                                       dynamic_dims=_symbolic(args.symbolic))
+                                       dynamic_dims=_symbolic(args.symbolic), backend=args.backend)
         print(f"Attention on sequence shards, mesh {mesh}: bytes per rank (communication on the context "
               f"axis per step; memory of rank 0)\n")
         print(context_table(rows))
