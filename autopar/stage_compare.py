@@ -18,6 +18,7 @@ _REPLACEABLE = {"data_parallel", "zero1", "zero2", "zero3"}
 
 
 def _with_stage(strategies: Sequence[Any], axis: str, stage: int) -> list[Any]:
+    from autopar.comm_kinds import AUTO_TRANSPORT, SHARED_MEMORY
     from autopar.strategies.data_parallel import data_parallel
     from autopar.strategies.zero import zero
 
@@ -26,7 +27,13 @@ def _with_stage(strategies: Sequence[Any], axis: str, stage: int) -> list[Any]:
     declared = next((s.sharded_state for s in replaced if getattr(s, "sharded_state", None) is not None), None)
     options = {} if declared is None else {"param_dtype": declared.param_dtype, "reduce_dtype": declared.reduce_dtype,
                                            "reduce": declared.reduce, "gather": declared.gather}  # the user's, kept
-    return kept + [data_parallel(axis=axis) if stage == 0 else zero(stage=stage, axis=axis, **options)]
+    # the user's transport, kept; ZeRO-3 refuses shared memory (it gathers asynchronously): "auto" there
+    transport = next((s.transport for s in replaced), AUTO_TRANSPORT)
+    if stage == 3 and transport == SHARED_MEMORY:
+        transport = AUTO_TRANSPORT
+    if stage == 0:
+        return kept + [data_parallel(axis=axis, transport=transport)]
+    return kept + [zero(stage=stage, axis=axis, transport=transport, **options)]
 
 
 def compare_stages(model: Any, mesh: Any, *, strategies: Sequence[Any], example_inputs: Sequence[Any],

@@ -7,6 +7,7 @@ import torch
 
 import autopar
 from autopar import PlanError
+from autopar.comm_kinds import shared_memory_unsupported
 from autopar.ledger.memory import build_memory_ledger, largest_model
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
@@ -167,3 +168,18 @@ def test_comparing_stages_under_context_parallelism_counts_the_flattened_gradien
                           stages=(0, 2))
     assert rows[0]["comm bytes"] >= gradients  # DDP: its gradients, over dp+cp
     assert rows[1]["comm bytes"] >= 2 * gradients  # ZeRO-2: reduce-scatter and all-gather over dp
+
+
+@pytest.mark.skipif(shared_memory_unsupported() is not None, reason="no shared-memory transport here")
+def test_compare_stages_keeps_a_declared_transport():
+    """Planned as a gloo job: "auto" sends DDP's and ZeRO-1/2's exchanges on dp through shared
+    memory (no wire bytes); a declared `transport="process_group"` is kept for every stage."""
+    from autopar.stage_compare import compare_stages
+
+    config = GPTConfig(vocab_size=128, seq_len=16, n_layer=1, n_head=4, d_model=32, d_ff=64)
+    wire = {}
+    for transport in ("auto", "process_group"):
+        rows = compare_stages(GPT(config), "dp=2", strategies=[autopar.data_parallel(transport=transport)],
+                              example_inputs=example_batch(config), backend="gloo")
+        wire[transport] = [row["comm wire bytes"] > 0 for row in rows]
+    assert wire == {"auto": [False, False, False, True], "process_group": [True, True, True, True]}
