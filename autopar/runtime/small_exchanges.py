@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 # what a barrier's tag says, with the bytes: ranks out of step fail instead of reading each other's slots
-_OPS = {"sum": 1, "max": 2, "min": 3, "avg": 4}  # avg: of floating-point values (as c10d's)
+_OPS = {"sum": 1, "max": 2, "min": 3}
 _DTYPES = {dtype: code for code, dtype in enumerate(
     (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
      torch.int8, torch.uint8, torch.bool), start=1)}  # another dtype: 0
@@ -67,12 +67,10 @@ class SmallExchange:
         self._exchanges += 1
         rows = self._group.rows[:, start:start + nbytes]
         rows[self._group.rank].copy_(x.detach().contiguous().view(-1).view(torch.uint8))
-        self._group.barrier((nbytes << 7) | (_DTYPES.get(x.dtype, 0) << 3) | _OPS[reduce_op])
+        self._group.barrier((nbytes << 6) | (_DTYPES.get(x.dtype, 0) << 2) | _OPS[reduce_op])
         values = rows.view(x.dtype)
-        if reduce_op in ("sum", "avg"):
+        if reduce_op == "sum":
             total = self._ordered_sum(values)
-            if reduce_op == "avg":
-                total = total.div_(self._group.size)
         else:
             total = values.amax(dim=0) if reduce_op == "max" else values.amin(dim=0)
         return total.view(x.shape)
@@ -117,7 +115,6 @@ def takes(x: torch.Tensor, group_name: str, reduce_op: str) -> bool:
     """Whether this all-reduce goes through the group's exchange (the plan's rule, at run time)."""
     exchange = ACTIVE.get(group_name)
     return (exchange is not None and reduce_op in _OPS and x.device.type == "cpu"
-            and (reduce_op != "avg" or x.is_floating_point())
             and x.numel() * x.element_size() <= exchange.capacity)
 
 
