@@ -218,10 +218,17 @@ def _join_what_nothing_separates(graph: torch.fx.Graph) -> None:
     """A step whose finish follows its start with no call between runs synchronous again: two
     autograd functions and a flight object would cost time and overlap nothing. Other steps'
     finishes alone between do not count (a second piece's reduction issued after the first's
-    compute, `passes/chunk_collectives.py`: it would wait where it is issued all the same)."""
+    compute, `passes/chunk_collectives.py`: it would wait where it is issued all the same), but
+    those of steps with weight-gradient taps do: joined, the step's conjugate would queue behind
+    theirs before the taps run."""
     by_name = {node.name: node for node in graph.nodes}
+    tapped = tapped_starts(graph)  # their conjugate must stay in flight over their taps, not queue behind
+
+    def other_finish(name: str) -> bool:
+        return by_name[name].target is in_flight.finish and by_name[name].args[0] not in tapped
+
     for over in overlaps(graph):
-        if all(by_name[name].target is in_flight.finish for name in over.between):
+        if all(other_finish(name) for name in over.between):
             finish = by_name[over.finish]
             start = finish.args[0]
             finish.replace_all_uses_with(start)

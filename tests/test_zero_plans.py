@@ -177,9 +177,14 @@ def test_compare_stages_keeps_a_declared_transport():
     from autopar.stage_compare import compare_stages
 
     config = GPTConfig(vocab_size=128, seq_len=16, n_layer=1, n_head=4, d_model=32, d_ff=64)
+    declared = {"auto": autopar.data_parallel(), "process_group": autopar.data_parallel(transport="process_group"),
+                # FSDP declares no transport ("auto", which zero() resolves to the process group at stage 3
+                # itself): the other stages keep shared memory
+                "fsdp": autopar.fsdp()}
     wire = {}
-    for transport in ("auto", "process_group"):
-        rows = compare_stages(GPT(config), "dp=2", strategies=[autopar.data_parallel(transport=transport)],
-                              example_inputs=example_batch(config), backend="gloo")
-        wire[transport] = [row["comm wire bytes"] > 0 for row in rows]
-    assert wire == {"auto": [False, False, False, True], "process_group": [True, True, True, True]}
+    for name, strategy in declared.items():
+        rows = compare_stages(GPT(config), "dp=2", strategies=[strategy], example_inputs=example_batch(config),
+                              backend="gloo")
+        wire[name] = [row["comm wire bytes"] > 0 for row in rows]
+    assert wire == {"auto": [False, False, False, True], "process_group": [True, True, True, True],
+                    "fsdp": [False, False, False, True]}

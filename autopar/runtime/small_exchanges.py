@@ -26,7 +26,6 @@ dtype, reduction), so ranks out of step on any of these fail instead of reducing
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Any
 
 import torch
@@ -40,8 +39,9 @@ _DTYPES = {dtype: code for code, dtype in enumerate(
 # group names repeat across meshes of the same ranks, and each module's plan decides for itself. A
 # backward all-reduce runs under the exchanges its forward saw (`bound`, from the autograd functions).
 ACTIVE: dict[str, "SmallExchange"] = {}
-# the last exchange opened per group name, whichever module's; weak: a deleted module's files are unmapped
-OPENED: "weakref.WeakValueDictionary[str, SmallExchange]" = weakref.WeakValueDictionary()
+# the last exchange opened per group name, whichever module's: a compiled backward's fallback, so held
+# (a deleted module's exchange stays mapped until another module opens one on its group)
+OPENED: dict[str, "SmallExchange"] = {}
 
 
 class SmallExchange:
@@ -134,7 +134,7 @@ def activate(exchanges: dict[str, SmallExchange]) -> None:
 
 def deactivate(exchanges: dict[str, SmallExchange]) -> None:
     """A module's exchanges leave `ACTIVE` when the module is deleted (`ParallelModule` registers
-    this as its finalizer), so their files are unmapped with it, not at the next module's forward."""
+    this as its finalizer): held only by `OPENED` then, until another module opens one on the group."""
     global ACTIVE
     if ACTIVE is exchanges:
         ACTIVE = {}
