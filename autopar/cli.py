@@ -100,10 +100,15 @@ def _plan(args: argparse.Namespace, *, explain: bool = False):
     _require_mesh(args)
     model, inputs = load_target(args.target)()
     mesh = Mesh.parse(args.mesh, ranks_per_node=args.node)
-    strategies = strategies_for(args.strategy, mesh, _pipeline_options(args), _context_options(args))
-    return plan(model, mesh, strategies=strategies + _recompute_option(args) + _schedule_option(args),
+    return plan(model, mesh, strategies=declared_strategies(args, mesh),
                 example_inputs=inputs,
                 dynamic_dims=_symbolic(args.symbolic), explain=explain, backend=args.backend)
+
+
+def declared_strategies(args: argparse.Namespace, mesh: Mesh) -> list[Any]:
+    """`--strategy` with its axes' options, plus `--recompute` and `--no-overlap` / `--chunks`."""
+    return (strategies_for(args.strategy, mesh, _pipeline_options(args), _context_options(args))
+            + _recompute_option(args) + _schedule_option(args))
 
 
 def _recompute_option(args: argparse.Namespace) -> list[Any]:
@@ -177,8 +182,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         model, inputs = load_target(args.target)()
         mesh = Mesh.parse(args.mesh, ranks_per_node=args.node)
         mesh.require_axis("dp", wanted_by="--compare-stages")
-        strategies = (strategies_for(args.strategy, mesh, _pipeline_options(args), _context_options(args))
-                      + _recompute_option(args) + _schedule_option(args))
+        strategies = declared_strategies(args, mesh)
         rows = compare_stages(model, mesh, strategies=strategies, example_inputs=inputs,
                               dynamic_dims=_symbolic(args.symbolic), backend=args.backend)
         print(f"ZeRO stages on dp, mesh {mesh}: bytes per rank (memory after a step; communication per step)\n")
@@ -189,8 +193,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
         model, inputs = load_target(args.target)()
         mesh = Mesh.parse(args.mesh, ranks_per_node=args.node)
-        strategies = (strategies_for(args.strategy, mesh, _pipeline_options(args), _context_options(args))
-                      + _recompute_option(args) + _schedule_option(args))
+        strategies = declared_strategies(args, mesh)
         rows = compare_context_methods(model, mesh, strategies=strategies, example_inputs=inputs,
                                        dynamic_dims=_symbolic(args.symbolic), backend=args.backend)
         print(f"Attention on sequence shards, mesh {mesh}: bytes per rank (communication on the context "
