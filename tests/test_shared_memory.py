@@ -186,6 +186,28 @@ def test_a_waiting_rank_sleeps_and_wakes_when_the_last_one_arrives():
     assert first["seen"] == 8.0
 
 
+def _all_reduces_rows(rank, world, numel):
+    group = dist.new_group(list(range(world)))
+    rows = shared_memory.SharedMemoryGroup(group.group_name, numel, torch.float32, timeout_s=60)
+    mine = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    rows.row().copy_(mine)
+    rows.all_reduce()
+    return rows.row().clone()
+
+
+@pytest.mark.timeout(120)
+def test_an_all_reduce_of_many_blocks_gives_every_rank_the_rank_order_sum():
+    """3 ranks, a row of 2.5 blocks' worth per rank's chunk, not a multiple of 3: every rank ends with
+    the same bits, those of the rows summed in rank order (a block summed or copied twice, skipped,
+    or cut at the wrong end would differ)."""
+    numel = 3 * shared_memory._SUM_BLOCK * 5 // 2 + 7
+    results = launch(_all_reduces_rows, 3, numel, timeout_s=60)
+    rows = torch.stack([torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(3)])
+    expected = shared_memory.ordered_sum(rows)
+    for result in results:
+        assert torch.equal(result, expected)
+
+
 def test_a_chain_of_groups_stays_on_the_process_group():
     """dp inside a node, cp across nodes: a gradient partial over both is reduced over dp, then cp
     (two groups on different links, `Mesh.sync_keys`); shared memory joins one host's ranks only,

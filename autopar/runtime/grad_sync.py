@@ -103,6 +103,9 @@ class GradSynchronizer:
         self._flat = [torch.zeros(b.numel, dtype=b.dtype, device=self.params[b.params[0]].device)
                       if b.transport != SHARED_MEMORY else None for b in buckets]
         self._shared = self._shared_rows()  # bucket -> its SharedMemoryGroup (transport="shared_memory")
+        # each parameter's slice of its bucket, built once: the hooks run for every parameter every
+        # step, and building the slice there cost 0.5 ms of a dp4 step's ~60 ms of CPU (2026-12-05)
+        self._views = {fqn: self._slice(fqn) for fqn in self._slot}
         self._ready: list[set[str]] = [set() for _ in buckets]
         self._launched: dict[int, torch.Tensor] = {}
         self._axes_issued: dict[int, int] = {}  # bucket -> its axes issued so far (a chain, module docstring)
@@ -127,14 +130,17 @@ class GradSynchronizer:
         return shared
 
     def _view(self, fqn: str) -> torch.Tensor:
+        return self._views[fqn]
+
+    def _slice(self, fqn: str) -> torch.Tensor:
         index, offset = self._slot[fqn]
         param = self.params[fqn]
         return self._flat[index][offset:offset + param.numel()].view_as(param)
 
     def _make_hook(self, fqn: str):
         def hook(param: torch.Tensor) -> None:
-            view = self._view(fqn)
-            if param.grad.data_ptr() != view.data_ptr():  # zero_grad(set_to_none=False) keeps our view
+            view, grad = self._views[fqn], param.grad
+            if grad is not view and grad.data_ptr() != view.data_ptr():  # zero_grad(set_to_none=False) keeps it
                 view.copy_(param.grad)
                 # the gradient lives in the bucket from now on: accumulating micro-batches add into it
                 # in place (autograd's AccumulateGrad), so no second copy of the gradients exists
@@ -202,7 +208,9 @@ class GradSynchronizer:
             if pending is not None:
                 torch.ops._c10d_functional.wait_tensor(pending)
             for fqn in self.buckets[index].params:
-                self.params[fqn].grad = self._view(fqn)
+                param, view = self.params[fqn], self._views[fqn]
+                if param.grad is not view:
+                    param.grad = view
         self._launched.clear()
         self._axes_issued.clear()
         self._ready = [set() for _ in self.buckets]
