@@ -130,7 +130,15 @@ class GradSynchronizer:
         return shared
 
     def _view(self, fqn: str) -> torch.Tensor:
-        return self._views[fqn]
+        """`fqn`'s slice of its bucket: the one built at setup, or, while autograd records
+        (`backward(create_graph=True)`: the copies into the bucket are part of the graph), a new
+        view of the bucket as autograd sees it now."""
+        return self._slice(fqn) if torch.is_grad_enabled() else self._views[fqn]
+
+    def shared_slices(self) -> dict[str, torch.Tensor]:
+        """fqn -> its gradient's slice of this rank's shared-memory row (the buckets through shared
+        memory): where `runtime/bucket_linear.py` computes a weight gradient without a copy."""
+        return {fqn: view for fqn, view in self._views.items() if self._slot[fqn][0] in self._shared}
 
     def _slice(self, fqn: str) -> torch.Tensor:
         index, offset = self._slot[fqn]
@@ -139,7 +147,7 @@ class GradSynchronizer:
 
     def _make_hook(self, fqn: str):
         def hook(param: torch.Tensor) -> None:
-            view, grad = self._views[fqn], param.grad
+            view, grad = self._view(fqn), param.grad
             if grad is not view and grad.data_ptr() != view.data_ptr():  # zero_grad(set_to_none=False) keeps it
                 view.copy_(param.grad)
                 # the gradient lives in the bucket from now on: accumulating micro-batches add into it
@@ -208,8 +216,8 @@ class GradSynchronizer:
             if pending is not None:
                 torch.ops._c10d_functional.wait_tensor(pending)
             for fqn in self.buckets[index].params:
-                param, view = self.params[fqn], self._views[fqn]
-                if param.grad is not view:
+                param, view = self.params[fqn], self._view(fqn)
+                if param.grad is None or param.grad.data_ptr() != view.data_ptr():
                     param.grad = view
         self._launched.clear()
         self._axes_issued.clear()
