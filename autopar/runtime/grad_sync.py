@@ -103,9 +103,9 @@ class GradSynchronizer:
         self._flat = [torch.zeros(b.numel, dtype=b.dtype, device=self.params[b.params[0]].device)
                       if b.transport != SHARED_MEMORY else None for b in buckets]
         self._shared = self._shared_rows()  # bucket -> its SharedMemoryGroup (transport="shared_memory")
-        # each parameter's slice of its bucket, built once: the hooks run for every parameter every
-        # step, and building the slice there cost 0.5 ms of a dp4 step's ~60 ms of CPU (2026-12-05)
-        self._views = {fqn: self._slice(fqn) for fqn in self._slot}
+        # a shared-memory bucket's parameters' slices, built once: the hooks run for every parameter
+        # every step, and building the slice there cost 0.5 ms of a dp4 step's ~60 ms of CPU (2026-12-05)
+        self._views = {fqn: self._slice(fqn) for fqn, (index, _) in self._slot.items() if index in self._shared}
         self._ready: list[set[str]] = [set() for _ in buckets]
         self._launched: dict[int, torch.Tensor] = {}
         self._axes_issued: dict[int, int] = {}  # bucket -> its axes issued so far (a chain, module docstring)
@@ -130,15 +130,16 @@ class GradSynchronizer:
         return shared
 
     def _view(self, fqn: str) -> torch.Tensor:
-        """`fqn`'s slice of its bucket: the one built at setup, or, while autograd records
-        (`backward(create_graph=True)`: the copies into the bucket are part of the graph), a new
-        view of the bucket as autograd sees it now."""
-        return self._slice(fqn) if torch.is_grad_enabled() else self._views[fqn]
+        """`fqn`'s slice of its bucket: a shared-memory bucket's built at setup, else (and while
+        autograd records, `backward(create_graph=True)`, where the copies into the bucket are part
+        of the graph) a new view of the bucket as autograd sees it now."""
+        view = self._views.get(fqn)
+        return self._slice(fqn) if view is None or torch.is_grad_enabled() else view
 
     def shared_slices(self) -> dict[str, torch.Tensor]:
         """fqn -> its gradient's slice of this rank's shared-memory row (the buckets through shared
         memory): where `runtime/bucket_linear.py` computes a weight gradient without a copy."""
-        return {fqn: view for fqn, view in self._views.items() if self._slot[fqn][0] in self._shared}
+        return dict(self._views)
 
     def _slice(self, fqn: str) -> torch.Tensor:
         index, offset = self._slot[fqn]
@@ -217,7 +218,7 @@ class GradSynchronizer:
                 torch.ops._c10d_functional.wait_tensor(pending)
             for fqn in self.buckets[index].params:
                 param, view = self.params[fqn], self._view(fqn)
-                if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+                if index not in self._shared or param.grad is None or param.grad.data_ptr() != view.data_ptr():
                     param.grad = view
         self._launched.clear()
         self._axes_issued.clear()
