@@ -25,10 +25,11 @@ Under autocast, torch.func's transforms and a torch.compile trace the plain addm
 
 Same bits as the addmm it replaces: autograd computes the transposed weight's gradient as
 gradᵀ·x transposed back, the input gradient as grad·weight and the bias gradient as grad summed
-over rows. Measured on the example GPT at dp4 (4 ranks, 2 cores): the hooks' CPU time per step
-2.6 → 0.6 ms; the step's CPU per rank 56.3 → 53.0 ms against no communication at all's 51.7 → 49.2
-(one run each, 2026-12-05). Not bound under torch.compile (its graph is traced from the plan's) nor
-in a pipeline (its split backward assigns weight gradients itself).
+over rows. Measured on the example GPT at dp4 (4 ranks, 2 cores, medians of 20 alternating steps,
+2026-12-05): the hooks' CPU time per step 2.6 → 0.6 ms; with the blocked all-reduce of the same
+day, a rank's step 58.9 → 54.0 ms of CPU against the rank's slice trained alone's 53.2 and 49.9 in
+the same jobs (README, "Benchmarks"). Not bound under torch.compile (its graph is traced from
+the plan's) nor in a pipeline (its split backward assigns weight gradients itself).
 """
 from __future__ import annotations
 
