@@ -384,8 +384,8 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, list[str], 
     parser.add_argument("--warmup", type=int, default=2,
                         help="untimed steps (>= 2; the first is counted, the second measures memory)")
     parser.add_argument("--steps", type=int, default=30,
-                        help="timed steps (their median; with 10, dp4's ratio read 0.80-0.92 across four runs "
-                             "here, with 30 0.82-0.86 across three, 2026-12-05)")
+                        help="timed steps (their median; in compare_step_time.py, with 10 dp4's ratio read "
+                             "0.80-0.92 across four runs here, with 30 0.82-0.86 across three, 2026-12-05)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck row is abandoned")
     parser.add_argument("--compile", action="store_true",
                         help="both sides through torch.compile (inductor); the counted and the memory steps "

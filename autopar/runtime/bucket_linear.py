@@ -21,7 +21,9 @@ computes the input and bias gradients as autograd's addmm does, and the weight g
 - as a tensor of its own otherwise: a gradient already there (accumulated micro-batches,
   `no_sync`) or a second one of this backward (two forwards, one backward) is added by autograd as
   before, and `torch.autograd.grad` gets a gradient that is not the bucket's memory.
-Under autocast, torch.func's transforms and a torch.compile trace the plain addmm runs instead.
+Under autocast, torch.func's transforms, forward-mode AD and a torch.compile trace the plain addmm
+runs instead. A hook on the AccumulateGrad node itself (`register_prehook`) is not looked for: it
+would see the slice.
 
 Same bits as the addmm it replaces: autograd computes the transposed weight's gradient as
 gradᵀ·x transposed back, the input gradient as grad·weight and the bias gradient as grad summed
@@ -33,8 +35,12 @@ the plan's) nor in a pipeline (its split backward assigns weight gradients itsel
 """
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 from torch import fx
+from torch.autograd import forward_ad
 
 _PERMUTE = torch.ops.aten.permute.default
 _LINEARS = (torch.ops.aten.addmm.default, torch.ops.aten.mm.default)
@@ -51,9 +57,9 @@ def _accumulates(accumulator: torch.autograd.graph.Node) -> bool:
 
 def _plain_only(x: torch.Tensor) -> bool:
     """Where the plain addmm must run: under autocast (the function's backward would mix dtypes),
-    torch.func's transforms and a trace by torch.compile (neither takes this function)."""
+    torch.func's transforms, forward-mode AD and a trace by torch.compile (none takes this function)."""
     return (torch.is_autocast_enabled(x.device.type) or torch.compiler.is_compiling()
-            or torch._C._functorch.peek_interpreter_stack() is not None)
+            or torch._C._functorch.peek_interpreter_stack() is not None or forward_ad._current_level >= 0)
 
 
 class _BucketLinear(torch.autograd.Function):
@@ -88,7 +94,13 @@ class BucketLinears:
         # a leaf's AccumulateGrad node, held here so that it stays the one autograd uses
         self.accumulators = {fqn: parameters[fqn].view_as(parameters[fqn]).grad_fn.next_functions[0][0]
                              for fqn in slices}
-        self._written: dict[str, int] = {}  # fqn -> the backward (graph task) that wrote its slice last
+        # slices written and not yet accumulated: a second gradient of the same backward, or of a
+        # backward run inside it (reentrant checkpoint), must not write the slice while autograd still
+        # holds the first one; a parameter's own post-accumulate hook clears its entry
+        self._pending: set[str] = set()
+        pending = weakref.ref(self._pending)
+        for fqn in slices:
+            parameters[fqn].register_post_accumulate_grad_hook(functools.partial(_accumulated, pending, fqn))
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, fqn: str) -> torch.Tensor:
         """x·weightᵀ (+ bias), its weight gradient computed into the bucket slice of `fqn` where it can be."""
@@ -98,18 +110,28 @@ class BucketLinears:
 
     def takes(self, fqn: str) -> bool:
         """Whether the running backward may compute `fqn`'s weight gradient into its slice: the
-        gradient is the parameter's first (none there yet, none from this backward already: a
-        forward run twice before one backward), AccumulateGrad will keep it (not
-        `torch.autograd.grad`), nobody sees it first (no tensor hook on the weight, which could
-        keep it), and no graph of the gradient is built (`create_graph`: an out= GEMM has none)."""
+        gradient is the parameter's first (none there yet, no slice written and not accumulated yet:
+        a forward run twice before one backward, a reentrant checkpoint's inner backward),
+        AccumulateGrad will keep it (not `torch.autograd.grad`), nobody sees it first (no tensor
+        hook on the weight, which could keep it), and no graph of the gradient is built
+        (`create_graph`: an out= GEMM has none)."""
         parameter = self.parameters[fqn]
-        if torch.is_grad_enabled() or parameter.grad is not None or parameter._backward_hooks:
+        if torch.is_grad_enabled() or parameter.grad is not None or parameter._backward_hooks or fqn in self._pending:
             return False
-        task = torch._C._current_graph_task_id()
-        if self._written.get(fqn) == task or not _accumulates(self.accumulators[fqn]):
+        if not _accumulates(self.accumulators[fqn]):
             return False
-        self._written[fqn] = task
+        self._pending.add(fqn)
         return True
+
+
+def _accumulated(pending: "weakref.ref[set[str]]", fqn: str, _parameter: torch.Tensor) -> None:
+    """A parameter's gradient has been accumulated: its slice may take the next backward's. (Held by
+    the parameter's hooks, so it holds its set weakly: no cycle through the parameter. A backward that
+    fails after writing a slice leaves it pending until the parameter's next accumulation, one
+    backward later, which takes the copying path meanwhile.)"""
+    entries = pending()
+    if entries is not None:
+        entries.discard(fqn)
 
 
 def bind_bucket_linears(graph_module: fx.GraphModule, weights: dict[str, str], slices: dict[str, torch.Tensor],
