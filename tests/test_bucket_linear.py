@@ -8,7 +8,8 @@ rows as they were; a weight read by two linears is left as it was (its second gr
 written over the first). Where a slice must not take the gradient (two forwards then one backward,
 `create_graph`, autocast, a tensor hook that keeps the gradient, micro-batches under `no_sync` with
 saved tensors packed as copies) the gradients are those of the same program through the process
-group, which rewrites nothing. Accumulated micro-batches are also checked by
+group, which rewrites nothing; so do a plan traced with a symbolic batch, run at another size, and
+(in one process) a reentrant checkpoint's inner backward. Accumulated micro-batches are also checked by
 `test_shared_memory.py::test_accumulated_micro_batches_are_reduced_once`.
 """
 from __future__ import annotations
@@ -251,3 +252,27 @@ def test_a_reentrant_backward_does_not_write_over_a_pending_gradient(order):
     weight.grad = None
     rewritten(x).sum().backward()  # alone: the slice takes it
     assert weight.grad.data_ptr() == row.data_ptr()
+
+
+def _dynamic_rank(rank, world):
+    results = {}
+    for transport in (SHARED_MEMORY, "process_group"):
+        torch.manual_seed(0)
+        module = autopar.parallelize(GPT(CONFIG), f"dp={world}", example_inputs=example_batch(CONFIG, batch=8),
+                                     strategies=[autopar.data_parallel(transport=transport)],
+                                     dynamic_dims={"idx": 0, "targets": 0})
+        batch = example_batch(CONFIG, batch=12, seed=3)  # another batch size than the traced one
+        module(*module.local_batch(*batch)).backward()
+        grads = {name: param.grad.clone() for name, param in module.named_parameters()}
+        results[transport] = (module.stages[0].bucket_linears, grads)
+    return results
+
+
+@pytest.mark.timeout(120)
+def test_a_plan_with_dynamic_dims_computes_into_the_rows_at_any_batch():
+    """The linears of a plan traced with a symbolic batch are rewritten too (the slice's shape is
+    the weight's), and a batch of another size gives the process-group program's gradients."""
+    for result in launch(_dynamic_rank, WORLD, timeout_s=90):
+        (rewritten, shared), (plain_rewritten, plain) = result[SHARED_MEMORY], result["process_group"]
+        assert rewritten == 2 * 6 + 1 and plain_rewritten == 0
+        assert all(torch.equal(shared[name], grad) for name, grad in plain.items())

@@ -62,12 +62,17 @@ def _plain_only(x: torch.Tensor) -> bool:
             or torch._C._functorch.peek_interpreter_stack() is not None or forward_ad._current_level >= 0)
 
 
+def _plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The linear as the rank graph had it: addmm (mm without a bias) of the transposed weight."""
+    return torch.addmm(bias, x, weight.t()) if bias is not None else torch.mm(x, weight.t())
+
+
 class _BucketLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, linears, fqn):
         ctx.save_for_backward(x, weight)
         ctx.linears, ctx.fqn, ctx.has_bias = linears, fqn, bias is not None
-        return torch.addmm(bias, x, weight.t()) if bias is not None else torch.mm(x, weight.t())
+        return _plain(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -105,7 +110,7 @@ class BucketLinears:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, fqn: str) -> torch.Tensor:
         """x·weightᵀ (+ bias), its weight gradient computed into the bucket slice of `fqn` where it can be."""
         if not weight.requires_grad or _plain_only(x):
-            return torch.addmm(bias, x, weight.t()) if bias is not None else torch.mm(x, weight.t())
+            return _plain(x, weight, bias)
         return _BucketLinear.apply(x, weight, bias, self, fqn)
 
     def takes(self, fqn: str) -> bool:
@@ -176,7 +181,7 @@ def _site(node: fx.Node, weights: dict[str, str], slices: dict[str, torch.Tensor
     out_features = parameters[fqn].shape[0]
     if bias is not None and not (isinstance(bias, fx.Node) and _shape(bias) == (out_features,)):
         return None  # addmm's added term is a bias of the output features only
-    if slices[fqn].shape != parameters[fqn].shape or _shape(x) is None:
+    if slices[fqn].shape != parameters[fqn].shape:
         return None
     return x, weight, bias, fqn
 

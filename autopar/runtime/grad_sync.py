@@ -149,8 +149,9 @@ class GradSynchronizer:
     def _make_hook(self, fqn: str):
         def hook(param: torch.Tensor) -> None:
             view, grad = self._view(fqn), param.grad
-            if grad is not view and grad.data_ptr() != view.data_ptr():  # zero_grad(set_to_none=False) keeps it
-                view.copy_(param.grad)
+            # already there: zero_grad(set_to_none=False) kept it, or its GEMM wrote it (runtime/bucket_linear.py)
+            if grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
                 # the gradient lives in the bucket from now on: accumulating micro-batches add into it
                 # in place (autograd's AccumulateGrad), so no second copy of the gradients exists
                 param.grad = view
