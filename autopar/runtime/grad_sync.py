@@ -103,9 +103,6 @@ class GradSynchronizer:
         self._flat = [torch.zeros(b.numel, dtype=b.dtype, device=self.params[b.params[0]].device)
                       if b.transport != SHARED_MEMORY else None for b in buckets]
         self._shared = self._shared_rows()  # bucket -> its SharedMemoryGroup (transport="shared_memory")
-        # a shared-memory bucket's parameters' slices, built once: the hooks run for every parameter
-        # every step, and building the slice there cost 0.5 ms of a dp4 step's ~60 ms of CPU (2026-12-05)
-        self._views = {fqn: self._slice(fqn) for fqn, (index, _) in self._slot.items() if index in self._shared}
         self._ready: list[set[str]] = [set() for _ in buckets]
         self._launched: dict[int, torch.Tensor] = {}
         self._axes_issued: dict[int, int] = {}  # bucket -> its axes issued so far (a chain, module docstring)
@@ -129,19 +126,14 @@ class GradSynchronizer:
                 shared[index] = group
         return shared
 
-    def _view(self, fqn: str) -> torch.Tensor:
-        """`fqn`'s slice of its bucket: a shared-memory bucket's built at setup, else (and while
-        autograd records, `backward(create_graph=True)`, where the copies into the bucket are part
-        of the graph) a new view of the bucket as autograd sees it now."""
-        view = self._views.get(fqn)
-        return self._slice(fqn) if view is None or torch.is_grad_enabled() else view
-
     def shared_slices(self) -> dict[str, torch.Tensor]:
         """fqn -> its gradient's slice of this rank's shared-memory row (the buckets through shared
         memory): where `runtime/bucket_linear.py` computes a weight gradient without a copy."""
-        return dict(self._views)
+        return {fqn: self._view(fqn) for fqn, (index, _) in self._slot.items() if index in self._shared}
 
-    def _slice(self, fqn: str) -> torch.Tensor:
+    def _view(self, fqn: str) -> torch.Tensor:
+        """`fqn`'s slice of its bucket, a new view each time (views built once and reused were
+        suspected in a heap corruption seen twice on 2026-12-05, not explained: see README)."""
         index, offset = self._slot[fqn]
         param = self.params[fqn]
         return self._flat[index][offset:offset + param.numel()].view_as(param)
@@ -219,8 +211,7 @@ class GradSynchronizer:
                 torch.ops._c10d_functional.wait_tensor(pending)
             for fqn in self.buckets[index].params:
                 param, view = self.params[fqn], self._view(fqn)
-                if index not in self._shared or param.grad is None or param.grad.data_ptr() != view.data_ptr():
-                    param.grad = view
+                param.grad = view
         self._launched.clear()
         self._axes_issued.clear()
         self._ready = [set() for _ in self.buckets]
