@@ -290,8 +290,9 @@ def _planning_arguments(command: argparse.ArgumentParser) -> None:
     command.add_argument("--strategy", help="comma-separated: " + ", ".join(STRATEGY_NAMES))
     command.add_argument("--node", type=int, help="ranks per node (axes spanning nodes are 'inter')")
     command.add_argument("--backend", choices=("gloo", "nccl"),
-                         help="plan as a job on this process-group backend: transport 'auto' resolves as there "
-                              "(gloo: shared memory inside a node on this machine); default: the process group")
+                         help="plan as a job on this process-group backend: ZeRO's reduce/gather 'auto' resolve as "
+                              "there (gloo: all-to-all and broadcasts); default: the initialised group's, else "
+                              "reduce-scatter and all-gather")
     command.add_argument("--symbolic", help="symbolic input dims, e.g. b=0,s=1")
     command.add_argument("--schedule", help="pp: gpipe, 1f1b, interleaved_1f1b or zb_h1 (default 1f1b)")
     command.add_argument("--microbatches", type=int, help="pp: micro-batches per step (default 4)")

@@ -16,7 +16,7 @@ describes it; `Cluster.preset(name)` gives the named ones (`PRESETS`); `autopar.
   peers compute or wait (`handover_seconds`). None: the link's α. On CPU ranks sharing cores the
   two differ by much: a collective's every step waits for all of its peers to be scheduled, a
   lone message for one that is waiting for it (`calibrate` measures both: ~1 ms against ~50 µs
-  on this 2-core machine with 4 ranks);
+  on a 2-core CPU with 4 ranks);
 - `peak_tflops`: dense matrix-product throughput, 10^12 floating-point operations per second;
 - `memory_gbps`: the accelerator memory's bandwidth, GB/s (what an elementwise op is bound by);
 - `memory_curve`: measured (bytes an op touches, GB/s) where the bandwidth depends on the size —
@@ -179,13 +179,6 @@ class Cluster:
             return 1.0
         return self.gpus_per_node / self.processors
 
-    def shared_memory_seconds(self, logical_bytes: int, *, barriers: int = 2) -> float:
-        """One collective through shared memory (`runtime/shared_memory.py`): each rank reads its
-        part of every rank's row and writes its result, ~2 S bytes of memory traffic, plus its
-        barriers (an operator call's fixed cost each): two for a bucket or a ZeRO exchange, one for
-        a rank graph's small all-reduce (`runtime/small_exchanges.py`)."""
-        return 2 * logical_bytes / self.bandwidth_for(logical_bytes) + barriers * self.op_overhead
-
     def collective_seconds(self, kind: str, group_size: int, logical_bytes: "int | sympy.Expr", link: str) -> float:
         """One call of a collective (`comm_kinds.KINDS`) of `logical_bytes` over `group_size` ranks."""
         if group_size <= 1 and not KINDS[kind].peer:
@@ -255,7 +248,7 @@ def _a100_node(nodes: int) -> Cluster:
                    name=f"a100x{nodes}")
 
 
-# This 2-core CPU machine with 4 gloo ranks of one thread each, as `python benchmarks/calibrate.py
+# A 2-core CPU machine with 4 gloo ranks of one thread each, as `python benchmarks/calibrate.py
 # --world 4` measured it (2026-12-02, two runs: α 0.86-1.05 ms per ring step — four ranks share two
 # cores, so each step waits for a peer to be scheduled —, β 1.1-1.8 GB/s, 25-82 GFLOP/s per rank);
 # a lone message between two ranks 46-105 µs, median 60 (2026-12-04, eight calibrations)

@@ -26,7 +26,7 @@ BASELINE_SCHEMA = "autopar.comm/1"
 def comm_summary(plan: Any) -> dict[str, Any]:
     volumes: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
     for entry in plan.comm.entries:
-        row = volumes[(entry.axis, entry.path, entry.kind)]  # link, or shm
+        row = volumes[(entry.axis, entry.path, entry.kind)]
         row[0] += entry.times
         row[1] += entry.times * int(plan.comm.number(entry.logical_bytes))
     return {

@@ -29,8 +29,6 @@ its row of the gathered buffer (`BROADCASTS_FOR_ALL_GATHER`).
 from __future__ import annotations
 
 import functools
-import platform
-import sys
 
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -38,9 +36,8 @@ from typing import Any, Callable
 import sympy
 import torch.distributed as dist
 
-from autopar.errors import PlanError
 from autopar.ir import simplified
-from autopar.mesh import JOIN, Mesh
+from autopar.mesh import Mesh
 from autopar.runtime import collectives, p2p
 
 
@@ -83,7 +80,7 @@ def wire_bytes(kind: str, group_size: int, logical: sympy.Expr) -> sympy.Expr:
 
 
 # Backends whose reduce-scatter is slower than an all-to-all followed by a local sum of the n
-# pieces that arrive. gloo on this project's CPU machine, `dist.*` median of 9 (2026-12-04): 4 ranks,
+# pieces that arrive. gloo on a 2-core CPU machine, `dist.*` median of 9 (2026-12-04): 4 ranks,
 # 13.4 MiB 43 ms against 20 ms; 2 MiB 10.4 / 3.9 ms; 16 KiB 3.7 / 0.9 ms; 2 ranks, 13.4 MiB 21 / 13 ms
 # (its all-reduce took 33 ms for the 13.4 MiB). Both put (n-1)/n of the input on the wire per rank;
 # the exchange receives the whole input size where the reduce-scatter receives 1/n of it.
@@ -102,7 +99,7 @@ def runtime_backend() -> str | None:
 
 
 # Backends whose all-gather is slower than one broadcast from each rank into its row of the
-# gathered buffer. gloo on this project's CPU machine, `dist.*` median of 19 (2026-12-04): 4 ranks,
+# gathered buffer. gloo on a 2-core CPU machine, `dist.*` median of 19 (2026-12-04): 4 ranks,
 # 13.4 MiB gathered 20.7 / 14.0 ms and 19.8 / 13.6 ms; 2 MiB 5.6 / 3.6 ms; 2 ranks, 13.4 MiB
 # 11.0 / 6.2 ms. Inside a ZeRO-2 step of the example GPT (4 ranks, every unit's shards in one
 # collective): 22-30 ms against 26-36 ms for the whole post-step gather (39-44 ms a unit at a time).
@@ -127,78 +124,6 @@ def gradient_exchange_kind(declared: str, backend: str | None = None) -> str:
     a backend of EXCHANGE_FOR_REDUCE_SCATTER (the initialised process group's, or `backend`), and
     the reduce-scatter without one (plans made for a cluster, not for this process group)."""
     return _on_backend(declared, backend, EXCHANGE_FOR_REDUCE_SCATTER, "all_to_all", "reduce_scatter")
-
-
-# How a declared collective moves: through the process group (gloo, NCCL), or, for the ranks of one
-# host, through a shared-memory file (`autopar/runtime/shared_memory.py`: no bytes on any network;
-# `data_parallel(transport=)` / `zero(transport=)`, "auto" by default: `transport_kind`; the
-# ledger entries say which).
-PROCESS_GROUP, SHARED_MEMORY = "process_group", "shared_memory"
-TRANSPORTS = (PROCESS_GROUP, SHARED_MEMORY)
-AUTO_TRANSPORT = "auto"  # the default: `transport_kind` picks one of TRANSPORTS per axis
-
-# Backends whose collectives between the ranks of one host are slower than a shared-memory file:
-# gloo moves them through loopback TCP (two kernel copies a byte, a ring of 2(n-1) steps, each
-# waiting for its peer to be scheduled). On this project's 2-core machine, 4 ranks, the example
-# GPT's data-parallel step (13.4 MiB of gradients) took 0.87-0.92x DDP's time through shared memory
-# and 1.00-1.02x through gloo (benchmarks/compare_step_time.py, 2026-12-05). An MPI's shared-memory
-# transport and NCCL's SHM/P2P ones are what such a job would get there by default, too.
-SHARED_MEMORY_BACKENDS = ("gloo",)
-ORDERED_STORES = ("x86_64", "amd64")  # machines whose stores become visible to others in program order
-
-
-def shared_memory_unsupported() -> str | None:
-    """Why this machine cannot run the shared-memory transport (`runtime/shared_memory.py` relies on
-    x86's store order, Linux's futex and /dev/shm, a 64-bit process), or None where it can."""
-    if platform.machine().lower() not in ORDERED_STORES:
-        return (f"it relies on x86's store order (a rank's rows visible before its flag) and this is "
-                f"{platform.machine()}")
-    if sys.platform != "linux" or sys.maxsize < 2**63 - 1:
-        return (f"it runs in 64-bit processes on Linux (futex, /dev/shm), not {sys.platform} "
-                f"({'64' if sys.maxsize >= 2**63 - 1 else '32'}-bit)")
-    return None
-
-
-# The rank graph's all-reduces of at most this many bytes, known when the plan is made, on a group
-# key through shared memory (`key_through_shared_memory`) go through it too: a loss's sum and count, an
-# MoE block's statistics (`autopar/runtime/small_exchanges.py`).
-SMALL_EXCHANGE_BYTES = 64 * 1024
-
-
-def key_through_shared_memory(key: str, shared: frozenset[str], mesh: Mesh) -> bool:
-    """A group key (an axis, or axes on one link joined by `mesh.JOIN`) reduced through shared memory:
-    one of its axes goes through it (`ResolvedStrategy.shared_memory_axes`), and its groups stay
-    inside one node. A sub-group (`pp@0,3`) does not."""
-    return "@" not in key and any(axis in shared for axis in key.split(JOIN)) and mesh.link(key) == "intra"
-
-
-def small_through_shared_memory(kind: str, key: str, logical_bytes: Any, shared: frozenset[str],
-                                mesh: Mesh) -> bool:
-    """Whether a rank graph's collective goes through its group's small exchange: an all-reduce of a
-    size known when the plan is made (no symbol) of at most SMALL_EXCHANGE_BYTES, on such a key."""
-    return (kind == "all_reduce" and not getattr(logical_bytes, "free_symbols", ())
-            and int(logical_bytes) <= SMALL_EXCHANGE_BYTES and key_through_shared_memory(key, shared, mesh))
-
-
-def check_transport(strategy: str, transport: str) -> None:
-    if transport not in (AUTO_TRANSPORT, *TRANSPORTS):
-        raise PlanError(f"{strategy}(transport={transport!r}): choose one of "
-                        f"{', '.join((AUTO_TRANSPORT, *TRANSPORTS))}")
-
-
-def transport_kind(declared: str, backend: str | None = None) -> str:
-    """PROCESS_GROUP or SHARED_MEMORY for a declared transport: "auto" picks shared memory on a
-    backend of SHARED_MEMORY_BACKENDS (the initialised process group's, or `backend`) on a machine
-    that runs it, and the process group otherwise or when planning without one. Only for an axis
-    whose groups stay inside one node (`ResolvedStrategy.shared_memory_axes`). A backend per device
-    ("cpu:gloo,cuda:nccl", what `init_process_group()` picks on a GPU machine) is not gloo here: its
-    parameters may be on a GPU, which the shared rows cannot hold."""
-    if declared != AUTO_TRANSPORT:
-        return declared
-    if backend is None and dist.is_available() and dist.is_initialized():
-        backend = dist.get_backend()
-    fast = backend in SHARED_MEMORY_BACKENDS and shared_memory_unsupported() is None
-    return SHARED_MEMORY if fast else PROCESS_GROUP
 
 
 def _bind_peer(value: Any, mesh: Mesh, rank: int, groups: dict[str, str]) -> int:

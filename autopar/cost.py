@@ -21,7 +21,6 @@ from typing import Any
 
 from tabulate import tabulate
 
-from autopar.comm_kinds import SHARED_MEMORY
 from autopar.cluster import Cluster
 from autopar.errors import PlanError
 
@@ -31,7 +30,7 @@ class CommTimeRow:
     phase: str
     kind: str
     axis: str
-    link: str  # 'intra' or 'inter' node, or 'shm' (`CommEntry.path`)
+    link: str  # 'intra' or 'inter' node (`CommEntry.path`)
     group_size: int
     calls: int
     logical_bytes: int  # per call
@@ -85,11 +84,7 @@ def comm_time(plan: Any, cluster: Cluster, *, rank: int = 0) -> CommTime:
     rows = []
     for entry in ledger.for_rank(rank):
         logical = int(ledger.number(entry.logical_bytes))
-        # a rank graph's collective through shared memory is a small exchange: one barrier
-        small = entry.phase in ("forward", "backward")
-        one_call = (cluster.shared_memory_seconds(logical, barriers=1 if small else 2)
-                    if entry.transport == SHARED_MEMORY
-                    else cluster.collective_seconds(entry.kind, entry.group_size, logical, entry.link))
+        one_call = cluster.collective_seconds(entry.kind, entry.group_size, logical, entry.link)
         rows.append(CommTimeRow(entry.phase, entry.kind, entry.axis, entry.path, entry.group_size, entry.times,
                                 logical, entry.times * one_call, entry.why, entry.stage, entry.module, entry.behind))
     return CommTime(cluster, rank, tuple(rows))

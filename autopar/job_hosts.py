@@ -1,20 +1,20 @@
 """Which host each rank of a job runs on, and the node size that follows.
 
 `parallelize` needs the node size to know which mesh axes stay inside a node: the ledger's
-links, and where the transport "auto" may pick shared memory (only inside one host). torchrun
+links (intra or inter node) and the cost model's prices of them. torchrun
 says it (`LOCAL_WORLD_SIZE`), and a user may (`ranks_per_node=`, `;node=` in the mesh,
 `Cluster(gpus_per_node=)`). Where none does (a job started by SLURM, mpirun or its own
 `init_process_group`), the ranks' host names give it (`node_size`). In a gloo job a declared
 node size is checked against them (`check_node_size`): a node that would span several hosts is
-refused at plan time, where shared memory would otherwise fail at setup. Under other backends
+refused at plan time (its groups would be counted as intra-node links). Under other backends
 the declaration stands (it only prices the links there).
 
 `job_node_size` runs the exchange through the job's store, as process groups rendezvous (no
 collective): every rank leaves its host name, rank 0 alone reads them all and publishes one
 verdict on its own declaration, the node size or the error, which every rank reads, so all ranks
 raise the same error or none does (a rank that declares another size is refused next, when the
-plans' fingerprints are compared). All ranks on one host (every test on this machine) accept any declared size: that
-is how a multi-node job is rehearsed on one machine (`torchrun --nnodes=2` on localhost).
+plans' fingerprints are compared). All ranks on one host accept any declared size: that is how
+a multi-node job is rehearsed on one machine (`torchrun --nnodes=2` on localhost).
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ from itertools import groupby
 
 import torch.distributed as dist
 
-from autopar.comm_kinds import SHARED_MEMORY_BACKENDS
 from autopar.errors import PlanError
 
 _exchanges = 0  # exchanges so far in this process (every rank runs them in the same order)
 _OK, _REFUSED = "ok ", "refused "
+CHECKED_BACKENDS = ("gloo",)  # backends whose jobs have a declared node size checked against the hosts
 
 
 def job_node_size(declared: int | None, source: str = "", fix: str = "") -> int | None:
@@ -59,7 +59,7 @@ def job_node_size(declared: int | None, source: str = "", fix: str = "") -> int 
 
 
 def _checked(declared: int, hosts: list[str], source: str, fix: str) -> int:
-    if dist.get_backend() in SHARED_MEMORY_BACKENDS:
+    if dist.get_backend() in CHECKED_BACKENDS:
         check_node_size(declared, hosts, source, fix)
     return declared
 

@@ -1,8 +1,8 @@
-"""The planner at scale's in-node layouts measured on two cores: this process and one forked copy.
+"""The planner at scale's in-node layouts measured by two processes: this one and one forked copy.
 
 A composed search's cost is measuring its in-node layouts (`block_ledgers.measure_layout`: one
 small plan and its fake run, 0.1–0.3 s each for the 8B shape), one after the other,
-while this machine (and CI's) has two cores. `measured(measure, layouts)` measures the first
+while a machine may have as few as two cores (CI's, for one). `measured(measure, layouts)` measures the first
 layout here (the search's one export and first calls, which the copy then inherits) — or runs
 what it is given to warm up with (the planner: the export alone) — and forks once. This
 process first measures the layouts without context parallelism (up to half of the estimated

@@ -14,7 +14,7 @@ import math
 import time
 from contextlib import contextmanager
 from copy import deepcopy
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
@@ -25,7 +25,6 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils import _pytree as pytree
 
 from autopar.check_rank_graphs import check_rank_graphs
-from autopar.comm_kinds import SHARED_MEMORY, key_through_shared_memory
 from autopar.context import CompileContext
 from autopar.errors import PlanError
 from autopar.ir import SPEC, local_shape, shard_dim
@@ -239,8 +238,7 @@ def _check_microbatch_divides(strategy: ResolvedStrategy, mesh: Mesh, declared: 
 
 
 def _stage_buckets(stage: Stage, context: CompileContext, mesh: Mesh, cap_bytes: int) -> list[Bucket]:
-    """The stage's gradient buckets; those over an axis through shared memory (declared, or "auto"
-    on gloo: `ResolvedStrategy.shared_memory_axes`) go through it."""
+    """The stage's gradient buckets."""
     params = []
     for node in stage.graph_module.graph.nodes:
         info = context.placeholders.get(node.name)
@@ -248,17 +246,7 @@ def _stage_buckets(stage: Stage, context: CompileContext, mesh: Mesh, cap_bytes:
             spec = node.meta[SPEC]
             numel = math.prod(local_shape(spec.tensor_meta.shape, spec.placements, mesh.shape))
             params.append((info.target, numel, spec.tensor_meta.dtype, mesh.sync_keys(node.meta.get(GRAD_SYNC, ()))))
-    shared = context.strategy.shared_memory_axes()
-    return [replace(b, transport=SHARED_MEMORY) if _through_shared_memory(b, shared, mesh) else b
-            for b in plan_buckets(params, cap_bytes=cap_bytes)]
-
-
-def _through_shared_memory(bucket: Bucket, shared: frozenset[str], mesh: Mesh) -> bool:
-    """A bucket reduced over one group whose axes include one through shared memory:
-    the axis alone, or joined with others of its link in one flattened group (`dp+cp`,
-    `Mesh.sync_keys`; on the declared axis's link, so inside a node). A chain of groups (a
-    sub-group, another link) stays on the process group, as its ledger entries say."""
-    return len(bucket.axes) == 1 and key_through_shared_memory(bucket.axes[0], shared, mesh)
+    return plan_buckets(params, cap_bytes=cap_bytes)
 
 
 def _with_param_dtype(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
@@ -299,8 +287,9 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | None" = No
     `autopar.Cluster` or a preset's name) and neither mesh nor strategies, the planner chooses
     them (`autopar/planner.py`; `space=` narrows its search) and the winner's plan is returned,
     its `search` holding the ranking. `backend="gloo"` (or "nccl") plans as a job on that process
-    group's backend would: the transport "auto" resolves as there (`comm_kinds.transport_kind`;
-    default: the initialised group's backend, and without one the process group).
+    group's backend would: ZeRO's "auto" reduce and gather kinds resolve as there
+    (`comm_kinds.gradient_exchange_kind`, `parameter_gather_kind`; default: the initialised group's
+    backend, and without one the reduce-scatter and all-gather).
     (`_measured_only`, internal: the planner's per-layout
     plans, `autopar/block_ledgers.py`, are read for their ledgers and never run, so they skip
     running every rank graph on fake tensors, `check_rank_graphs`; every plan a user gets is
@@ -327,7 +316,6 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | None" = No
     with _timed(seconds, "resolve_strategies"):
         strategy = resolve_strategies(mesh, list(strategies), traced.graph_module, traced.placeholders,
                                       backend=backend)
-        strategy.shared_memory_axes()  # refused here, before the passes, where an axis crosses nodes
     if pipelined is not None:
         first = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
         _check_microbatch_divides(strategy, mesh, pipelined, first.shape[pipelined.batch_dim])
@@ -339,8 +327,7 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | None" = No
     with _timed(seconds, "comm_ledger"):
         for stage in program.stages:
             stage.buckets = _stage_buckets(stage, context, mesh, int(bucket_cap_mb * 2**20))
-        comm = build_comm_ledger(program, mesh, traced.symbols, traced.symbol_values,
-                                 shared_axes=strategy.shared_memory_axes())
+        comm = build_comm_ledger(program, mesh, traced.symbols, traced.symbol_values)
     planned = Plan(mesh=mesh, strategy=strategy, traced=traced, program=program, context=context,
                    pass_records=records, comm=comm, phase_seconds=seconds)
     if not _measured_only:

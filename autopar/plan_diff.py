@@ -55,8 +55,7 @@ def _stage_note(node: dict) -> str:
 def _volumes(document: PlanDocument) -> dict[tuple[str, str, str], int]:
     totals: dict[tuple[str, str, str], int] = defaultdict(int)
     for entry in document.data["collectives"]:
-        path = "shm" if entry.get("transport") == "shared_memory" else entry["link"]  # `CommEntry.path`
-        totals[(entry["axis"], path, entry["kind"])] += entry.get("times", 1) * entry["bytes_value"]
+        totals[(entry["axis"], entry["link"], entry["kind"])] += entry.get("times", 1) * entry["bytes_value"]
     return totals
 
 

@@ -22,7 +22,6 @@ import torch
 from tabulate import tabulate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from autopar.comm_kinds import PROCESS_GROUP
 from autopar.errors import PlanError
 from autopar.ir import ARG_SPECS as ARG_SPECS_KEY, ORIGIN, RULE, SPEC, describe, local_shape, module_path, source_line
 from autopar.ledger.comm import CommEntry, CommLedger
@@ -129,14 +128,7 @@ def _entry_data(entry: CommEntry, ledger: CommLedger) -> dict[str, Any]:
             "group_size": entry.group_size, "module": entry.module, "tensor": entry.tensor, "why": entry.why,
             "dtype": str(entry.dtype).replace("torch.", ""), "bytes": str(entry.logical_bytes),
             "bytes_value": ledger.number(entry.logical_bytes), "wire_bytes_value": ledger.number(entry.wire_bytes),
-            "stage": entry.stage, "times": entry.times, **({"behind": entry.behind} if entry.behind else {}),
-            **_transport(entry)}
-
-
-def _transport(item: Any) -> dict[str, str]:
-    """A ledger entry's, bucket's or unit's transport, written only where it is not the process group
-    (files of plans with nothing through shared memory read as before)."""
-    return {"transport": item.transport} if item.transport != PROCESS_GROUP else {}
+            "stage": entry.stage, "times": entry.times, **({"behind": entry.behind} if entry.behind else {})}
 
 
 def plan_document(plan: Any) -> dict[str, Any]:
@@ -153,12 +145,12 @@ def plan_document(plan: Any) -> dict[str, Any]:
         "nodes": nodes,
         "collectives": [_entry_data(e, plan.comm) for e in plan.comm.entries],
         "buckets": [{"axes": list(b.axes), "dtype": str(b.dtype).replace("torch.", ""), "params": list(b.params),
-                     "numel": b.numel, "stage": stage.index, **_transport(b)} for stage in plan.stages
+                     "numel": b.numel, "stage": stage.index} for stage in plan.stages
                     for b in stage.buckets],
         "units": [{"index": u.index, "name": u.name, "axis": u.axis, "stage": u.stage, "reshard": u.reshard,
                    "extra_axes": list(u.extra_axes), "shard_numel": u.shard_numel, "pipeline_stage": u.pipeline_stage,
                    "reduce_kind": u.reduce_kind, "reduce_dtype": str(u.reduce_dtype).replace("torch.", ""),
-                   "gather_kind": u.gather_kind, **_transport(u),
+                   "gather_kind": u.gather_kind,
                    "params": [[p.fqn, list(p.shape), p.rows] for p in u.params]} for u in plan.units],
         "memory": _memory_data(plan),
         "pipeline": _pipeline_data(plan),
@@ -305,8 +297,7 @@ class PlanDocument:
         entries = [CommEntry(phase=e["phase"], kind=e["kind"], axis=e["axis"], link=e["link"],
                              group_size=e["group_size"], module=e["module"], tensor=e["tensor"], why=e["why"],
                              dtype=getattr(torch, e["dtype"]), logical_bytes=sympy.sympify(e["bytes"], locals=locals_),
-                             stage=e["stage"], times=e["times"], behind=e.get("behind", ""),
-                             transport=e.get("transport", PROCESS_GROUP))
+                             stage=e["stage"], times=e["times"], behind=e.get("behind", ""))
                    for e in self.data["collectives"]]
         pipeline = self.data.get("pipeline")
         coordinates = {s["index"]: s["coordinate"] for s in pipeline["stages"]} if pipeline else None
@@ -427,4 +418,16 @@ def load_plan(path: "str | Path") -> PlanDocument:
     if found != SCHEMA:
         raise PlanError(f"plan file {path} has schema {found!r}, this autopar reads {SCHEMA!r}; "
                         f"fix: regenerate it with `autopar plan ... --save {path}`")
+    _refuse_shared_memory(data, path)
     return PlanDocument(data)
+
+
+def _refuse_shared_memory(data: dict[str, Any], path: "str | Path") -> None:
+    """A file written while autopar had a shared-memory transport carries `"transport": "shared_memory"`
+    on what moved through it; every collective now goes through the process group, so its ledger
+    would not describe what a run of it does."""
+    items = [*data.get("collectives", []), *data.get("buckets", []), *data.get("units", [])]
+    if any(isinstance(item, dict) and item.get("transport", "process_group") != "process_group" for item in items):
+        raise PlanError(f"plan file {path} moves collectives through the shared-memory transport, which autopar no "
+                        f"longer has (every collective goes through the process group); fix: regenerate it with "
+                        f"`autopar plan ... --save {path}`")

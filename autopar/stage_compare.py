@@ -18,7 +18,6 @@ _REPLACEABLE = {"data_parallel", "zero1", "zero2", "zero3"}
 
 
 def _with_stage(strategies: Sequence[Any], axis: str, stage: int) -> list[Any]:
-    from autopar.comm_kinds import AUTO_TRANSPORT, SHARED_MEMORY
     from autopar.strategies.data_parallel import data_parallel
     from autopar.strategies.zero import zero
 
@@ -27,26 +26,9 @@ def _with_stage(strategies: Sequence[Any], axis: str, stage: int) -> list[Any]:
     declared = next((s.sharded_state for s in replaced if getattr(s, "sharded_state", None) is not None), None)
     options = {} if declared is None else {"param_dtype": declared.param_dtype, "reduce_dtype": declared.reduce_dtype,
                                            "reduce": declared.reduce, "gather": declared.gather}  # the user's, kept
-    # the user's transport, kept; where shared memory cannot carry a stage (ZeRO-3, a declared reduce
-    # or gather kind) "auto" stands for it
-    transport = next((_declared_transport(s) for s in replaced), AUTO_TRANSPORT)
-    carried = stage in (0, 1, 2) and options.get("reduce", "auto") == "auto" and options.get("gather", "auto") == "auto"
-    if transport == SHARED_MEMORY and not carried:
-        transport = AUTO_TRANSPORT
     if stage == 0:
-        return kept + [data_parallel(axis=axis, transport=transport)]
-    return kept + [zero(stage=stage, axis=axis, transport=transport, **options)]
-
-
-def _declared_transport(strategy: Any) -> str:
-    """The transport a replaced strategy's user chose: `zero()` turns "auto" into the process group
-    itself where shared memory cannot carry its stage, which is no choice of the user's."""
-    from autopar.comm_kinds import AUTO_TRANSPORT
-
-    state = getattr(strategy, "sharded_state", None)
-    if state is not None and not (state.stage in (1, 2) and state.reduce == "auto" and state.gather == "auto"):
-        return AUTO_TRANSPORT
-    return strategy.transport
+        return kept + [data_parallel(axis=axis)]
+    return kept + [zero(stage=stage, axis=axis, **options)]
 
 
 def compare_stages(model: Any, mesh: Any, *, strategies: Sequence[Any], example_inputs: Sequence[Any],

@@ -97,8 +97,6 @@ def _representative_ranks(plan: Any) -> list[int]:
 
 
 def _kind(row: CommTimeRow) -> str:
-    if row.link == "shm":  # shared memory: the rank itself sums and copies, nothing runs beside it
-        return "blocking"
     if row.behind:
         return "behind taps"
     if row.phase == "grad_sync":

@@ -63,8 +63,6 @@ class ShardUnit:
     # all the units of a pipeline stage): "all_gather", or one "broadcast" per owner into its row
     # of the gathered buffer (`comm_kinds.parameter_gather_kind`)
     gather_kind: str = "all_gather"
-    # "shared_memory": both go through a shared-memory file, not the process group (`comm_kinds.TRANSPORTS`)
-    transport: str = "process_group"
 
     @property
     def shard_numel(self) -> int:
@@ -121,12 +119,9 @@ def copy_gathered(unit: ShardUnit, gathered: torch.Tensor, fulls: list[torch.Ten
                 full[start:start + count].copy_(block[owner, :count])
 
 
-def grad_layout(unit: ShardUnit, grads: list[torch.Tensor | None], dtype: torch.dtype,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """The reduce-scatter input: full gradients padded and laid out like `gather_layout` reads them
-    (into `out`, `gathered_numel` elements of `dtype`, where given: a shared-memory row)."""
-    flat = (out.view(unit.group_size, unit.shard_numel) if out is not None
-            else torch.empty(unit.group_size, unit.shard_numel, dtype=dtype, device=_device(grads)))
+def grad_layout(unit: ShardUnit, grads: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
+    """The reduce-scatter input: full gradients padded and laid out like `gather_layout` reads them."""
+    flat = torch.empty(unit.group_size, unit.shard_numel, dtype=dtype, device=_device(grads))
     for param, offset, grad in zip(unit.params, unit.offsets(), grads):
         target = flat[:, offset:offset + param.shard_numel].view(unit.group_size, param.rows, *param.shape[1:])
         if grad is None:  # no gradient: zeros, written once (the buffer is not zero-filled first)
@@ -145,12 +140,12 @@ def grad_layout(unit: ShardUnit, grads: list[torch.Tensor | None], dtype: torch.
 
 def refresh_groups(units: Iterable[ShardUnit]) -> list[tuple[ShardUnit, ...]]:
     """ZeRO-1/2 units re-gathered together after the optimizer step: one collective (all-gather)
-    or one round of owner broadcasts per (pipeline stage, axis, compute dtype, kind, transport), units in index
+    or one round of owner broadcasts per (pipeline stage, axis, compute dtype, kind), units in index
     order. Their gathered buffer is rank-major: row r holds rank r's shards of each unit side by side."""
     groups: dict[tuple, list[ShardUnit]] = {}
     for unit in sorted(units, key=lambda u: u.index):
         if unit.stage < 3:
-            key = (unit.pipeline_stage, unit.axis, unit.dtype, unit.gather_kind, unit.transport)
+            key = (unit.pipeline_stage, unit.axis, unit.dtype, unit.gather_kind)
             groups.setdefault(key, []).append(unit)
     return [tuple(group) for group in groups.values()]
 

@@ -10,11 +10,8 @@ Each row runs on four local CPU processes (gloo, one thread each, `autopar.runti
 | zero2_fsdp | the same                             | FSDP2 as zero3's with reshard_after_forward=False (SHARD_GRAD_OP: |
 |       |                                           | one all-gather and one reduce-scatter per step, as ZeRO-2)   |
 | zero1 | `zero(stage=1)` on dp=4                   | DDP + `ZeroRedundancyOptimizer(AdamW)` (PyTorch's ZeRO-1)    |
-| zero2_gloo, zero1_gloo | the same with `transport="process_group"` | as zero2, zero1                                |
 
-zero2, zero2_fsdp and zero1 take zero()'s default transport, "auto": on this gloo machine their
-exchanges go through shared memory (`autopar.comm_kinds.transport_kind`); the _gloo rows through
-gloo, as PyTorch's.
+Both sides' collectives go through the same gloo process group.
 
 Both programs start from the same weights (`torch.manual_seed(0)` before each is built) and
 train on the same global batch: autopar's module takes `module.local_batch(*global_batch)`
@@ -161,7 +158,6 @@ class Row:
     stage: int
     pytorch: Callable[[Settings, tuple, int], Program]
     pytorch_description: str
-    transport: str = "auto"  # autopar's zero(transport=)
 
 
 ROWS = {
@@ -171,16 +167,13 @@ ROWS = {
     "zero2_fsdp": Row(2, pytorch_fsdp2_grad_op, "FSDP2 as zero3's, reshard_after_forward=False (FSDP's SHARD_GRAD_OP: "
                                                 "the same all-gather and reduce-scatter per step as ZeRO-2)"),
     "zero1": Row(1, pytorch_ddp_zero1, "DDP + ZeroRedundancyOptimizer(optimizer_class=AdamW)"),
-    "zero2_gloo": Row(2, pytorch_ddp, "DDP, as zero2 (autopar's exchanges through gloo, as DDP's)", "process_group"),
-    "zero1_gloo": Row(1, pytorch_ddp_zero1, "DDP + ZeroRedundancyOptimizer, as zero1 (autopar's exchanges through "
-                                            "gloo)", "process_group"),
 }
 
 
 def autopar_side(row: Row, settings: Settings, global_batch: tuple) -> tuple[Program, int]:
     """autopar's program for this rank and the plan's static ledger total (bytes per step per rank)."""
     module = autopar.parallelize(build_model(settings), f"dp={WORLD_SIZE}",
-                                 strategies=[autopar.zero(stage=row.stage, transport=row.transport)],
+                                 strategies=[autopar.zero(stage=row.stage)],
                                  example_inputs=global_batch, compile=settings.compile)
     program = Program(module, adamw(module.parameters(), settings), module.local_batch(*global_batch))
     return program, ledger_bytes(module)

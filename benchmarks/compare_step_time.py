@@ -4,8 +4,7 @@ Each row runs on four local CPU processes (gloo, one thread each, `autopar.runti
 
 | row     | autopar                                 | PyTorch                                                 |
 |---------|-----------------------------------------|---------------------------------------------------------|
-| dp4     | data_parallel on dp=4 (transport "auto":| DistributedDataParallel on the rank's batch slice       |
-|         | its buckets through shared memory here) |                                                         |
+| dp4     | data_parallel on dp=4                   | DistributedDataParallel on the rank's batch slice       |
 | tp4     | tensor_parallel on tp=4                 | parallelize_module: Colwise q/k/v/up, Rowwise o/down,   |
 |         |                                         | vocab-parallel embed_tokens, Colwise lm_head with       |
 |         |                                         | loss_parallel                                           |
@@ -13,7 +12,6 @@ Each row runs on four local CPU processes (gloo, one thread each, `autopar.runti
 |         |                                         | on attn/mlp (torchtitan's Llama plan)                   |
 | dp2_tp2 | data_parallel + tensor_parallel on      | tp4's plan on mesh["tp"] + DDP on mesh["dp"]            |
 |         | dp=2,tp=2                               |                                                         |
-| dp4_gloo| dp4 with transport="process_group"      | as dp4                                                  |
 
 A training step is zero_grad, forward, backward and an AdamW step. Both programs start from the
 same weights (`torch.manual_seed(0)` on every rank before parallelizing) and train on the same
@@ -251,9 +249,7 @@ class Row:
 
 ROWS = {
     "dp4": Row("dp=4", lambda: [autopar.data_parallel()], pytorch_ddp,
-               "DDP, batch slice per rank (autopar's default transport: its gradients through shared memory)"),
-    "dp4_gloo": Row("dp=4", lambda: [autopar.data_parallel(transport="process_group")], pytorch_ddp,
-                    "DDP, batch slice per rank (autopar's gradient all-reduce through gloo, as DDP's)"),
+               "DDP, batch slice per rank (both sides' gradient all-reduces through gloo)"),
     "tp4": Row("tp=4", lambda: [autopar.tensor_parallel()], pytorch_tp,
                "parallelize_module: Colwise q/k/v/up, Rowwise o/down, vocab-parallel embed_tokens and lm_head"),
     "tp4_sp": Row("tp=4", lambda: [autopar.sequence_parallel()], functools.partial(pytorch_tp, sequence_parallel=True),
@@ -272,7 +268,7 @@ def autopar_side(row: Row, settings: Settings, global_batch: tuple) -> tuple[Ste
 
 def ledger_bytes(module: torch.nn.Module) -> int:
     """The plan's static ledger: bytes per step per rank through the process groups (what the
-    counters see; a shared-memory transport's entries are in the ledger, not among them)."""
+    counters see)."""
     return sum(nbytes for _, nbytes in module.plan.comm.by_key().values())
 
 
@@ -461,8 +457,8 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, list[str], 
     parser.add_argument("--batch", type=int, default=8, help="global batch")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (>= 1; the first is counted)")
     parser.add_argument("--steps", type=int, default=30,
-                        help="timed steps (their median; with 10, dp4's ratio read 0.80-0.92 across four runs "
-                             "here, with 30 0.82-0.86 across three, 2026-12-05)")
+                        help="timed steps (their median; 10 left dp4's ratio spread over ~0.1 across runs, "
+                             "30 over ~0.04, 2026-12-05)")
     parser.add_argument("--no-loss-parallel", action="store_true", help="PyTorch lm_head gathers the logits")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck row is abandoned")
     parser.add_argument("--compile", action="store_true",

@@ -28,7 +28,7 @@ import re
 import torch
 import torch.fx
 
-from autopar.comm_kinds import SHARED_MEMORY, gradient_exchange_kind, parameter_gather_kind
+from autopar.comm_kinds import gradient_exchange_kind, parameter_gather_kind
 from autopar.context import CompileContext
 from autopar.errors import PlanError
 from autopar.ir import ARG_SPECS, COLLECTIVE, LOCAL_ARGS, RULE, SPEC, local_shape, module_path
@@ -61,7 +61,6 @@ def _inside(node: torch.fx.Node, unit_name: str) -> bool:
 def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declared, *, first: int,
                 stage: int) -> list[tuple[ShardUnit, list]]:
     size = ctx.mesh.size(axis)
-    shared = axis in ctx.strategy.shared_memory_axes()
     groups: dict[tuple, list[tuple[UnitParam, torch.fx.Node]]] = {}
     for node in gm.graph.nodes:
         info = ctx.placeholders.get(node.name)
@@ -92,17 +91,13 @@ def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declar
                                 prefetch=declared.prefetch, backward_prefetch=declared.backward_prefetch,
                                 master_dtype=master,
                                 reduce_dtype=declared.reduce_dtype or dtype, pipeline_stage=stage,
-                                **_kinds(declared, shared=shared, backend=ctx.strategy.backend)), nodes))
+                                **_kinds(declared, backend=ctx.strategy.backend)), nodes))
     return units
 
 
-def _kinds(declared: ShardedState, *, shared: bool, backend: str | None) -> dict[str, str]:
-    """The unit's reduce and gather kinds and their transport: on an axis through shared memory
-    (`ResolvedStrategy.shared_memory_axes`) a reduce-scatter and an all-gather
-    (`runtime/shared_memory.py`), else as `comm_kinds` resolves the declared ones for `backend`
+def _kinds(declared: ShardedState, *, backend: str | None) -> dict[str, str]:
+    """The unit's reduce and gather kinds, as `comm_kinds` resolves the declared ones for `backend`
     (the plan's, `plan(backend=)`; None: the initialised process group's)."""
-    if shared:
-        return {"reduce_kind": "reduce_scatter", "gather_kind": "all_gather", "transport": SHARED_MEMORY}
     return {"reduce_kind": gradient_exchange_kind(declared.reduce, backend),
             "gather_kind": parameter_gather_kind(declared.gather, backend)}
 

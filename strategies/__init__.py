@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar.comm_kinds import SHARED_MEMORY, transport_kind
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
 from autopar.strategies.token_shard import TokenShard
@@ -80,9 +79,6 @@ class Strategy:
     context: "ContextDeclaration | None" = None  # sequence shards and their attention (strategies/context.py)
     experts: "ExpertDeclaration | None" = None  # experts split over this axis, tokens exchanged (strategies/expert.py)
     regather_in_backward: bool = False  # all-gathers on this axis keep their input for backward, not output
-    # how gradient buckets over this axis (and ZeRO's exchanges on it) move: one of `comm_kinds.TRANSPORTS`
-    # or "auto" (`comm_kinds.transport_kind`, `shared_memory_axes`)
-    transport: str = "process_group"
     notes: tuple[str, ...] = ()  # what the strategy left out and why (e.g. a pattern it could not shard)
 
 
@@ -147,25 +143,6 @@ class ResolvedStrategy:
         found = [(s.axis, s.sharded_state) for axis in self.mesh.names for s in self._for_axis(axis)
                  if s.sharded_state is not None]
         return found[0] if found else None
-
-    def shared_memory_axes(self) -> frozenset[str]:
-        """The axes whose gradient buckets and ZeRO exchanges go through shared memory: declared
-        `transport="shared_memory"`, which must keep its groups inside one node, or "auto" on an axis
-        inside one node where `comm_kinds.transport_kind` picks it (gloo on this machine: the job's
-        process group, or the backend the plan is made for)."""
-        axes = set()
-        for axis in self.mesh.names:
-            declarations = {s.transport for s in self._for_axis(axis)}
-            inside = bool(declarations) and self.mesh.link(axis) == "intra"
-            for declared in declarations:
-                if declared == SHARED_MEMORY and not inside:
-                    raise PlanError(f"transport='shared_memory' on axis {axis!r}, whose groups cross nodes "
-                                    f"({self.mesh.ranks_per_node} ranks per node on mesh {self.mesh}); shared memory "
-                                    f"joins the processes of one host only. fix: declare it on an axis inside a "
-                                    f"node, or transport='process_group'")
-                if inside and transport_kind(declared, self.backend) == SHARED_MEMORY:
-                    axes.add(axis)
-        return frozenset(axes)
 
     def pipeline(self) -> "tuple[str, PipelineDeclaration] | None":
         """(axis, declaration) of the pipeline strategy, if any (not on a size-1 axis)."""

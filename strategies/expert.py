@@ -11,8 +11,7 @@ experts see their tokens arrive by `moe_dispatch` and leave by `moe_combine`
 (`runtime/moe.py`), which `passes/lower_moe.py` puts around each block's experts. Composed with
 `data_parallel` on `dp` it is torchtitan's dp_shard = efsdp · ep: tokens over dp × ep, attention
 synchronised over both, experts over dp only. The other parameters' gradient buckets over the
-axis move as `data_parallel`'s do (`transport`, "auto" by default: shared memory inside a node of
-a gloo job).
+axis are all-reduced as `data_parallel`'s are.
 """
 from __future__ import annotations
 
@@ -22,7 +21,6 @@ import torch
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from autopar.comm_kinds import check_transport
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
 from autopar.strategies import InputRule, ParamRule, Strategy
@@ -46,7 +44,6 @@ class ExpertParallel:
     batch_dim: int = 0
     capacity_factor: float | None = None
     drop_tokens: bool = False
-    transport: str = "auto"  # the non-expert gradients' buckets over the axis (`data_parallel`'s transport)
     name: str = "expert_parallel"
 
     def bind(self, *, mesh: Mesh, graph_module: torch.fx.GraphModule, placeholders: dict) -> Strategy:
@@ -65,24 +62,18 @@ class ExpertParallel:
         return Strategy(name=self.name, axis=self.axis, params=tuple(rules),
                         inputs=(InputRule(index=None, placement=Shard(self.batch_dim)),),
                         experts=ExpertDeclaration(batch_dim=self.batch_dim, capacity_factor=self.capacity_factor,
-                                                  drop_tokens=self.drop_tokens),
-                        transport=self.transport)
+                                                  drop_tokens=self.drop_tokens))
 
 
 def expert_parallel(*, axis: str = "ep", batch_dim: int = 0, capacity_factor: float | None = None,
-                    drop_tokens: bool = False, transport: str = "auto") -> ExpertParallel:
+                    drop_tokens: bool = False) -> ExpertParallel:
     """Experts split over `axis` (module docstring). Dropless by default; `capacity_factor=c` lets
     each expert take at most ceil(c · rows / E) of a rank's routed rows, which drops tokens unless
-    c >= E: then `drop_tokens=True` must say that is wanted (else a plan-time error). `transport`:
-    how the buckets of the other parameters' gradients, reduced over the axis (it splits the batch),
-    move — as `data_parallel`'s: "auto" (shared memory in a gloo job inside a node), "process_group"
-    or "shared_memory"; the tokens' all-to-alls take the process group."""
-    check_transport("expert_parallel", transport)
+    c >= E: then `drop_tokens=True` must say that is wanted (else a plan-time error)."""
     if capacity_factor is not None and capacity_factor <= 0:
         raise PlanError(f"expert_parallel(capacity_factor={capacity_factor}): a capacity factor is positive\n"
                         f"  fix: leave it out (dropless) or give a factor > 0, e.g. 1.25")
-    return ExpertParallel(axis=axis, batch_dim=batch_dim, capacity_factor=capacity_factor, drop_tokens=drop_tokens,
-                          transport=transport)
+    return ExpertParallel(axis=axis, batch_dim=batch_dim, capacity_factor=capacity_factor, drop_tokens=drop_tokens)
 
 
 # ---- experts under tensor parallelism (tensor_parallel() found in the graph binds these too)

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import Shard
 
-from autopar.comm_kinds import AUTO_TRANSPORT, PROCESS_GROUP, SHARED_MEMORY, check_transport
 from autopar.errors import PlanError
 from autopar.strategies import InputRule, Strategy
 from autopar.strategies.data_parallel import data_parallel
@@ -45,14 +44,13 @@ class ShardedState:
     reduce_dtype: torch.dtype | None = None  # gradients reduce-scattered in this dtype (default param_dtype)
     reduce: str = "auto"  # how gradients reach their owners: "reduce_scatter", "all_to_all" or "auto"
     gather: str = "auto"  # how shards are gathered: "all_gather", "broadcast" or "auto"
-    transport: str = "process_group"  # or "shared_memory" (stages 1/2): reductions and gathers through it; "auto"
 
 
 def zero(*, stage: int, axis: str = "dp", batch_dim: int = 0, reshard_after_forward: bool = True,
          prefetch: bool = True, backward_prefetch: bool = False, reshard_root: bool = False,
          units: tuple[str, ...] | list[str] | None = None,
          param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-         reduce: str = "auto", gather: str = "auto", transport: str = "auto") -> Strategy:
+         reduce: str = "auto", gather: str = "auto") -> Strategy:
     """ZeRO stage 1, 2 or 3 on `axis` (which is then also the data-parallel axis).
 
     Mixed precision: `param_dtype=torch.bfloat16` traces and runs the model with bf16 parameters
@@ -75,16 +73,6 @@ def zero(*, stage: int, axis: str = "dp", batch_dim: int = 0, reshard_after_forw
     (gloo: `autopar.comm_kinds.BROADCASTS_FOR_ALL_GATHER`, 1.4-1.8x faster on 2-4 CPU ranks) and
     all-gathers otherwise.
 
-    `transport="shared_memory"` (stages 1 and 2, on an axis inside one node): each unit's gradients
-    reach their owners, and the updated shards every rank, through a shared-memory file instead of
-    the process group (`autopar.runtime.shared_memory`): every rank writes its unit's gradients into
-    its row and each owner sums its shard's column; each owner writes its updated shards into its
-    row and every rank copies the rows into its parameters. `reduce` and `gather` stay "auto" then.
-    Stage 3 gathers each unit while the previous one computes, which this synchronous transport
-    cannot, and refuses it. `transport="auto"` (default) is shared memory where `data_parallel`'s
-    would be (an axis inside one node, a gloo job: `autopar.comm_kinds.transport_kind`) at stages
-    1 and 2 with `reduce` and `gather` left "auto", and the process group otherwise.
-
     `backward_prefetch` is off by default: it holds two gathered blocks at the start of backward,
     where activations peak, and bought no time on CPU gloo (benchmarks/compare_fsdp.py: peak
     memory 1.02x FSDP2's with it, 0.94x without, the same step time)."""
@@ -95,25 +83,15 @@ def zero(*, stage: int, axis: str = "dp", batch_dim: int = 0, reshard_after_forw
         raise PlanError(f"zero(reduce={reduce!r}): choose one of {', '.join(REDUCTIONS)}")
     if gather not in REFRESHES:
         raise PlanError(f"zero(gather={gather!r}): choose one of {', '.join(REFRESHES)}")
-    check_transport("zero", transport)
-    carried = stage in (1, 2) and reduce == "auto" and gather == "auto"  # what shared memory can carry
-    if transport == AUTO_TRANSPORT and not carried:
-        transport = PROCESS_GROUP
-    if transport == SHARED_MEMORY and not carried:
-        raise PlanError(f"zero(stage={stage}, transport='shared_memory', reduce={reduce!r}, gather={gather!r}): "
-                        f"shared memory carries the reductions and gathers of stages 1 and 2 itself; fix: stage=1 "
-                        f"or 2 with reduce and gather left 'auto', or transport='process_group' for stage 3 (its "
-                        f"gathers overlap compute, which the synchronous shared-memory transport cannot)")
     if stage not in STAGES:
         raise PlanError(f"unknown ZeRO stage {stage!r}: choose 1 (shards {STAGES[1]}), 2 ({STAGES[2]}) or "
                         f"3 ({STAGES[3]}); plain data parallelism is data_parallel()")
     state = ShardedState(stage=stage, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
                          backward_prefetch=backward_prefetch, reshard_root=reshard_root,
                          units=tuple(units) if units is not None else None, param_dtype=param_dtype,
-                         reduce_dtype=reduce_dtype or param_dtype, reduce=reduce, gather=gather,
-                         transport=transport)
+                         reduce_dtype=reduce_dtype or param_dtype, reduce=reduce, gather=gather)
     return Strategy(name=f"zero{stage}", axis=axis, inputs=(InputRule(index=None, placement=Shard(batch_dim)),),
-                    sharded_state=state, transport=transport)
+                    sharded_state=state)
 
 
 def fsdp(*, axis: str = "dp", **options) -> Strategy:

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from autopar.ledger.memory import SHARED_UNIT_ROWS, SMALL_EXCHANGE_FILES
 
 # Some gradients are mathematically zero and numerically rounding noise (~1e-9): the key-projection bias,
 # whose shift softmax cancels. Relative error against such a tensor is meaningless, so the error is taken
@@ -126,8 +125,7 @@ def assert_ledger_equals_measured(results: list[dict[str, Any]], *, extra_phases
 # outside (`tests/numerics.device_mesh_bytes`: every live DeviceMesh's rank map, via gc).
 # what the runtime holds where nn.Module / optimizer interfaces cannot see it: the ledger's own entries
 HIDDEN = {("parameters", "ZeRO-1 replicated compute copy"), ("parameters", "ZeRO-2 replicated compute copy"),
-          ("gradients", "ZeRO-1 full-gradient buffer"), ("gradients", SHARED_UNIT_ROWS),
-          ("model buffers", SMALL_EXCHANGE_FILES)}
+          ("gradients", "ZeRO-1 full-gradient buffer")}
 CLAIMED = ("parameters", "gradients", "optimizer state", "model buffers")
 
 

@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from autopar.comm_kinds import shared_memory_unsupported
 from autopar.runtime.launch import RankKilled, launch
 from tests.cli_in_process import run_cli
 
@@ -40,18 +39,6 @@ def test_compare_cp_prints_the_three_lowerings():
     assert set(rows) == {"ring", "allgather", "alltoall"}
     wire = {method: int(row[3].replace(",", "")) for method, row in rows.items()}
     assert wire["ring"] > wire["allgather"] > wire["alltoall"] > 0
-
-
-@pytest.mark.skipif(shared_memory_unsupported() is not None, reason="no shared-memory transport here")
-def test_compare_stages_reads_the_backend():
-    """`--backend gloo`: DDP's bucket on dp inside a node goes through shared memory, as in a gloo
-    job, so its wire bytes (the last column) are 0; planned without a backend, the process group's."""
-    wire = {}
-    for backend in ((), ("--backend", "gloo")):
-        result = run_cli("plan", "examples/gpt.py", "--mesh", "dp=2", "--compare-stages", *backend)
-        assert result.returncode == 0, result.stderr
-        wire[backend] = next(line.split()[-1] for line in result.stdout.splitlines() if line.startswith("DDP"))
-    assert wire[("--backend", "gloo")] == "0" and wire[()] != "0", wire
 
 
 def test_graph_with_chunks_prints_the_pieces():

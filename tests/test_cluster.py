@@ -22,7 +22,6 @@ import torch
 import autopar
 from autopar import Cluster, PlanError
 from autopar.calibration import fit_alpha_beta
-from autopar.comm_kinds import shared_memory_unsupported
 from autopar.runtime.launch import launch
 from examples.gpt import example
 
@@ -101,22 +100,6 @@ def test_data_parallel_gradients_cost_their_bytes_over_beta():
     priced = autopar.comm_time(plan, cluster).by_key()
     assert priced == {("grad_sync", "dp", "intra", "all_reduce"): pytest.approx(gradient_bytes / 2e9, rel=1e-12),
                       ("forward", "dp", "intra", "all_reduce"): pytest.approx(loss_bytes / 2e9, rel=1e-12)}
-
-
-@pytest.mark.skipif(shared_memory_unsupported() is not None, reason="no shared-memory transport here")
-def test_through_shared_memory_a_bucket_costs_two_barriers_and_a_small_all_reduce_one():
-    """A gloo plan on one node: the gradient bucket and the loss's 8 bytes go through shared memory;
-    each costs 2·S / the memory's bandwidth plus an operator call per barrier (two for a bucket,
-    one for the rank graph's small exchange)."""
-    cluster = Cluster(nodes=1, gpus_per_node=2, memory_gb=8, intra_gbps=2, inter_gbps=2, peak_tflops=1,
-                      memory_gbps=4, op_overhead_us=10)
-    model, batch = example()
-    plan = autopar.plan(model, cluster.mesh("dp=2"), strategies=[autopar.data_parallel()], example_inputs=batch,
-                        backend="gloo")
-    gradient_bytes, loss_bytes = 4 * sum(p.numel() for p in model.parameters()), 2 * 4
-    priced = autopar.comm_time(plan, cluster).by_key()
-    assert priced == {("grad_sync", "dp", "shm", "all_reduce"): pytest.approx(2 * gradient_bytes / 4e9 + 2e-5),
-                      ("forward", "dp", "shm", "all_reduce"): pytest.approx(2 * loss_bytes / 4e9 + 1e-5)}
 
 
 def test_latency_counts_every_call_and_axes_take_their_links():

@@ -63,13 +63,3 @@ def test_a_failed_rank_ends_the_torchrun_job(fault, words):
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"processes of the job still running: {left}"
-
-
-def test_only_failures_between_ranks_print_where_every_rank_was():
-    """A shared-memory barrier that a rank failed (exited, missing, out of step) is a distributed
-    failure, as gloo's timeouts are; a setup problem of this rank's (no room in /dev/shm) is not."""
-    from autopar.runtime.progress import _distributed
-    from autopar.runtime.shared_memory import SharedMemoryError, SharedMemoryPeerError
-
-    assert _distributed(SharedMemoryPeerError("shared-memory barrier 3: ranks [1] of the group did not arrive"))
-    assert not _distributed(SharedMemoryError("transport='shared_memory' needs 1024 bytes in /dev/shm"))

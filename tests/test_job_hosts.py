@@ -2,10 +2,9 @@
 nothing declares it, and a declared one checked against them.
 
 The multi-process test gives each rank a host name of the test's choosing (`socket.gethostname`,
-which is what `job_hosts` and the shared-memory transport's host check read), so one machine
-stands for several hosts: what "auto" then picks per axis, what a node size that spans hosts is
-told, and that a job whose data-parallel axis stays on each host does set up shared memory there
-and trains as one device."""
+which is what `job_hosts` reads), so one machine stands for several hosts: the node size each
+job gets, what a node size that spans hosts is told, and that a job whose data-parallel axis stays
+on each host trains as one device."""
 from __future__ import annotations
 
 import socket
@@ -14,13 +13,11 @@ import pytest
 import torch
 
 import autopar
-from autopar.comm_kinds import PROCESS_GROUP, SHARED_MEMORY, shared_memory_unsupported
 from autopar.job_hosts import check_node_size, node_size
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=16, d_ff=32)
-HERE = SHARED_MEMORY if shared_memory_unsupported() is None else PROCESS_GROUP  # "auto" on gloo, one host
 
 
 def test_node_size_from_hosts():
@@ -46,8 +43,8 @@ def test_a_declared_node_that_spans_hosts_is_refused():
         check_node_size(2, ["a", "b", "a", "b"], "the mesh's ;node=", "write ;node={size} in the mesh")
 
 
-def _bucket_transports(module) -> set[tuple[tuple[str, ...], str]]:
-    return {(bucket.axes, bucket.transport) for bucket in module.stages[0].stage.buckets}
+def _bucket_axes(module) -> set[tuple[str, ...]]:
+    return {bucket.axes for bucket in module.stages[0].stage.buckets}
 
 
 def _jobs_on_hosts(rank: int, world: int) -> dict:
@@ -71,10 +68,10 @@ def _jobs_on_hosts(rank: int, world: int) -> dict:
             # rank 1 alone declares a node that spans hosts: every rank fails, none waits for it
             ("one_rank_differs", "aabb", "dp=2,tp=2", {"ranks_per_node": 4 if rank == 1 else 2})]:
         module = parallelize(hosts, mesh, **options)
-        found[name] = module if isinstance(module, str) else (str(module.plan.mesh), _bucket_transports(module))
-    # dp inside each host (tp across): shared memory set up on each host, and one step as one device
+        found[name] = module if isinstance(module, str) else (str(module.plan.mesh), _bucket_axes(module))
+    # dp inside each host (tp across): one step as one device
     module = parallelize("aabb", "tp=2,dp=2")
-    found["dp_inside"] = (str(module.plan.mesh), _bucket_transports(module))
+    found["dp_inside"] = (str(module.plan.mesh), _bucket_axes(module))
     loss = module(*module.local_batch(*batch))
     loss.backward()
     torch.manual_seed(0)
@@ -82,7 +79,7 @@ def _jobs_on_hosts(rank: int, world: int) -> dict:
     expected = reference(*batch)
     expected.backward()
     found["loss"] = (float(loss), float(expected))
-    # a replicated parameter's gradient, summed over dp through the shared rows of each host
+    # a replicated parameter's gradient, summed over dp
     grad = dict(module.named_parameters())["norm.weight"].grad
     found["grad"] = float((grad - reference.norm.weight.grad).abs().max() / reference.norm.weight.grad.abs().max())
     return found
@@ -93,14 +90,14 @@ def test_the_node_size_comes_from_the_hosts_where_none_is_declared():
     every = launch(_jobs_on_hosts, 4, timeout_s=120)
     assert all(isinstance(ranks["one_rank_differs"], str) for ranks in every), [r["one_rank_differs"] for r in every]
     found = every[0]
-    # dp's groups {0, 2} and {1, 3} cross hosts a and b: the process group
-    assert found["dp_across"] == ("dp=2,tp=2;node=2", {(("dp",), PROCESS_GROUP)})
-    assert found["interleaved"] == ("dp=2,tp=2;node=1", {(("dp",), PROCESS_GROUP)})
+    # dp's groups {0, 2} and {1, 3} cross hosts a and b
+    assert found["dp_across"] == ("dp=2,tp=2;node=2", {("dp",)})
+    assert found["interleaved"] == ("dp=2,tp=2;node=1", {("dp",)})
     assert "ranks_per_node= gives 4 ranks per node, so ranks 0..3 share one" in found["declared_too_big"]
     assert "the mesh's ;node= gives 4 ranks per node" in found["mesh_too_big"]
     assert "fix: write ;node=2 in the mesh" in found["mesh_too_big"]
-    assert found["rehearsal"] == ("dp=2,tp=2;node=2", {(("dp",), PROCESS_GROUP)})
-    assert found["dp_inside"] == ("tp=2,dp=2;node=2", {(("dp",), HERE)})
+    assert found["rehearsal"] == ("dp=2,tp=2;node=2", {("dp",)})
+    assert found["dp_inside"] == ("tp=2,dp=2;node=2", {("dp",)})
     autopar_loss, single = found["loss"]
     assert abs(autopar_loss - single) <= 1e-5 * abs(single)
     assert found["grad"] <= 1e-5

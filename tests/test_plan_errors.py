@@ -89,3 +89,18 @@ def test_size_one_axes_insert_nothing():
                         "insert_grad_reductions": 0, "split_pipeline": 0, "shard_parameters": 0, "recompute": 0,
                         "chunk_collectives": 0, "schedule_collectives": 0}
     assert plan.comm.entries == []
+
+
+def test_a_plan_file_with_shared_memory_collectives_is_refused(tmp_path):
+    """Plan files written while autopar had a shared-memory transport: those that moved something
+    through it are refused (their ledger would not describe a run); the others read as before."""
+    import json
+
+    from autopar.plan_file import SCHEMA, load_plan
+
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"schema": SCHEMA, "collectives": [{"transport": "shared_memory"}]}))
+    with pytest.raises(PlanError, match=r"shared-memory transport, which autopar no longer has(.|\n)*fix: regenerate"):
+        load_plan(path)
+    path.write_text(json.dumps({"schema": SCHEMA, "collectives": [{"kind": "all_reduce"}]}))
+    assert load_plan(path).data["collectives"] == [{"kind": "all_reduce"}]

@@ -309,8 +309,7 @@ def test_parallelize_with_a_cluster_trains_the_planners_choice_like_one_device()
 # ZeRO's gradient reduction and ZeRO-1/2's re-gather declared, not "auto": the prediction is planned
 # here, without the measured run's process group, and must describe the program the run executes
 # (gloo: the exchange, the owners' broadcasts)
-PEAK_CANDIDATES = [("dp=2", lambda: [autopar.data_parallel(transport="process_group")]),
-                   ("dp=2", lambda: [autopar.data_parallel(transport="shared_memory")]),
+PEAK_CANDIDATES = [("dp=2", lambda: [autopar.data_parallel()]),
                    ("tp=2", lambda: [autopar.tensor_parallel()]),
                    ("dp=2", lambda: [autopar.zero(stage=1, reduce="all_to_all", gather="broadcast")]),
                    ("dp=2", lambda: [autopar.zero(stage=2, reduce="all_to_all", gather="broadcast")]),

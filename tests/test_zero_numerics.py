@@ -86,8 +86,7 @@ def test_parameters_are_gathered_as_declared(stage, gather, mesh, issued):
     one device, the counted collectives equal the ledger's, and the ledger's gathers are that kind."""
     build = functools.partial(GPT, CONFIG)
     batches = [example_batch(CONFIG, batch=8, seed=step) for step in range(STEPS)]
-    # through the process group: gloo's gathers are what this test counts (auto would take shared memory)
-    strategies = [autopar.zero(stage=stage, gather=gather, transport="process_group")] + (
+    strategies = [autopar.zero(stage=stage, gather=gather)] + (
         [autopar.tensor_parallel()] if "tp" in mesh else [])
     results = run_and_check(build, batches, mesh, strategies, single_device(build, batches))
     gathers = {phase: (kind, calls) for (phase, kind, axis), (calls, _) in results[0]["ledger"].items()

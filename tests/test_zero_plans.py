@@ -7,7 +7,6 @@ import torch
 
 import autopar
 from autopar import PlanError
-from autopar.comm_kinds import shared_memory_unsupported
 from autopar.ledger.memory import build_memory_ledger, largest_model
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
@@ -168,23 +167,3 @@ def test_comparing_stages_under_context_parallelism_counts_the_flattened_gradien
                           stages=(0, 2))
     assert rows[0]["comm bytes"] >= gradients  # DDP: its gradients, over dp+cp
     assert rows[1]["comm bytes"] >= 2 * gradients  # ZeRO-2: reduce-scatter and all-gather over dp
-
-
-@pytest.mark.skipif(shared_memory_unsupported() is not None, reason="no shared-memory transport here")
-def test_compare_stages_keeps_a_declared_transport():
-    """Planned as a gloo job: "auto" sends DDP's and ZeRO-1/2's exchanges on dp through shared
-    memory (no wire bytes); a declared `transport="process_group"` is kept for every stage."""
-    from autopar.stage_compare import compare_stages
-
-    config = GPTConfig(vocab_size=128, seq_len=16, n_layer=1, n_head=4, d_model=32, d_ff=64)
-    declared = {"auto": autopar.data_parallel(), "process_group": autopar.data_parallel(transport="process_group"),
-                # FSDP declares no transport ("auto", which zero() resolves to the process group at stage 3
-                # itself): the other stages keep shared memory
-                "fsdp": autopar.fsdp()}
-    wire = {}
-    for name, strategy in declared.items():
-        rows = compare_stages(GPT(config), "dp=2", strategies=[strategy], example_inputs=example_batch(config),
-                              backend="gloo")
-        wire[name] = [row["comm wire bytes"] > 0 for row in rows]
-    assert wire == {"auto": [False, False, False, True], "process_group": [True, True, True, True],
-                    "fsdp": [False, False, False, True]}

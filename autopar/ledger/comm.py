@@ -26,7 +26,7 @@ import sympy
 import torch
 from tabulate import tabulate
 
-from autopar.comm_kinds import PROCESS_GROUP, SHARED_MEMORY, small_through_shared_memory, wire_bytes
+from autopar.comm_kinds import wire_bytes
 from autopar.ir import simplified
 from autopar.mesh import JOIN, Mesh
 from autopar.zero_units import refresh_groups
@@ -50,20 +50,15 @@ class CommEntry:
     # tensor-parallel input gradient's reduction issued before its linears' weight-gradient taps
     # (`passes/schedule_collectives.py`); the cost model hides it behind them
     behind: str = ""
-    # `comm_kinds.TRANSPORTS`: "shared_memory" moves through a shared-memory file of one host
-    # (`runtime/shared_memory.py`): no bytes on any network, none through the process group
-    transport: str = PROCESS_GROUP
 
     @property
     def wire_bytes(self) -> sympy.Expr:
-        if self.transport == SHARED_MEMORY:
-            return sympy.Integer(0)
         return wire_bytes(self.kind, self.group_size, self.logical_bytes)
 
     @property
     def path(self) -> str:
-        """The link it crosses: 'intra' or 'inter' node, or 'shm' (shared memory, no network)."""
-        return "shm" if self.transport == SHARED_MEMORY else self.link
+        """The link it crosses: 'intra' or 'inter' node."""
+        return self.link
 
 
 @dataclass
@@ -107,15 +102,11 @@ class CommLedger:
         here = self.mesh.coordinate(rank, self.pipeline_axis)
         return [e for e in self.entries if e.stage is None or self.stage_coordinates[e.stage] == here]
 
-    def by_key(self, *, rank: int | None = None, transport: str | None = PROCESS_GROUP
-               ) -> dict[tuple[str, str, str], tuple[int, int]]:
+    def by_key(self, *, rank: int | None = None) -> dict[tuple[str, str, str], tuple[int, int]]:
         """(phase, kind, axis) -> (calls, logical bytes as a number) per step: what `rank` should
-        measure (every stage's entries when rank is None) on `transport` (default: through the
-        process group, what its collectives count; None: every transport)."""
+        measure (every stage's entries when rank is None)."""
         result: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
         for e in (self.for_rank(rank) if rank is not None else self.entries):
-            if transport is not None and e.transport != transport:
-                continue
             row = result[(e.phase, e.kind, e.axis)]
             row[0] += e.times
             row[1] += e.times * self.number(e.logical_bytes)
@@ -125,11 +116,9 @@ class CommLedger:
         """by_key() for one optimizer step over `micro_batches` forward/backward passes. With
         `no_sync` (ParallelModule.no_sync around all but the last), gradients are reduced once and
         ZeRO-3 units are gathered once and kept, never re-gathered in backward; without it every
-        micro-batch repeats the step's gathers and reductions. Through the process group only (as by_key)."""
+        micro-batch repeats the step's gathers and reductions."""
         result: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
         for e in self.entries:
-            if e.transport != PROCESS_GROUP:
-                continue
             state = e.module.startswith(("unit ", "bucket "))
             calls = e.times  # per forward/backward pass (a gather by broadcasts: one per owner; a kernel's calls)
             if e.phase == "optimizer":
@@ -190,7 +179,7 @@ def _unit_entries(unit, entry, *, pipelined: bool) -> list[CommEntry]:
                                  logical, times=times))
     how = "" if unit.reduce_kind == "reduce_scatter" else " (exchanged whole, summed by each owner)"
     entries.append(entry("grad_sync", unit.reduce_kind, unit.axis, name, tensors,
-                         f"gradients to their owners{how}", unit.reduce_dtype, reduced, transport=unit.transport))
+                         f"gradients to their owners{how}", unit.reduce_dtype, reduced))
     for axis in unit.extra_axes:
         entries.append(entry("grad_sync", "all_reduce", axis, name, tensors, "gradient shard over a replicated axis",
                              unit.reduce_dtype, unit.shard_numel * unit.reduce_dtype.itemsize))
@@ -216,7 +205,7 @@ def _refresh_entries(units: list, entry) -> list[CommEntry]:
         tensors = ",".join(u.name or "<root>" for u in group[:3]) + ("..." if len(group) > 3 else "")
         entries.append(entry("optimizer", kind, first.axis, name, tensors,
                              f"ZeRO-{first.stage} updated parameters after the step{how}", first.dtype, logical,
-                             times=times, transport=first.transport))
+                             times=times))
     return entries
 
 
@@ -233,10 +222,8 @@ WEIGHT_GRADIENTS = "weight gradients"
 
 
 def build_comm_ledger(program: Any, mesh: Mesh, symbols: dict[sympy.Symbol, sympy.Symbol],
-                      symbol_values: dict[sympy.Symbol, int], *, shared_axes: frozenset[str] = frozenset()
-                      ) -> CommLedger:
-    """Every collective of every stage per step. `shared_axes`: the axes through shared memory; the
-    graph's small all-reduces on them go through it too (`comm_kinds.small_through_shared_memory`)."""
+                      symbol_values: dict[sympy.Symbol, int]) -> CommLedger:
+    """Every collective of every stage per step."""
     from autopar.ir import COLLECTIVE, RULE, module_path
     from autopar.passes.recompute import RECOMPUTE
     from autopar.passes.schedule_collectives import tapped_starts
@@ -246,18 +233,11 @@ def build_comm_ledger(program: Any, mesh: Mesh, symbols: dict[sympy.Symbol, symp
     stage_index = 0
 
     def entry(phase: str, kind: str, axis: str, module: str, tensor: str, why: str, dtype: torch.dtype,
-              logical: sympy.Expr, *, times: int = 1, stage: int | None = -1, behind: str = "",
-              transport: str = PROCESS_GROUP) -> CommEntry:
+              logical: sympy.Expr, *, times: int = 1, stage: int | None = -1, behind: str = "") -> CommEntry:
         return CommEntry(phase=phase, kind=kind, axis=axis, link=mesh.link(axis), group_size=mesh.group_size(axis),
                          module=module, tensor=tensor, why=why, dtype=dtype,
                          logical_bytes=simplified(sympy.sympify(logical).subs(symbols)),
-                         stage=stage_index if stage == -1 else stage, times=times, behind=behind, transport=transport)
-
-    def graph_transport(collective: Any) -> str:
-        """A rank graph's collective: its group's small exchange, or the process group."""
-        small = not symbol_values and small_through_shared_memory(  # a size the plan knows
-            collective.kind, collective.axis, collective.logical_bytes, shared_axes, mesh)
-        return SHARED_MEMORY if small else PROCESS_GROUP
+                         stage=stage_index if stage == -1 else stage, times=times, behind=behind)
 
     entries = []
     for stage in program.stages:
@@ -270,20 +250,19 @@ def build_comm_ledger(program: Any, mesh: Mesh, symbols: dict[sympy.Symbol, symp
                     behind = WEIGHT_GRADIENTS if node in tapped and phase == "backward" else ""
                     entries.append(entry(phase, info.kind, info.axis, info.module, info.tensor,
                                          _why(info.why, phase, info.phase, region), info.dtype, info.logical_bytes,
-                                         times=micro, behind=behind, transport=graph_transport(info)))
+                                         times=micro, behind=behind))
             rule = node.meta.get(RULE)
             for internal in (rule.internal if rule is not None else []):
                 for phase in _phases(internal.phase, region):
                     entries.append(entry(phase, internal.kind, internal.axis, module_path(node), node.name,
                                          _why(internal.why, phase, internal.phase, region), internal.dtype,
-                                         internal.logical_bytes, times=micro * internal.calls,
-                                         transport=graph_transport(internal)))
+                                         internal.logical_bytes, times=micro * internal.calls))
         for index, bucket in enumerate(stage.buckets):
             name = f"bucket {index}" if pipeline is None else f"bucket {stage.index}.{index}"
             for axis in bucket.axes:
                 entries.append(entry("grad_sync", "all_reduce", axis, name, ",".join(bucket.params[:3])
                                      + ("..." if len(bucket.params) > 3 else ""), "gradient synchronisation",
-                                     bucket.dtype, bucket.numel * bucket.dtype.itemsize, transport=bucket.transport))
+                                     bucket.dtype, bucket.numel * bucket.dtype.itemsize))
         for unit in stage.units:
             entries.extend(_unit_entries(unit, entry, pipelined=pipeline is not None))
         entries.extend(_refresh_entries(stage.units, entry))

@@ -10,12 +10,6 @@ Categories (bytes per rank, sympy expressions in the traced symbols and numbers)
 - optimizer state: per parameter the optimizer sees (`OPTIMIZER_STATE`: AdamW keeps exp_avg and
   exp_avg_sq of the parameter's size and dtype and a 4-byte float32 `step`);
 - activations: tensors autograd saves for backward (`ledger/activations.py`, from the emitted graph);
-- under `transport="shared_memory"`, the files a rank maps (`runtime/shared_memory.py`): every
-  rank's rows and a cache line of flags per rank. Data parallelism's gradients are views of the
-  rank's own row of the buckets' file, so the other rows count as gradients; ZeRO's file (a row
-  per rank for a unit's gradients, then for the updated shards) is the runtime's own, as are the
-  files of the rank graph's small all-reduces through shared memory (`runtime/small_exchanges.py`,
-  counted with the model buffers);
 - transient: not held after the step: ZeRO-3 gathered units alive at once (the kept root unit,
   plus one resharded block, two with prefetching) and reduce-scatter inputs in flight (at most
   two: the one being laid out and the one landing), a gradient exchange's receive buffer
@@ -40,11 +34,7 @@ from typing import Any
 import sympy
 from tabulate import tabulate
 
-from autopar.comm_kinds import SHARED_MEMORY
 from autopar.ir import SPEC, local_numel
-from autopar.runtime import small_exchanges
-from autopar.runtime.grad_sync import shared_bucket_files
-from autopar.runtime.shared_memory import FLAG_BYTES, unit_row_bytes
 
 ZERO1_EXCHANGES = "ZeRO-1 all-to-all receive buffers at the end of backward (every unit)"
 ZERO_SHARDED = {0: (), 1: ("optimizer state",), 2: ("optimizer state", "gradients"),
@@ -54,10 +44,6 @@ OPTIMIZER_STATE = {"adamw": (2, 1), "adam": (2, 1), "sgd": (0, 0), "sgd_momentum
 CATEGORIES = ("parameters", "model buffers", "gradients", "optimizer state", "activations", "transient")
 
 ZERO_GRADIENT_SHARDS = "ZeRO gradient shards"  # the entry of a ZeRO unit's `.grad` shards
-# transport="shared_memory" (`runtime/shared_memory.py`): a rank maps every rank's rows of each file
-SHARED_BUCKET_ROWS = "shared-memory file of the buckets: the other ranks' rows and the flags"
-SHARED_UNIT_ROWS = "ZeRO's shared-memory file: every rank's row (gradients, then updated shards) and flags"
-SMALL_EXCHANGE_FILES = "shared-memory files of the graph's small all-reduces: every rank's two slots and flags"
 
 
 @dataclass(frozen=True)
@@ -157,25 +143,6 @@ def _parameter_entries(plan: Any, optimizer: str, stages: list) -> list[MemoryEn
     return entries
 
 
-def _shared_memory_entries(plan: Any, stages: list) -> list[MemoryEntry]:
-    """The shared-memory files a rank maps (module docstring): per stage, one per (axis, dtype) of
-    its buckets and one per axis of its ZeRO units (`runtime/shared_memory.SharedExchanges`)."""
-    entries = []
-    for stage in stages:
-        for (key, dtype), indices in shared_bucket_files(stage.buckets).items():
-            row = sum(stage.buckets[i].numel for i in indices) * dtype.itemsize
-            n = plan.mesh.group_size(key)
-            entries.append(MemoryEntry("gradients", SHARED_BUCKET_ROWS, sympy.Integer((n - 1) * row + n * FLAG_BYTES)))
-        for axis, row in unit_row_bytes(stage.units).items():
-            n = plan.mesh.group_size(axis)
-            entries.append(MemoryEntry("gradients", SHARED_UNIT_ROWS, sympy.Integer(n * (row + FLAG_BYTES))))
-    small = sum(small_exchanges.file_bytes(size, plan.mesh.group_size(key))
-                for key, size in small_exchanges.plan_capacities(plan.comm.entries).items())
-    if small:
-        entries.append(MemoryEntry("model buffers", SMALL_EXCHANGE_FILES, sympy.Integer(small)))
-    return entries
-
-
 def _recompute_entries(plan: Any, rank: int, stages: list) -> list[MemoryEntry]:
     """A recomputed region's activations, saved again while its backward runs (the largest region
     of the rank's stages; one at a time)."""
@@ -209,7 +176,7 @@ def _transient_entries(plan: Any, stages: list) -> list[MemoryEntry]:
             alive = 2 if any(u.prefetch or u.backward_prefetch for u in resharded) else 1
             largest = sorted((gathered[u.index] for u in resharded), reverse=True)[:alive]
             entries.append(MemoryEntry("transient", f"ZeRO-3 resharded blocks gathered at once ({alive})", sum(largest)))
-    reducing = [laid_out[u.index] for u in units if u.stage > 1 and u.transport != SHARED_MEMORY]  # else in its row
+    reducing = [laid_out[u.index] for u in units if u.stage > 1]
     if reducing:
         entries.append(MemoryEntry("transient", "reduce-scatter inputs in flight (2)",
                                    sum(sorted(reducing, reverse=True)[:2])))
@@ -243,8 +210,7 @@ def build_memory_ledger(plan: Any, *, rank: int = 0, optimizer: str = "adamw",
 
         raise PlanError(f"no memory model for optimizer {optimizer!r}; known: {sorted(OPTIMIZER_STATE)}")
     stages = plan.stages_of_rank(rank)
-    entries = (_parameter_entries(plan, optimizer, stages) + _shared_memory_entries(plan, stages)
-               + _transient_entries(plan, stages))
+    entries = _parameter_entries(plan, optimizer, stages) + _transient_entries(plan, stages)
     if not fake_runs:
         return MemoryLedger(entries=entries, symbol_values=plan.comm.symbol_values)
     entries += _recompute_entries(plan, rank, stages)

@@ -6,8 +6,7 @@ gradients are handed over when most activations are freed. Measured from outside
 (`benchmarks/planner_vs_measured.py`), the step's peak sits at one of these moments:
 
 - **backward starts**: what the rank always holds (`steady`: parameters, buffers, optimizer state,
-  persistent gradient buffers — data-parallel buckets, ZeRO-1's full-gradient buffer, the
-  shared-memory files of `transport="shared_memory"`), every saved
+  persistent gradient buffers — data-parallel buckets, ZeRO-1's full-gradient buffer), every saved
   activation, what the first backward ops allocate beyond them (`backward_working`, from a fake run:
   the loss's gradient over the vocabulary), ZeRO-3 units gathered then, a recomputed region's
   activations. Under a pipeline "activations" is the schedule's own peak (`schedules.peak_live`):
@@ -43,11 +42,10 @@ from typing import Any, Callable
 
 import sympy
 
-from autopar.comm_kinds import SHARED_MEMORY
 from autopar.ir import SPEC, local_numel
 from autopar.ledger.activations import ZERO_UNIT
-from autopar.ledger.memory import (OPTIMIZER_STATE, SHARED_BUCKET_ROWS, SHARED_UNIT_ROWS, ZERO1_EXCHANGES,
-                                   ZERO_GRADIENT_SHARDS, MemoryLedger, _rank_placeholders, _schedule_inputs)
+from autopar.ledger.memory import (OPTIMIZER_STATE, ZERO1_EXCHANGES, ZERO_GRADIENT_SHARDS, MemoryLedger,
+                                   _rank_placeholders, _schedule_inputs)
 from autopar.zero_units import refresh_groups
 
 
@@ -83,8 +81,7 @@ def moments(terms: PeakTerms) -> dict[str, int]:
     return result
 
 
-PERSISTENT_GRADIENTS = ("bucket buffers (gradients are views)", "ZeRO-1 full-gradient buffer", SHARED_BUCKET_ROWS,
-                        SHARED_UNIT_ROWS)
+PERSISTENT_GRADIENTS = ("bucket buffers (gradients are views)", "ZeRO-1 full-gradient buffer")
 GATHERED_AT_BACKWARD = ("ZeRO-3 units kept gathered forward to backward", "ZeRO-3 units gathered for the whole pipeline step")
 
 
@@ -210,11 +207,9 @@ def _pending_gradients(plan: Any, units: list, unit: Any) -> int:
 def _handed_and_laid_out(unit: Any) -> int:
     """A unit's gradients whole, as autograd hands them over, and laid out flat for its collective
     (twice when stages 2/3 exchange it by an all-to-all, launched there: the receive buffer is the
-    input's size; ZeRO-1 launches its reductions at the end of backward; not at all where stages
-    2/3 lay it out in their shared-memory row, held throughout)."""
+    input's size; ZeRO-1 launches its reductions at the end of backward)."""
     laid_out = unit.gathered_numel * unit.reduce_dtype.itemsize
-    copies = 0 if unit.transport == SHARED_MEMORY and unit.stage > 1 else (
-        2 if unit.reduce_kind == "all_to_all" and unit.stage > 1 else 1)
+    copies = 2 if unit.reduce_kind == "all_to_all" and unit.stage > 1 else 1
     return sum(math.prod(p.shape) for p in unit.params) * unit.dtype.itemsize + laid_out * copies
 
 
@@ -265,11 +260,9 @@ def largest_optimized(plan: Any, stages: list, optimizer: str) -> int:
 def _regather(units: list) -> int:
     """ZeRO-1/2 after the optimizer: one refresh group at a time (`refresh_groups`), its gathered
     buffer and, for an all-gather, the send buffer of the rank's shards; owners broadcast into
-    their rows of the gathered buffer. A shared-memory group gathers into rows held throughout."""
+    their rows of the gathered buffer."""
     largest = 0
     for group in refresh_groups(units):
-        if group[0].transport == SHARED_MEMORY:  # its rows are held (`memory._shared_memory_entries`)
-            continue
         row = sum(u.shard_numel for u in group) * group[0].dtype.itemsize
         largest = max(largest, group[0].group_size * row + (row if group[0].gather_kind == "all_gather" else 0))
     return largest

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from autopar.runtime import small_exchanges
 from autopar.runtime.sequence_chunks import CONTIGUOUS, natural_order, rank_order, take, zero_padded
 
 _c10d = torch.ops._c10d_functional
@@ -49,16 +48,7 @@ def raw_all_reduce(x: torch.Tensor, group: str, reduce_op: str = "sum") -> torch
 # output before it has arrived; `land_*` waits for it and lays it out. The raw_* steps run both at
 # once; `autopar.runtime.in_flight` runs them apart (the scheduling pass's deferred steps).
 def issue_all_reduce(x: torch.Tensor, group: str, reduce_op: str = "sum") -> torch.Tensor:
-    """A small all-reduce the plan sends through the group's shared-memory exchange has arrived when
-    this returns (`runtime/small_exchanges.py`); any other is handed to the process group."""
-    if small_exchanges.takes(x, group, reduce_op):
-        return torch.ops.autopar.shm_all_reduce(x, reduce_op, group)
     return _c10d.all_reduce(x.contiguous(), reduce_op, group)
-
-
-def process_group_all_reduce(x: torch.Tensor, group: str, reduce_op: str = "sum") -> torch.Tensor:
-    """Through the process group whatever its size (what the plan does not model: clipping's norms)."""
-    return wait(_c10d.all_reduce(x.contiguous(), reduce_op, group))
 
 
 # A collective's buffer is rank-major (the pieces of dim 0 are the ranks'). On any other dim the
@@ -206,13 +196,12 @@ class _PartialFromReplicate(torch.autograd.Function):
 class _GradAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group, ctx.exchanges = group, small_exchanges.ACTIVE
+        ctx.group = group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        with small_exchanges.bound(ctx.exchanges):
-            return raw_all_reduce(grad, ctx.group, "sum"), None
+        return raw_all_reduce(grad, ctx.group, "sum"), None
 
 
 def _starts(deferred: bool) -> bool:

@@ -17,11 +17,6 @@ of backward — a chain of asynchronous collectives, where waiting on every axis
 held backward up at each bucket. Every rank advances the chains at the same points, so each
 process group sees the same order of collectives on every rank.
 
-Buckets through shared memory (`Bucket.transport`: declared, or "auto" on gloo) live in this
-rank's row of a shared-memory file (`runtime/shared_memory.py`), one per axis and dtype: nothing
-is issued during backward, and the end-of-backward callback reduces all of them at once (a
-barrier, each rank summing its chunk into rank 0's row and copying it into the others', a
-barrier) before the process-group waits.
 """
 from __future__ import annotations
 
@@ -29,10 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.comm_kinds import SHARED_MEMORY
 from autopar.runtime import progress
-from autopar.runtime.shared_memory import SharedMemoryGroup, require_cpu
-
 
 
 @dataclass(frozen=True)
@@ -41,17 +33,6 @@ class Bucket:
     dtype: torch.dtype
     params: tuple[str, ...]
     numel: int
-    transport: str = "process_group"  # or "shared_memory" (`autopar.runtime.shared_memory`)
-
-
-def shared_bucket_files(buckets: "list[Bucket]") -> dict[tuple[str, torch.dtype], list[int]]:
-    """(group key, dtype) -> the buckets through shared memory laid out side by side in each rank's
-    row of one file, in launch order: the file layout `GradSync` maps and the memory ledger counts."""
-    files: dict[tuple[str, torch.dtype], list[int]] = {}
-    for index, bucket in enumerate(buckets):
-        if bucket.transport == SHARED_MEMORY:
-            files.setdefault((bucket.axes[0], bucket.dtype), []).append(index)
-    return files
 
 
 def plan_buckets(params: list[tuple[str, int, torch.dtype, tuple[str, ...]]], *, cap_bytes: int) -> list[Bucket]:
@@ -101,8 +82,7 @@ class GradSynchronizer:
                 self._slot[fqn] = (index, offset)
                 offset += self.params[fqn].numel()
         self._flat = [torch.zeros(b.numel, dtype=b.dtype, device=self.params[b.params[0]].device)
-                      if b.transport != SHARED_MEMORY else None for b in buckets]
-        self._shared = self._shared_rows()  # bucket -> its SharedMemoryGroup (transport="shared_memory")
+                      for b in buckets]
         self._ready: list[set[str]] = [set() for _ in buckets]
         self._launched: dict[int, torch.Tensor] = {}
         self._axes_issued: dict[int, int] = {}  # bucket -> its axes issued so far (a chain, module docstring)
@@ -110,26 +90,6 @@ class GradSynchronizer:
         self.enabled = True  # False under ParallelModule.no_sync: gradients accumulate in param.grad
         for fqn in self._slot:
             self.params[fqn].register_post_accumulate_grad_hook(self._make_hook(fqn))
-
-    def _shared_rows(self) -> dict[int, SharedMemoryGroup]:
-        """One shared-memory group per axis and dtype for the buckets declared on it: each bucket's
-        flat buffer becomes its slice of this rank's row, so backward writes the gradients where
-        the other ranks sum them (`runtime/shared_memory.py`)."""
-        shared = {}
-        for (axis, dtype), indices in shared_bucket_files(self.buckets).items():
-            require_cpu(self.params[self.buckets[indices[0]].params[0]], f"the gradient buckets over {axis!r}")
-            group = SharedMemoryGroup(self.groups[axis], sum(self.buckets[i].numel for i in indices), dtype)
-            offset = 0
-            for index in indices:
-                self._flat[index] = group.row()[offset:offset + self.buckets[index].numel]
-                offset += self.buckets[index].numel
-                shared[index] = group
-        return shared
-
-    def shared_slices(self) -> dict[str, torch.Tensor]:
-        """fqn -> its gradient's slice of this rank's shared-memory row (the buckets through shared
-        memory): where `runtime/bucket_linear.py` computes a weight gradient without a copy."""
-        return {fqn: self._view(fqn) for fqn, (index, _) in self._slot.items() if index in self._shared}
 
     def _view(self, fqn: str) -> torch.Tensor:
         """`fqn`'s slice of its bucket, a new view each time (views built once and reused were
@@ -141,7 +101,7 @@ class GradSynchronizer:
     def _make_hook(self, fqn: str):
         def hook(param: torch.Tensor) -> None:
             view, grad = self._view(fqn), param.grad
-            # already there: zero_grad(set_to_none=False) kept it, or its GEMM wrote it (runtime/bucket_linear.py)
+            # already there: zero_grad(set_to_none=False) kept it
             if grad.data_ptr() != view.data_ptr():
                 view.copy_(grad)
                 # the gradient lives in the bucket from now on: accumulating micro-batches add into it
@@ -174,9 +134,6 @@ class GradSynchronizer:
         issued, axes = self._axes_issued[index], self.buckets[index].axes
         if issued == len(axes):
             return
-        if index in self._shared:  # reduced at the end of backward, all the group's buckets at once
-            self._launched[index], self._axes_issued[index] = None, issued + 1
-            return
         if issued:
             torch.ops._c10d_functional.wait_tensor(self._launched[index])
         self._launched[index] = torch.ops._c10d_functional.all_reduce_(self._flat[index], "sum",
@@ -204,11 +161,8 @@ class GradSynchronizer:
         while any(self._axes_issued[i] < len(self.buckets[i].axes) for i in self._axes_issued):
             for index in list(self._axes_issued):  # the chains' remaining axes, bucket by bucket in step
                 self._next_axis(index)
-        for group in {id(g): g for g in self._shared.values()}.values():
-            group.all_reduce()
         for index, pending in self._launched.items():
-            if pending is not None:
-                torch.ops._c10d_functional.wait_tensor(pending)
+            torch.ops._c10d_functional.wait_tensor(pending)
             for fqn in self.buckets[index].params:
                 param, view = self.params[fqn], self._view(fqn)
                 param.grad = view

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from autopar.runtime import collectives as c, small_exchanges
+from autopar.runtime import collectives as c
 from autopar.runtime.sequence_chunks import natural_order, rank_order, take
 
 _ATTRIBUTE = "_autopar_in_flight"
@@ -34,7 +34,6 @@ class InFlight:
 
     def __init__(self, kind: str, **args: Any) -> None:
         self.kind, self.args = kind, args
-        self.exchanges = small_exchanges.ACTIVE  # what its backward's all-reduce runs under
         self.buffer_shape: tuple = ()
         self.input_shape: tuple = ()
         self.pending: Any = None
@@ -53,8 +52,7 @@ class InFlight:
 
     # backward
     def issue_conjugate(self, grad: torch.Tensor) -> None:
-        with small_exchanges.bound(self.exchanges):
-            self.pending = FLIGHTS[self.kind][2](self, grad)
+        self.pending = FLIGHTS[self.kind][2](self, grad)
 
     def land_conjugate(self) -> torch.Tensor:
         grad, self.pending = FLIGHTS[self.kind][3](self, self.pending), None

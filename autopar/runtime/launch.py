@@ -12,7 +12,7 @@ Ranks start from a fork server (`multiprocessing`'s "forkserver") that has impor
 autopar and, where installed, transformers once, and warmed up what every rank's first seconds
 would repeat (`autopar/runtime/forkserver_warmup.py`: transformers' lazy modules, one small
 plan): a 4-rank launch then starts in ~0.1 s instead of ~8.5 s of imports per launch under
-"spawn" on this 2-core machine, and ranks skip ~4 s of transformers imports each. The fork server is a fresh
+"spawn" on a 2-core machine, and ranks skip ~4 s of transformers imports each. The fork server is a fresh
 interpreter (no threads of the caller's), started at the first launch; each rank takes the
 caller's current environment variables and working directory at launch time, as a spawned one
 would. `start_method="spawn"` is still accepted.

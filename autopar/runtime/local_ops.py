@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from autopar.runtime import small_exchanges
 from autopar.runtime.collectives import all_reduce, raw_all_reduce
 
 
@@ -45,14 +44,13 @@ class _ShardedLogSoftmax(torch.autograd.Function):
         sum_exp = raw_all_reduce(shifted.exp().sum(dim=dim, keepdim=True), group, "sum")
         out = shifted - sum_exp.log()
         ctx.save_for_backward(out)
-        ctx.dim, ctx.group, ctx.exchanges = dim, group, small_exchanges.ACTIVE
+        ctx.dim, ctx.group = dim, group
         return out
 
     @staticmethod
     def backward(ctx, grad):
         (out,) = ctx.saved_tensors
-        with small_exchanges.bound(ctx.exchanges):  # the exchanges its forward ran under
-            grad_sum = raw_all_reduce(grad.sum(dim=ctx.dim, keepdim=True), ctx.group, "sum")
+        grad_sum = raw_all_reduce(grad.sum(dim=ctx.dim, keepdim=True), ctx.group, "sum")
         return grad - out.exp() * grad_sum, None, None
 
 

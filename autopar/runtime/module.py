@@ -19,7 +19,6 @@ equal rows) and `sharded_state.ShardedState` gathers and reduces them.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Any
 
 import torch
@@ -30,8 +29,7 @@ from torch.utils import _pytree as pytree
 from autopar.ir import shard_dim
 from autopar.plan import Plan, shard
 from autopar.runtime import collectives, progress
-from autopar.runtime.collectives import process_group_all_reduce
-from autopar.runtime.small_exchanges import activate, deactivate, open_small_exchanges, plan_capacities
+from autopar.runtime.collectives import raw_all_reduce
 from autopar.runtime.input_shapes import check_global_inputs, check_local_inputs
 from autopar.runtime.pipeline import PipelineExecutor
 from autopar.runtime.stage import StageRunner
@@ -99,10 +97,6 @@ class ParallelModule(torch.nn.Module):
         if dist.is_initialized():
             progress.install()
         self.groups = dict(groups, **sync_groups(plan))
-        # the graph's small all-reduces through shared memory (runtime/small_exchanges.py)
-        self._small_exchanges = open_small_exchanges({self.groups[key]: size
-                                                      for key, size in plan_capacities(plan.comm.entries).items()})
-        weakref.finalize(self, deactivate, self._small_exchanges)
         self._placements = plan.parameter_placements()
         stages = plan.stages_of_rank(rank)
         self._unit_of = {p.fqn: (u, p) for stage in stages for u in stage.units for p in u.params}
@@ -188,7 +182,6 @@ class ParallelModule(torch.nn.Module):
             check_local_inputs(self.plan, local)
             self._forwards += 1
             progress.mark(0, self._forwards)
-            activate(self._small_exchanges)
             loss = self.pipeline.step(local)
             progress.mark(3)
             return loss
@@ -224,7 +217,7 @@ class ParallelModule(torch.nn.Module):
                     else total.clone()
             for axis in axes:
                 reduce_op = "max" if norm_type == float("inf") else "sum"
-                local = process_group_all_reduce(local, self.groups[axis], reduce_op)
+                local = raw_all_reduce(local, self.groups[axis], reduce_op)
             total = torch.maximum(total, local) if norm_type == float("inf") else total + local
         norm = total if norm_type == float("inf") else total.pow(1.0 / norm_type)
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -303,7 +296,6 @@ class ParallelModule(torch.nn.Module):
         check_local_inputs(self.plan, local)
         self._forwards += 1
         progress.mark(0, self._forwards)
-        activate(self._small_exchanges)
         outputs = self.stages[0].run(local)
         progress.mark(1)
         return pytree.tree_unflatten(list(outputs), self.plan.traced.out_spec)

@@ -8,9 +8,8 @@ the store every job already has (torchrun's or `launch`'s TCPStore): entering an
 forward, at the start of each step's gradient synchronisation and at its end. `install()` (called
 by ParallelModule under a process group) wraps `sys.excepthook`: an uncaught exception that comes
 from torch.distributed (a `DistError`, or a RuntimeError naming gloo/NCCL, a timeout or a closed
-connection) or from the shared-memory transport's barrier (`SharedMemoryPeerError`) is printed followed
-by every rank's last mark, the rank furthest behind (by step, then phase) first, so a rank that
-stopped is named with where it was ("rank 1: step 2, forward done (backward next), 20.9 s ago"). A
+connection) is printed followed by every rank's last mark, the rank furthest behind (by step, then
+phase) first, so a rank that stopped is named with where it was ("rank 1: step 2, forward done (backward next), 20.9 s ago"). A
 rank that raised an ordinary error prints its own traceback as usual (torchrun's report names it);
 one that was killed leaves its last mark. Writing a mark is one store `set` (a round trip on the
 loopback, tens of microseconds), a few per step.
@@ -22,8 +21,6 @@ import time
 from typing import Any
 
 import torch.distributed as dist
-
-from autopar.runtime.shared_memory import SharedMemoryPeerError
 
 _PREFIX = "autopar/progress/"
 _state: dict[str, Any] = {"installed": False, "step": 0}
@@ -80,7 +77,7 @@ def report(world: int | None = None) -> str:
 
 
 def _distributed(error: BaseException) -> bool:
-    if isinstance(error, (SharedMemoryPeerError, getattr(dist, "DistError", ()))):
+    if isinstance(error, getattr(dist, "DistError", ())):
         return True
     text = str(error).lower()
     return isinstance(error, RuntimeError) and any(

@@ -14,9 +14,6 @@ The planned graph calls three methods of `UnitCalls` (inserted by passes/shard_p
   reduce-scatters every unit at the end of backward; stages 2/3 free them unit by unit.
   After each optimizer step, stages 1/2 gather every unit's updated shards in one collective
   (`refresh`; `unit.gather_kind == "broadcast"`: one broadcast per owner into its row).
-  A unit of `transport="shared_memory"` does both through `SharedExchanges` instead
-  (`runtime/shared_memory.py`): its gradients laid out straight into this rank's row and the
-  owner's column summed at once; the updated shards written into the row and every row copied.
 - `release_unit` (stage 3, resharded units) drops the gathered parameters after their last use
   in forward. Autograd's saved copies are replaced by handles (`pack`/`unpack`, installed as
   saved-tensor hooks by ParallelModule), and the release frees the gathered storages themselves
@@ -40,9 +37,7 @@ import torch.fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from autopar.comm_kinds import SHARED_MEMORY
 from autopar.errors import PlanError
-from autopar.runtime.shared_memory import SharedExchanges, require_cpu
 from autopar.zero_units import ShardUnit, copy_gathered, gather_layout, grad_layout, refresh_groups, shard_views
 
 _c10d = torch.ops._c10d_functional
@@ -150,9 +145,6 @@ class ShardedState(UnitCalls):
         self.holding = False  # no_sync and the backward after it: gathered units are not released
         self._accumulated: dict[int, torch.Tensor] = {}
         self._shard_ids = {id(p) for params in shards.values() for p in params}
-        for unit in (u for u in units if u.transport == SHARED_MEMORY and u.index in shards):
-            require_cpu(shards[unit.index][0], f"ZeRO unit {unit.index} ({unit.name or 'root'})")
-        self._shared = SharedExchanges(units, groups)  # transport="shared_memory" units' rows
         self_ref = weakref.ref(self)
         self._hooks = [register_optimizer_step_pre_hook(
                            lambda opt, a, k: self_ref() and self_ref()._check_optimizer(opt)),
@@ -278,8 +270,7 @@ class ShardedState(UnitCalls):
             self._callback_queued = True
         if unit.stage > 1 and not self.accumulating:
             self._land_reductions()  # at most one reduce-scatter (a whole unit's gradient) in flight
-        into = self._shared.gradient_row(unit) if unit.stage > 1 and not self.accumulating else None
-        flat = grad_layout(unit, grads, unit.reduce_dtype, out=into)
+        flat = grad_layout(unit, grads, unit.reduce_dtype)
         del grads[:]  # the full gradients are in `flat` now: drop them before the next allocation
         if unit.stage == 1:  # ZeRO-1 keeps the full gradients until the end of backward
             buffer = self._grad_buffers[index]
@@ -302,17 +293,13 @@ class ShardedState(UnitCalls):
     def _launch_reduction(self, index: int, flat: torch.Tensor) -> None:
         unit = self.units[index]
         group = self.groups[unit.axis]
-        if unit.transport == SHARED_MEMORY:  # summed now: the owner's column of every rank's row
-            self._reducing[index] = self._shared.reduce(unit, flat)
-        elif unit.reduce_kind == "all_to_all":  # each owner receives every rank's piece of its shard
+        if unit.reduce_kind == "all_to_all":  # each owner receives every rank's piece of its shard
             pieces = [unit.shard_numel] * unit.group_size
             self._reducing[index] = _c10d.all_to_all_single(flat, pieces, pieces, group)
         else:
             self._reducing[index] = _c10d.reduce_scatter_tensor(flat, "sum", unit.group_size, group)
 
     def _landed_shard(self, unit: ShardUnit, pending: torch.Tensor) -> torch.Tensor:
-        if unit.transport == SHARED_MEMORY:
-            return pending
         arrived = _c10d.wait_tensor(pending)
         if unit.reduce_kind == "all_to_all":  # the group's pieces of this rank's shard, summed
             return arrived.view(unit.group_size, unit.shard_numel).sum(0)
@@ -366,12 +353,7 @@ class ShardedState(UnitCalls):
         shards; call it after changing shards any other way (loading)."""
         for units in refresh_groups(self.units.values()):
             with torch.no_grad():
-                if units[0].transport == SHARED_MEMORY:
-                    shards = [p for unit in units for p in self.shards[unit.index]]
-                    self._copy_group(units, self._shared.gather(units, shards))
-                    self._shared.gathered(units)
-                else:
-                    self._copy_group(units, self._gather_group(units))  # one group's buffer alive at a time
+                self._copy_group(units, self._gather_group(units))  # one group's buffer alive at a time
 
     def _copy_group(self, units: tuple[ShardUnit, ...], gathered: torch.Tensor) -> None:
         column = 0

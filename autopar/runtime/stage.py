@@ -22,7 +22,6 @@ import torch
 
 from autopar.program import Stage
 from autopar.runtime import collectives, sharded_state
-from autopar.runtime.bucket_linear import bind_bucket_linears
 from autopar.runtime.compiled import compiled, warn_if_watched
 from autopar.runtime.grad_sync import GradSynchronizer
 
@@ -59,12 +58,6 @@ class StageRunner:
         self.grad_sync = GradSynchronizer(self.parameters, stage.buckets, groups)
         self.sharded = self._bind_sharded_state(stage, shards, fulls, groups) if stage.units else None
         self._regathers = any(n.kwargs.get("regather") for n in self.graph.graph.nodes if n.op == "call_function")
-        self.bucket_linears = 0  # linears whose weight gradient is computed into its bucket
-        if compile_options is None and plan.pipeline is None:  # see runtime/bucket_linear.py for why not there
-            weights = {n.name: plan.context.placeholders[n.name].target for n in self.graph.graph.nodes
-                       if n.op == "placeholder" and plan.context.placeholders[n.name].kind == "parameter"}
-            self.bucket_linears = bind_bucket_linears(self.graph, weights, self.grad_sync.shared_slices(),
-                                                      self.parameters)
         self._forward = self.graph if compile_options is None else compiled(self.graph, compile_options)
 
     def _bind_sharded_state(self, stage: Stage, shards: dict, fulls: dict,
