@@ -1,7 +1,9 @@
 """The public entry points: `plan` (single process, no process group) and `parallelize`
-(under torchrun or any initialised process group: returns the rank's `ParallelModule`).
+(under torchrun or any initialised process group: returns the rank's `ParallelModule`). These are
+the only functions that call both the compiler (`autopar/compiler/plan.py`: a given mesh and
+strategies) and the planner (`autopar/planner/search.py`: `cluster=`, the planner chooses them).
 Where `parallelize`'s plan comes from — made on rank 0 and received by the others, read from a
-runnable plan file, or made on every rank for dynamic sizes — is `autopar/plan_once.py`."""
+runnable plan file, or made on every rank for dynamic sizes — is `autopar/artifacts/plan_once.py`."""
 from __future__ import annotations
 
 import os
@@ -11,16 +13,48 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from autopar.errors import PlanError
-from autopar.job_hosts import job_node_size
-from autopar.mesh import Mesh
-from autopar.plan import Plan, plan
-from autopar.plan_once import (agree_on_plan_file, fingerprint, load_runnable_plan, obtain_plan, save_runnable_plan,
-                               state_from_model)
-from autopar.runtime.compiled import compile_options as _compile_options, refuse_uncompilable
+from autopar.artifacts.plan_once import (
+    agree_on_plan_file,
+    fingerprint,
+    load_runnable_plan,
+    obtain_plan,
+    save_runnable_plan,
+    state_from_model,
+)
+from autopar.compiler.plan import Plan
+from autopar.compiler.plan import plan as compile_plan
+from autopar.core.errors import PlanError
+from autopar.core.mesh import Mesh
+from autopar.cost.cluster import Cluster
+from autopar.planner.search import search, winner_plan
+from autopar.runtime.compiled import compile_options as _compile_options
+from autopar.runtime.compiled import refuse_uncompilable
+from autopar.runtime.job_hosts import job_node_size
 from autopar.runtime.module import ParallelModule
 
 BUCKET_CAP_MB = 25.0  # parallelize's default gradient bucket size (what plan(cluster=) plans with)
+
+
+def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | None" = None, *,
+         strategies: Sequence[Any] | None = None, example_inputs: Sequence[Any], example_kwargs: dict | None = None,
+         cluster: Any = None, space: Any = None, **options: Any) -> Plan:
+    """Plan `model` in this process, no process group needed: for the given mesh and strategies
+    (`autopar.compiler.plan.plan`, whose keyword options `options` are), or, with `cluster=` (an
+    `autopar.Cluster` or a preset's name) and neither mesh nor strategies, for the mesh and
+    strategies the planner chooses (`autopar/planner/search.py`; `space=` narrows its search): the
+    winner's plan, its `search` holding the ranking."""
+    if mesh is None and strategies is None:
+        if cluster is None:
+            raise PlanError("plan needs a mesh and strategies, or cluster= to let the planner choose them "
+                            "(autopar.plan(model, cluster='h100x8', example_inputs=...))")
+        chosen = Cluster.preset(cluster) if isinstance(cluster, str) else cluster
+        result = search(model, chosen, example_inputs=example_inputs, example_kwargs=example_kwargs, space=space)
+        return winner_plan(result, model, example_inputs=example_inputs, example_kwargs=example_kwargs)
+    if cluster is not None or space is not None:
+        raise PlanError("cluster= chooses the mesh and strategies; give either cluster= alone or a mesh and "
+                        "strategies (price a given plan with autopar.estimate(plan, cluster))")
+    return compile_plan(model, mesh, strategies=strategies, example_inputs=example_inputs,
+                        example_kwargs=example_kwargs, **options)
 
 
 def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | None" = None, *,
@@ -31,7 +65,7 @@ def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | Non
                 compile: "bool | dict" = False) -> ParallelModule:
     """Compile `model` for `mesh` and return this rank's module. `example_inputs` is a global batch.
 
-    Rank 0 plans and the other ranks receive its plan (`autopar/plan_once.py`); `plan_file=` runs
+    Rank 0 plans and the other ranks receive its plan (`autopar/artifacts/plan_once.py`); `plan_file=` runs
     a runnable plan file (`autopar.save_runnable_plan`) without planning (mesh, strategies and
     inputs then come from the file; any given are checked against it). `dynamic_dims={"b": 0,
     "s": 1}` lets those dimensions of every input differ from the example's at run time.
@@ -65,7 +99,7 @@ def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | Non
                             "a saved plan")
         parsed.check_world_size(dist.get_world_size())
         the_plan, timing = obtain_plan(
-            lambda: plan(model, parsed, strategies=strategies, example_inputs=example_inputs,
+            lambda: compile_plan(model, parsed, strategies=strategies, example_inputs=example_inputs,
                          example_kwargs=example_kwargs, dynamic_dims=dynamic_dims, bucket_cap_mb=bucket_cap_mb),
             local, dynamic=bool(dynamic_dims))
     return _module(the_plan, timing, model, dynamic_dims, compile_options)
@@ -78,7 +112,7 @@ def _torchrun_node_size() -> int | None:
 def _job_mesh(mesh: "Mesh | str | dict[str, int]", ranks_per_node: int | None) -> Mesh:
     """The mesh with this job's node size: as declared (the mesh's `;node=`, `ranks_per_node=`,
     torchrun's LOCAL_WORLD_SIZE, in that order) and checked against the ranks' hosts, or, where
-    none is declared, read off the hosts (`autopar/job_hosts.py`)."""
+    none is declared, read off the hosts (`autopar/runtime/job_hosts.py`)."""
     sources = [(Mesh.parse(mesh).ranks_per_node, "the mesh's ;node=", "write ;node={size} in the mesh"),
                (ranks_per_node, "ranks_per_node=", "ranks_per_node={size}"),
                (_torchrun_node_size(), "torchrun's LOCAL_WORLD_SIZE", "ranks_per_node={size}, which overrides it")]
@@ -92,7 +126,6 @@ def _job_cluster(cluster: Any, mesh: "Mesh | None", strategies: Sequence[Any] | 
                  dynamic_dims: dict | None, bucket_cap_mb: float) -> Any:
     """`cluster=`'s cluster, refused with what to change where it cannot describe this job (the
     planner plans with default options: one it would not honour is refused, not ignored)."""
-    from autopar.cluster import Cluster
 
     if mesh is not None or strategies is not None or plan_file is not None or dynamic_dims or \
             bucket_cap_mb != BUCKET_CAP_MB:

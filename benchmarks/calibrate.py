@@ -2,7 +2,7 @@
 
 `autopar.calibrate(world_size=N)` on N local ranks (one thread each); prints every sample with
 the fitted α-β model's time and its error, then the `Cluster` it describes (the figures
-`autopar.cluster.PRESETS["cpu2x4"]` records for this 2-core machine).
+`autopar.cost.cluster.PRESETS["cpu2x4"]` records for this 2-core machine).
 
 Run: python benchmarks/calibrate.py [--world 2,4]
 """

@@ -4,10 +4,10 @@ from outside by a dispatch mode, on the example GPT under each row's strategies 
 Every ATen `clone`, `copy_` and `cat` a step dispatches is counted with its output bytes (a
 `.contiguous()` of a strided tensor and a `reshape` that cannot view are clones; a flat buffer
 built from pieces is a cat), split by
-whether it ran inside one of autopar's redistribution steps (`autopar.runtime.collectives`,
+whether it ran inside one of autopar's redistribution steps (`autopar.core.ops.collectives`,
 found from the Python stack) or elsewhere (the model's own ops, autograd, the optimizer).
 Rows: tp4+SP (SP's default: the tokens sharded on the batch, dim 0 of [b, s, h], where the
-local batch splits over tp — `strategies/token_shard.py`), the same pinned to the sequence
+local batch splits over tp — `autopar/compiler/strategies/token_shard.py`), the same pinned to the sequence
 (`_on_sequence`: dim 1, what it was before, and what it still is where the batch does not split),
 tp4, dp2×tp2+SP (and pinned), zero3, and context parallelism's three attentions on cp=4 (the
 all-gathered K/V used in the collective's rank-major buffer, block by block; Ulysses' all-to-alls
@@ -65,7 +65,7 @@ class CopiedBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in _COPIES:
-            where = ("collectives" if any(frame.filename.endswith("autopar/runtime/collectives.py")
+            where = ("collectives" if any(frame.filename.endswith("autopar/core/ops/collectives.py")
                                           for frame in traceback.extract_stack(limit=12)) else "elsewhere")
             self.bytes[where] += out.numel() * out.element_size()
             self.calls[where] += 1

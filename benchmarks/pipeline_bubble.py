@@ -20,7 +20,7 @@ Predicted, per rank:
   ranks sharing the machine's N cores (processor sharing): what this machine should show;
 - `ledger 1c`: `build_bubble_ledger(plan)`: one core per rank, the textbook figure (`formula`,
   the balanced-stage formula, beside it);
-- `calibrated Nc`, a calibration: `autopar.schedules.simulate` of the same action lists with
+- `calibrated Nc`, a calibration: `autopar.core.schedules.simulate` of the same action lists with
   measured costs (`stage_costs`): before the job, the eager stage modules of the same cut
   (compare_pipeline's `GPTStage`) run one micro-batch each in this process on one thread, and
   the main thread's CPU time is kept (`time.thread_time`: what the action demands from a core,
@@ -46,7 +46,7 @@ more CPU than the eager modules); per stage, the median wall time of F, B and W 
 against their CPU time alone (the run's includes waiting for a core).
 
 The SVG of one step per schedule (the step of median span: the ledger's prediction with
-`cores=os.cpu_count()` beside the measured step, `autopar.views.timeline.render_timeline`) goes
+`cores=os.cpu_count()` beside the measured step, `autopar.tools.views.timeline.render_timeline`) goes
 to `--svg-dir` (default benchmarks/out/, ignored by git).
 
 Run: python benchmarks/pipeline_bubble.py [--quick] [--rows 1f1b,zb_h1] [--pp 4] [--steps N]
@@ -71,12 +71,12 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples`, `benchmarks` are not installed
 
 import autopar  # noqa: E402
-from autopar import schedules  # noqa: E402
-from autopar.calibration import round_trip  # noqa: E402
-from autopar.ledger.bubble import (build_bubble_ledger, measured_fractions, measured_timeline,  # noqa: E402
+from autopar.core import schedules# noqa: E402
+from autopar.cost.calibration import round_trip  # noqa: E402
+from autopar.compiler.ledger.bubble import (build_bubble_ledger, measured_fractions, measured_timeline,  # noqa: E402
                                    waited_seconds)
 from autopar.runtime.launch import launch  # noqa: E402
-from autopar.views.timeline import render_timeline  # noqa: E402
+from autopar.tools.views.timeline import render_timeline  # noqa: E402
 from benchmarks.compare_pipeline import GPTStage, token_cross_entropy  # noqa: E402
 from benchmarks.compare_step_time import alternate_steps, build_model  # noqa: E402
 from benchmarks.row_runs import failure_reason  # noqa: E402
@@ -238,7 +238,7 @@ def alone_cost(schedule: str, costs: dict[int, dict[str, float]]) -> Callable[[s
 
 def simulate(schedule: str, settings: Settings, cost: Callable[[schedules.Action], float], *,
              cores: float | None, latency: float = 0.0) -> list[schedules.Timed]:
-    """`autopar.schedules.simulate` of the schedule's action lists with these costs (seconds)."""
+    """`autopar.core.schedules.simulate` of the schedule's action lists with these costs (seconds)."""
     virtual = VIRTUAL[schedule]
     orders = schedules.actions(schedule, degree=settings.pp, virtual=virtual, microbatches=settings.microbatches)
     return schedules.simulate(orders, cost, stages=settings.pp * virtual, split_backward=schedule in

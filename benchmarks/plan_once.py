@@ -3,7 +3,7 @@
 A 4-process gloo job (`autopar.runtime.launch`, one thread each) on the main job's model and
 mesh (`examples/train_gpt.py`: the example GPT, dp=2 x tp=2, data_parallel + sequence_parallel).
 Each rank calls `autopar.parallelize`; rank 0 traces and plans, the others receive the plan
-(`autopar/plan_once.py`). Per rank the table shows where its plan came from, its own work in wall
+(`autopar/artifacts/plan_once.py`). Per rank the table shows where its plan came from, its own work in wall
 and CPU seconds (rank 0: tracing + passes + the plan-time check; others: reading, checking and
 decoding the plan), the time it waited for rank 0, and that work as a share of rank 0's planning.
 For comparison the same job then makes every rank plan by itself at once (what `parallelize` did

@@ -19,9 +19,9 @@ import time
 import torch
 from tabulate import tabulate
 
-from autopar.cluster import Cluster
-from autopar.planner import search
-from autopar.search_space import SearchSpace
+from autopar.cost.cluster import Cluster
+from autopar.planner.search import search
+from autopar.planner.search_space import SearchSpace
 from examples import scale
 from examples.planner_exercise import SPACE as EXERCISE
 

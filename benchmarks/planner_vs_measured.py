@@ -2,7 +2,7 @@
 
 For each world size: `autopar.calibrate(world_size=N)` measures this machine (α, β, a lone
 message's α, matmul throughput, memory bandwidth per op size, per-call cost, overlap; printed in
-the header), `autopar.planner.search` plans and prices
+the header), `autopar.planner.search.search` plans and prices
 every candidate layout of the example GPT on that cluster, and then one launch of N gloo ranks
 (one thread each) runs every priced candidate that fits (16 per launch): parallelize
 (rank 0 plans, the others receive), four steps under `LiveStorages` (each step's peak of live
@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autopar  # noqa: E402
 from autopar.measure.storages import LiveStorages  # noqa: E402
-from autopar.planner import search  # noqa: E402
+from autopar.planner.search import search  # noqa: E402
 from autopar.runtime.launch import launch  # noqa: E402
-from autopar.search_space import SearchSpace  # noqa: E402
+from autopar.planner.search_space import SearchSpace  # noqa: E402
 from examples.gpt import GPT, GPTConfig, example_batch  # noqa: E402
 
 # context_tokens=1: the example GPT's sequences are 16 tokens, and the benchmark runs cp candidates too

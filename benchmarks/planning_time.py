@@ -7,13 +7,13 @@ the seconds of each phase, from `Plan.phase_seconds`:
 
 - export: `torch.export` of the model (of its first blocks when repeated blocks are reused)
 - decompose: `run_decompositions` to core ATen
-- replicate: the traced block copied for the other repeated blocks (`autopar/repeated_blocks.py`)
+- replicate: the traced block copied for the other repeated blocks (`autopar/compiler/repeated_blocks.py`)
 - layout: the tensor-parallel layout found in the graph (`resolve_strategies`)
 - propagation: `drop_empty_concats` + `propagate_placements`
 - insertion: `insert_collectives`, `insert_grad_reductions`, `split_pipeline`, `shard_parameters`
 - ledger: gradient buckets and the communication ledger
 - check: the plan-time run of rank 0's and rank 63's graphs on fake tensors
-  (`autopar/check_rank_graphs.py`: the distinct blocks run, copied blocks compared with block 2)
+  (`autopar/compiler/check_rank_graphs.py`: the distinct blocks run, copied blocks compared with block 2)
 - emission: rank 0's graph (`Plan.rank_graph(0)`: the graph this process would run)
 - total: `autopar.plan` from call to return, plus emission
 - peak: the process's peak resident memory (torch and transformers imported: about 0.4 GiB)

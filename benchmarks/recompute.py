@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` is not an installed package
 
 import autopar  # noqa: E402
-from autopar.ledger.activations import saved_activations  # noqa: E402
+from autopar.compiler.ledger.activations import saved_activations  # noqa: E402
 from autopar.measure.activations import measure_saved_activations  # noqa: E402
 from autopar.runtime.launch import launch  # noqa: E402
 from examples.gpt import GPT, GPTConfig, example_batch  # noqa: E402

@@ -1,6 +1,6 @@
 """What the scheduling pass gains: autopar with it (the default) against `autopar.schedule(overlap=False)`,
 and with async TP on top (`autopar.schedule(chunks=2)`: each TP/SP linear and its forward collective
-in two pieces of rows, `passes/chunk_collectives.py`).
+in two pieces of rows, `autopar/compiler/passes/chunk_collectives.py`).
 
 Each row is one mesh and strategy on the example GPT (the model flags of
 `benchmarks/compare_step_time.py`), on local CPU processes (gloo, one thread each). Every rank
@@ -35,7 +35,7 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples`, `benchmarks` are not installed
 
 import autopar  # noqa: E402
-from autopar.passes.schedule_collectives import overlaps  # noqa: E402
+from autopar.compiler.passes.schedule_collectives import overlaps  # noqa: E402
 from autopar.runtime.launch import launch  # noqa: E402
 from benchmarks.compare_step_time import (Settings, alternate_steps, build_model, make_step,  # noqa: E402
                                           median_step_ms, parse_settings)

@@ -1,7 +1,7 @@
 """A small GPT-style decoder used by the examples, tests and benchmarks.
 
 Module names follow the Llama convention (`attn.q_proj`, `mlp.up_proj`, ...) so that the
-built-in layouts in `autopar.strategies.layouts` recognise it. `forward(idx, targets)`
+built-in layouts in `autopar.compiler.strategies.layouts` recognise it. `forward(idx, targets)`
 returns the mean next-token cross-entropy, the scalar autopar trains on.
 """
 from __future__ import annotations

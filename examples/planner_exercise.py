@@ -8,8 +8,8 @@ at 8K; TP8 × CP16 × PP16 × DP4 at 128K) and DeepSeek-V3 on 2048 GPUs (PP16 ×
 the planner's choice, and the published layout priced by the same model.
 Each prints, per case, the search's time, its top candidates (memory, bytes, predicted step,
 why each lost) and the winner's binding constraint. Every figure comes from two small plans per
-in-node layout composed with the ledger formulas (`autopar/composed_cost.py`) on the preset
-cluster's numbers (`autopar/cluster.py`: H100 SXM, NVLink 450 GB/s, InfiniBand 45 GB/s per GPU).
+in-node layout composed with the ledger formulas (`autopar/planner/composed_cost.py`) on the preset
+cluster's numbers (`autopar/cost/cluster.py`: H100 SXM, NVLink 450 GB/s, InfiniBand 45 GB/s per GPU).
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from dataclasses import replace
 
 import torch
 
-from autopar.cluster import Cluster
-from autopar.errors import PlanError
-from autopar.layout_pricer import price_composed
-from autopar.planner import search
-from autopar.search_space import Candidate, SearchSpace
+from autopar.cost.cluster import Cluster
+from autopar.core.errors import PlanError
+from autopar.planner.layout_pricer import price_composed
+from autopar.planner.search import search
+from autopar.planner.search_space import Candidate, SearchSpace
 from examples import scale
 
 # SP always with TP (same bytes, less memory); up to 8 micro-batches per pipeline rank, or one

@@ -4,7 +4,7 @@ in Large Transformer Models", section 4.1), for the activation ledger's formula 
 Each layer is pre-LayerNorm self-attention with an EXPLICIT attention core (scores = q·kᵀ/√d,
 causal mask, softmax, dropout on the probabilities, probabilities·v), an output projection and
 dropout on the residual branch, then pre-LayerNorm MLP h → 4h → h with GELU and dropout on the
-residual branch. Module names follow `autopar.strategies.layouts.EXAMPLE_GPT` (`layers.N.attn.q_proj`,
+residual branch. Module names follow `autopar.compiler.strategies.layouts.EXAMPLE_GPT` (`layers.N.attn.q_proj`,
 `layers.N.mlp.up_proj`, `embed_tokens`, ...) so `tensor_parallel()` recognises the model. A
 token embedding feeds layer 0 and a final LayerNorm reads the last layer's output, so every
 layer's output is saved by the next consumer exactly as a middle layer's is; the loss is

@@ -87,7 +87,7 @@ def train_rank(rank: int, world_size: int, mesh_text: str, sequence_parallel: bo
 
 
 def print_plan_timing(module: autopar.ParallelModule) -> None:
-    """Rank 0 planned, the others received its plan (autopar/plan_once.py): each rank's own work
+    """Rank 0 planned, the others received its plan (autopar/artifacts/plan_once.py): each rank's own work
     against rank 0's planning (benchmarks/plan_once.py measures it at length)."""
     timings: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(timings, module.plan_timing)
@@ -102,8 +102,8 @@ def print_plan_timing(module: autopar.ParallelModule) -> None:
 
 def write_timeline(module: autopar.ParallelModule, path: str) -> None:
     """The last step's measured timeline beside the bubble ledger's prediction (rank 0 writes it)."""
-    from autopar.ledger.bubble import build_bubble_ledger, measured_timeline, waited_seconds
-    from autopar.views.timeline import render_timeline
+    from autopar.compiler.ledger.bubble import build_bubble_ledger, measured_timeline, waited_seconds
+    from autopar.tools.views.timeline import render_timeline
 
     timelines = module.pipeline.gather_timeline()
     if module.rank == 0:

@@ -1,4 +1,4 @@
-"""`autopar <args>` run inside the test process: `autopar.cli.main`, what `python -m autopar.cli`
+"""`autopar <args>` run inside the test process: `autopar.tools.cli.main`, what `python -m autopar.tools.cli`
 calls (tests/test_cli_and_launch.py runs that entry point as a subprocess once). Exit code and
 output as a subprocess would give them, without ~5 s of imports per call."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import contextlib
 import io
 import subprocess
 
-from autopar.cli import main
+from autopar.tools.cli import main
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 import autopar
-from autopar.ledger.memory import build_memory_ledger
+from autopar.compiler.ledger.memory import build_memory_ledger
 from autopar.measure.activations import measure_saved_activations
 from autopar.measure.comm_counter import CommCounter
 from autopar.measure.memory import held_bytes

@@ -77,7 +77,7 @@ def assert_matches(reference: dict[str, Any], results: list[dict[str, Any]], *, 
 LEDGER_PHASES = {"forward": "forward", "backward": "backward", "grad_sync": "backward", "optimizer": "optimizer",
                  "step": "backward"}
 # parallelize moves nothing over the process groups: rank 0 plans and the others receive the plan through
-# the store (autopar/plan_once.py), every rank cuts its shards from the seeded model;
+# the store (autopar/artifacts/plan_once.py), every rank cuts its shards from the seeded model;
 # DeviceMesh and process-group creation on gloo rendezvous through the store, not collectives (counted: none)
 SETUP_COLLECTIVES: dict = {}
 

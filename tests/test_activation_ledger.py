@@ -1,4 +1,4 @@
-"""The activation ledger (`autopar.ledger.activations`).
+"""The activation ledger (`autopar.compiler.ledger.activations`).
 
 1. Measured: the example GPT as a plain module and on gloo processes (dp=1, dp=2, tp=2); the
    bytes one real forward leaves alive for backward (`autopar.measure.activations`: storages
@@ -20,7 +20,7 @@ import sympy
 import torch
 
 import autopar
-from autopar.ledger.activations import saved_activations
+from autopar.compiler.ledger.activations import saved_activations
 from autopar.measure.activations import measure_saved_activations
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
@@ -197,7 +197,7 @@ def test_backward_working_memory_does_not_inherit_a_freed_gradients_address():
     changed from run to run)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autopar.ledger.working_memory import LiveFakeStorages
+    from autopar.compiler.ledger.working_memory import LiveFakeStorages
 
     tracker = LiveFakeStorages()
     with FakeTensorMode(), tracker:

@@ -1,4 +1,4 @@
-"""Every accepted plan runs: `autopar.check_rank_graphs` runs the rank graphs forward and backward
+"""Every accepted plan runs: `autopar.compiler.check_rank_graphs` runs the rank graphs forward and backward
 on fake tensors at plan time, and a graph that would crash at run time is a PlanError naming the
 node, its module and source line, before any process group exists. Copied blocks are compared
 with their template rather than run (counted here: the nodes run do not grow with the layer
@@ -14,16 +14,16 @@ from torch import nn
 
 import autopar
 from autopar import PlanError
-from autopar.check_rank_graphs import check_rank_graphs
-from autopar.ir import module_path
-from autopar.op_rules import RuleResult, register
-from autopar.passes import default_passes
+from autopar.compiler.check_rank_graphs import check_rank_graphs
+from autopar.core.ir import module_path
+from autopar.compiler.rules.registry import RuleResult, register
+from autopar.compiler.passes import default_passes
 from examples.gpt import GPT, GPTConfig, example_batch
 
 transformers = pytest.importorskip("transformers")
 from examples.hf_models import tiny_causal_lm, tiny_llama, token_batch  # noqa: E402
 
-plan_module = sys.modules["autopar.plan"]  # `autopar.plan` the attribute is the function
+plan_module = sys.modules["autopar.compiler.plan"]  # `autopar.plan` the attribute is the function
 
 
 def test_the_empty_kv_cache_would_crash_at_run_time_and_is_caught_at_plan_time(monkeypatch):
@@ -109,7 +109,7 @@ def _llama_plan(layers: int, **options) -> autopar.Plan:
 
 
 def test_the_nodes_the_check_runs_do_not_grow_with_the_layer_count():
-    """Blocks 3.. are copies of block 2 (autopar/repeated_blocks.py): at 4 and at 8 layers the check
+    """Blocks 3.. are copies of block 2 (autopar/compiler/repeated_blocks.py): at 4 and at 8 layers the check
     runs the same nodes forward and sees the same gradients arrive; every further block is
     compared node by node instead. Traced whole, the 8-layer plan runs each of those nodes."""
     four, eight, whole = (check_rank_graphs(plan) for plan in (_llama_plan(4), _llama_plan(8),

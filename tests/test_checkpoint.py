@@ -1,4 +1,4 @@
-"""Sharded checkpoints (`autopar/checkpoint.py`, DCP format) on real gloo processes.
+"""Sharded checkpoints (`autopar/artifacts/checkpoint.py`, DCP format) on real gloo processes.
 
 - Resharding: a checkpoint written under dp=2×tp=2 FSDP+TP after 2 AdamW steps is loaded under
   tp=4 and under dp=4 ZeRO-1 and written again; each checkpoint, read into a plain single-device
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.checkpoint import load, load_into_model, save
+from autopar.artifacts.checkpoint import load, load_into_model, save
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
 

@@ -1,4 +1,4 @@
-"""Async TP (`autopar.schedule(chunks=k)`, passes/chunk_collectives.py): which collectives are cut,
+"""Async TP (`autopar.schedule(chunks=k)`, autopar/compiler/passes/chunk_collectives.py): which collectives are cut,
 the ledger's bytes kept, the sites left whole, and on 2 gloo ranks the order the pieces run in —
 piece j+1's all-gather in flight over piece j's matmuls, piece j's reduce-scatter over piece j+1's
 matmul. That the cut program equals one device (loss, gradients, parameters, the ledger against
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.passes.chunk_collectives import PIECE, chunked_sites
+from autopar.compiler.passes.chunk_collectives import PIECE, chunked_sites
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
 from tests.dispatch_calls import CallNames
@@ -65,7 +65,7 @@ def test_each_linear_collective_is_cut_and_the_ledger_keeps_its_bytes(mesh, stra
 def test_a_second_piece_s_reduction_with_only_a_wait_to_overlap_runs_synchronous():
     """o_proj's and down's second reduce-scatter piece is issued after the last matmul: only the
     first piece's wait stands between its halves, so the scheduling pass joins it again; the first
-    piece stays in flight over the second piece's matmul (passes/schedule_collectives.py)."""
+    piece stays in flight over the second piece's matmul (autopar/compiler/passes/schedule_collectives.py)."""
     graph = _plan("tp=4", autopar.sequence_parallel(), autopar.schedule(chunks=2)).stages[0].graph_module.graph
     pieces = [node for node in graph.nodes if PIECE in node.meta and node.meta[PIECE][2].startswith("reduce_scatter")]
     assert [(node.meta[PIECE][0], bool(node.kwargs.get("deferred"))) for node in pieces] == \

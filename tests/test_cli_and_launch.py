@@ -14,7 +14,7 @@ from tests.cli_in_process import run_cli
 
 
 def run_cli_subprocess(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "autopar.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "autopar.tools.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_plan_prints_placements_and_ledger():

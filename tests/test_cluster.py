@@ -21,7 +21,7 @@ import torch
 
 import autopar
 from autopar import Cluster, PlanError
-from autopar.calibration import fit_alpha_beta
+from autopar.cost.calibration import fit_alpha_beta
 from autopar.runtime.launch import launch
 from examples.gpt import example
 
@@ -52,7 +52,7 @@ def test_an_op_is_priced_at_the_bandwidth_of_its_own_size_where_the_cluster_meas
     """`memory_curve` rows (bytes, GB/s), linear in log size between them; no curve: `memory_gbps`.
     The op ledger prices each call at its own size (`OpTotals.seconds`), the composed model at its
     size times the batch it scales to."""
-    from autopar.ledger.op_cost import OpTotals
+    from autopar.compiler.ledger.op_cost import OpTotals
 
     flat = Cluster(nodes=1, gpus_per_node=4, memory_gb=8, intra_gbps=1, inter_gbps=1, peak_tflops=1, memory_gbps=5,
                    op_overhead_us=0)
@@ -171,7 +171,7 @@ def _time_copies(rank: int, world: int, nbytes: int) -> float:
 
 
 def _calibrated_handover(rank: int, world: int) -> float:
-    from autopar.calibration import _timed_handover
+    from autopar.cost.calibration import _timed_handover
 
     return _timed_handover(rank, 5)
 

@@ -26,8 +26,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import autopar
-from autopar.errors import PlanError
-from autopar.ledger.peak import moments, peak_terms
+from autopar.core.errors import PlanError
+from autopar.compiler.ledger.peak import moments, peak_terms
 from autopar.measure import profiled_collectives, profiled_memory
 from autopar.runtime.launch import launch
 from autopar.runtime.compiled import compile_options, refuse_uncompilable
@@ -58,7 +58,7 @@ def _pipeline(schedule: str, **options):
 CASES = {
     # (model, mesh, strategies, micro-batches of the reference, compiled graphs per rank, graph breaks per rank)
     "dp2_tp2_sp": (CONFIG, "dp=2,tp=2", [autopar.data_parallel(), autopar.sequence_parallel()], 1, 1, 0),
-    # async TP: the linears' collectives in two pieces each (passes/chunk_collectives.py)
+    # async TP: the linears' collectives in two pieces each (autopar/compiler/passes/chunk_collectives.py)
     "dp2_tp2_sp_chunks": (CONFIG, "dp=2,tp=2", [autopar.data_parallel(), autopar.sequence_parallel(),
                                                 autopar.schedule(chunks=2)], 1, 1, 0),
     "zero3_dp2": (CONFIG, "dp=2", [autopar.zero(stage=3)], 1, None, None),
@@ -147,14 +147,14 @@ def test_compiled_rank_graphs_train_like_one_device(case):
 # the eager stage reads 1.013), tp+SP re-gathering 1.058, ZeRO-3 0.937 and HSDP 1.006. ZeRO-3 read
 # 1.057 and HSDP 1.143 before two fixes: a released unit's gathered weights stayed alive to the end
 # of the compiled forward (dynamo's resume frame holds the gathered tuple a graph break returned;
-# the release now frees the storage: runtime/sharded_state.py), and the ledger left out the head's
+# the release now frees the storage: autopar/core/ops/sharded_state.py), and the ledger left out the head's
 # whole gradient (tests/test_planner.py's four-rank peak test). ZeRO-3's bound is 1.02 (margin
 # 0.083, more than the 0.055 of eager ZeRO-3's one high read) so that the first departure, 1.057,
 # fails. Margin 0.10, 0.12 where a step can read high at random (ZeRO, HSDP, re-gathering: a
 # collective's buffer dropped last by gloo's worker thread is a free the profiler does not see;
 # eager ZeRO-3 read 1.055 in one run of four); even dp×tp+SP read 0.879 in a CI run (0.838 here).
 # AOT's partitioner merging the cp all-gather's backward re-gather with the forward's (fixed in
-# runtime/context_attention.py) reads 1.040 there: it fails 1.02.
+# autopar/core/ops/context_attention.py) reads 1.040 there: it fails 1.02.
 # The cases whose compiled step can read high at random get a third compiled step to take the
 # least of (`compiled_rank`): in a CI run of 2026-12-04 hsdp_2x2 read 1.234 on one rank in both
 # of its two compiled steps, on a loaded machine (1.006 otherwise; it passed alone three times).

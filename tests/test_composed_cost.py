@@ -1,11 +1,11 @@
-"""The planner at scale (`autopar/block_ledgers.py`, `autopar/composed_cost.py`) against the
+"""The planner at scale (`autopar/planner/block_ledgers.py`, `autopar/planner/composed_cost.py`) against the
 planner that plans every candidate (`step_cost.estimate` of real plans).
 
 - On the example GPT (4 blocks) and a 4-accelerator node, every candidate over pp, dp, cp and
   tp with ZeRO 0/1/3, SP, GPipe, 1F1B and interleaved 1F1B (v = 2) is priced both ways (51
   that plan): the composed memory categories per rank (all held at once, the ledger's upper
   bound) equal the planned ones within 1% (measured −0.2% … +0.2%); the composed peak (the
-  largest moment, `ledger/peak.py`) the planned peak within 8% (measured −6.8% … +0.6%, the
+  largest moment, `autopar/compiler/ledger/peak.py`) the planned peak within 8% (measured −6.8% … +0.6%, the
   worst pipelines: a stage's backward working memory is composed for the last stage only — the
   loss's gradient over the vocabulary, the batch-scaled part scaled — while the planned peak
   also has a middle stage's, 0.1–0.4 MB on this model); the step time within 12% (measured
@@ -39,13 +39,13 @@ import pytest
 import torch
 
 import autopar
-from autopar.block_ledgers import Layout
-from autopar.cluster import Cluster
-from autopar.errors import PlanError
-from autopar.layout_pricer import BlockPricer
-from autopar.planner import search
-from autopar.search_space import ModelFacts, SearchSpace, candidates
-from autopar.trace import reusing_traces
+from autopar.planner.block_ledgers import Layout
+from autopar.cost.cluster import Cluster
+from autopar.core.errors import PlanError
+from autopar.planner.layout_pricer import BlockPricer
+from autopar.planner.search import search
+from autopar.planner.search_space import ModelFacts, SearchSpace, candidates
+from autopar.compiler.trace import reusing_traces
 from examples.gpt import GPT, GPTConfig, example_batch
 
 pytestmark = pytest.mark.timeout(600)
@@ -257,10 +257,10 @@ def test_the_blocks_share_of_the_one_block_plan_is_what_a_second_block_adds(layo
     the difference of the two-block and one-block plans, which it replaces (a block's SP or ring
     collectives and their copies, a recomputed region's second forward, the head's gradient
     order, buckets that hold the block's and the rest's parameters together)."""
-    from autopar.block_ledgers import (_attributed_state, _boundary_bytes, _difference, _figures, _measured, _parts,
+    from autopar.planner.block_ledgers import (_attributed_state, _boundary_bytes, _difference, _figures, _measured, _parts,
                                        layout_plans)
-    from autopar.ledger.activations import saved_activations
-    from autopar.ledger.fake_run import ops_run
+    from autopar.compiler.ledger.activations import saved_activations
+    from autopar.compiler.ledger.fake_run import ops_run
 
     torch.manual_seed(0)
     config = GPTConfig(n_layer=4, d_model=64, n_head=4, d_ff=256, seq_len=32)
@@ -290,7 +290,7 @@ def test_the_blocks_share_of_the_one_block_plan_is_what_a_second_block_adds(layo
 def test_a_blocks_own_buffer_is_told_apart_as_the_difference_of_two_plans_tells_it():
     """The standard transformer registers its causal mask in every block's attention: the block's
     buffer bytes read off the one-block plan by name are what a second block adds."""
-    from autopar.block_ledgers import _attributed_state, _difference, _figures, _measured, _parts, layout_plans
+    from autopar.planner.block_ledgers import _attributed_state, _difference, _figures, _measured, _parts, layout_plans
     from examples.standard_transformer import example
 
     model, batch = example(batch=4, seq=16)
@@ -315,7 +315,7 @@ def test_selective_recomputation_frees_no_more_than_the_attention_cores_saved(la
     a variant that cannot fit: measured, the selective layout's block saves at least the
     difference (more where the core's output is still saved by the projection after it; on the
     8B shape, whose attention output is laid out anew before the projection, exactly it)."""
-    from autopar.block_ledgers import measure_layout
+    from autopar.planner.block_ledgers import measure_layout
 
     torch.manual_seed(0)
     config = GPTConfig(n_layer=2, d_model=64, n_head=4, d_ff=256, seq_len=32, explicit_attention=explicit)
@@ -335,7 +335,7 @@ def test_selective_recomputation_frees_no_more_than_the_attention_cores_saved(la
 def test_attention_outside_the_blocks_is_counted_as_the_rests_cores():
     """A core outside the repeated blocks (an attention-pooling head) is the rest's: selective
     recomputation frees it too, so `cannot_fit` subtracts it as well."""
-    from autopar.block_ledgers import measure_layout
+    from autopar.planner.block_ledgers import measure_layout
 
     class Pooled(torch.nn.Module):
         def __init__(self, config: GPTConfig) -> None:

@@ -1,4 +1,4 @@
-"""The context-parallel attention kernels (`autopar.runtime.context_attention`) on real gloo
+"""The context-parallel attention kernels (`autopar.core.ops.context_attention`) on real gloo
 processes against one device's `scaled_dot_product_attention`: every method (ring, allgather,
 alltoall) x layout (load-balanced, contiguous) x causal / not x grouped-query / not, output and
 dQ/dK/dV of the rank's positions, fp32 rel <= 1e-5 (bf16: 2e-2, the format's 8 bits of mantissa
@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autopar.runtime.context_attention import context_attention
+from autopar.core.ops.context_attention import context_attention
 from autopar.runtime.launch import launch
-from autopar.runtime.sequence_chunks import take
+from autopar.core.sequence_chunks import take
 
 SEQ, HEADS, HEAD_DIM = 64, 4, 8
 CASES = list(itertools.product(("ring", "allgather", "alltoall"), ("balanced", "contiguous"), (True, False),

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar
-from autopar.errors import PlanError
+from autopar.core.errors import PlanError
 from autopar.measure.activations import measure_saved_activations
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch

@@ -3,7 +3,7 @@ attention and the MLP) trained on gloo processes equals the single-device model 
 (loss, whole gradients and parameters after each of 3 AdamW steps, fp32 rel <= 1e-5) under data,
 tensor + sequence (alone, inside and outside data parallelism), ZeRO-3 x tensor and context
 parallelism: every rank's masks are one device's
-masks, or its piece of them (`autopar/runtime/dropout.py`). With masks drawn independently per
+masks, or its piece of them (`autopar/core/ops/dropout.py`). With masks drawn independently per
 rank the losses would differ from the first step (`test_independent_masks_would_be_caught`)."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ BATCHES = [example_batch(CONFIG, batch=8, seed=step) for step in range(STEPS)]
 CASES = {
     "dp2": ("dp=2", [autopar.data_parallel()]),
     "tp2_sp": ("tp=2", [autopar.sequence_parallel()]),
-    # the batch cut by dp, then by SP (strategies/token_shard.py): masks cut on dim 0 by two axes
+    # the batch cut by dp, then by SP (autopar/compiler/strategies/token_shard.py): masks cut on dim 0 by two axes
     "dp2_tp2_sp": ("dp=2,tp=2", [autopar.data_parallel(), autopar.sequence_parallel()]),
     # tp outside dp: SP shards the sequence, not the batch dp cut first
     "tp2_dp2_sp": ("tp=2,dp=2", [autopar.data_parallel(), autopar.sequence_parallel()]),

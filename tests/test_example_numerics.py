@@ -18,7 +18,7 @@ from torch.distributed.tensor import Shard
 
 import autopar
 import autopar.runtime.module as runtime_module
-from autopar.plan import shard as plan_shard
+from autopar.core.shards import shard as plan_shard
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
 from tests.numerics import STEPS, comparison_mesh, distributed_rank, parallel_trainer, single_device, whole_tensors
@@ -37,7 +37,7 @@ CASES = {
     "tp4_sp_regather": ("tp=4", [autopar.sequence_parallel(regather_in_backward=True)]),
     # the batch splits over tp above (SP shards it: no layout copies); pinned to the sequence here
     "tp4_sp_on_sequence": ("tp=4", [autopar.sequence_parallel(sequence_dim=1)]),
-    # async TP (passes/chunk_collectives.py): every TP/SP linear's forward collective in 2 pieces of
+    # async TP (autopar/compiler/passes/chunk_collectives.py): every TP/SP linear's forward collective in 2 pieces of
     # rows; on dimension 0 (per rank block) and on the sequence (consecutive batch rows)
     "tp2_chunks": ("tp=2", [autopar.tensor_parallel(), autopar.schedule(chunks=2)]),
     "tp4_sp_chunks": ("tp=4", [autopar.sequence_parallel(), autopar.schedule(chunks=2)]),
@@ -66,7 +66,7 @@ HEAD_DIM = CONFIG.d_model // CONFIG.n_head
 
 
 def heads_swapped(shard_function):
-    """A test-only build of `plan.shard`: within a rank's piece of a tensor sharded along a
+    """A test-only build of `core.shards.shard`: within a rank's piece of a tensor sharded along a
     d_model-sized dim (q, k, v rows and biases, o_proj columns), the heads come in reverse order."""
     def shard(tensor: torch.Tensor, placements, mesh, rank: int) -> torch.Tensor:
         piece = shard_function(tensor, placements, mesh, rank)

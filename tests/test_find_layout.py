@@ -1,4 +1,4 @@
-"""Graph-only tests of the tensor-parallel layout finder (`strategies/find_layout.py`): the
+"""Graph-only tests of the tensor-parallel layout finder (`autopar/compiler/strategies/find_layout.py`): the
 Megatron pattern is found by the graph's structure whatever the modules are called, the report
 says which pattern decided each parameter, and what cannot be sharded stays replicated with the
 reason or is refused by name."""
@@ -13,7 +13,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import autopar
 from autopar import PlanError
-from autopar.strategies.layouts import EXAMPLE_GPT
+from autopar.compiler.strategies.layouts import EXAMPLE_GPT
 from examples.gpt import GPT, GPTConfig, example_batch
 
 

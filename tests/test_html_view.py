@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import autopar
-from autopar.plan_file import plan_document
-from autopar.views.html import layer_of, ledger_rows, render_html
+from autopar.compiler.plan_file import plan_document
+from autopar.tools.views.html import layer_of, ledger_rows, render_html
 from examples.gpt import example
 
 CHROMIUM = "/usr/bin/chromium"
@@ -83,8 +83,8 @@ def pipeline_plan() -> autopar.Plan:
 def test_chromium_renders_the_pipeline_timeline(pipeline_plan, tmp_path):
     """The timeline SVG (`autopar plan --timeline`) and the HTML view's pipeline panel open in the
     browser with one block per action of the schedule: F, B and W of 2 stages x 4 micro-batches."""
-    from autopar.ledger.bubble import build_bubble_ledger
-    from autopar.views.timeline import render_timeline
+    from autopar.compiler.ledger.bubble import build_bubble_ledger
+    from autopar.tools.views.timeline import render_timeline
 
     timeline = build_bubble_ledger(pipeline_plan).timeline
     assert len(timeline) == 3 * 2 * 4

@@ -10,11 +10,11 @@ import pytest
 
 import autopar
 from autopar import PlanError
-from autopar.plan_diff import diff_plans
-from autopar.plan_file import load_plan, save_plan
-from autopar.strategies.layouts import EXAMPLE_GPT
-from autopar.comm_gate import comm_summary, load_baseline
-from autopar.testing import assert_comm_within_baseline, rewrite_reference
+from autopar.tools.plan_diff import diff_plans
+from autopar.compiler.plan_file import load_plan, save_plan
+from autopar.compiler.strategies.layouts import EXAMPLE_GPT
+from autopar.tools.comm_gate import comm_summary, load_baseline
+from autopar.tools.testing import assert_comm_within_baseline, rewrite_reference
 from examples.gpt import example
 from tests.cli_in_process import run_cli
 

@@ -1,4 +1,4 @@
-"""The node size a job runs with (`autopar/job_hosts.py`): read off the ranks' host names where
+"""The node size a job runs with (`autopar/runtime/job_hosts.py`): read off the ranks' host names where
 nothing declares it, and a declared one checked against them.
 
 The multi-process test gives each rank a host name of the test's choosing (`socket.gethostname`,
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.job_hosts import check_node_size, node_size
+from autopar.runtime.job_hosts import check_node_size, node_size
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
 

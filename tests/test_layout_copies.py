@@ -3,7 +3,7 @@
 the runtime function it was called from (read off the Python stack), and the tests assert the
 exact list for the steps that move data.
 
-- Sequence parallelism where the batch splits over tp shards the batch (strategies/token_shard.py):
+- Sequence parallelism where the batch splits over tp shards the batch (autopar/compiler/strategies/token_shard.py):
   its all-gathers and reduce-scatters copy nothing; what is left are the row-parallel biases made
   Partial (rank 0 clones each, the other ranks take zeros).
 - Context parallelism's all-gather attention uses the gathered K/V block by block in the
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(300)
 CONFIG = GPTConfig(vocab_size=128, seq_len=16, n_layer=2, n_head=4, d_model=32, d_ff=64)
 BATCH = 4
 _COPIES = {torch.ops.aten.clone.default, torch.ops.aten.copy_.default, torch.ops.aten.cat.default}
-_RUNTIME = ("autopar/runtime/collectives.py", "autopar/runtime/in_flight.py", "autopar/runtime/context_attention.py")
+_RUNTIME = ("autopar/core/ops/collectives.py", "autopar/core/ops/in_flight.py", "autopar/core/ops/context_attention.py")
 
 
 class RuntimeCopies(TorchDispatchMode):

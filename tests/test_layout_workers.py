@@ -1,4 +1,4 @@
-"""The planner's layouts measured by this process and a forked copy (`autopar/layout_workers.py`):
+"""The planner's layouts measured by this process and a forked copy (`autopar/planner/layout_workers.py`):
 the same results as one process, what the copy does not return measured here, a copy that hangs
 killed, and a composed search that forks ranks the same candidates the same way as one that
 does not (in a fresh interpreter: a pytest-xdist worker runs its channel's thread, so the search
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from autopar import layout_workers
-from autopar.block_ledgers import Layout
+from autopar.planner import layout_workers
+from autopar.planner.block_ledgers import Layout
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -151,10 +151,10 @@ def test_without_context_parallelism_half_stays_here_and_half_is_claimed():
 
 SEARCH = textwrap.dedent('''
     import torch
-    from autopar import layout_workers
-    from autopar.cluster import Cluster
-    from autopar.planner import search
-    from autopar.search_space import SearchSpace
+    from autopar.planner import layout_workers
+    from autopar.cost.cluster import Cluster
+    from autopar.planner.search import search
+    from autopar.planner.search_space import SearchSpace
     from examples.gpt import GPT, GPTConfig, example_batch
 
     torch.set_num_threads(1)

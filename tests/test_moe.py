@@ -31,8 +31,8 @@ import pytest
 import torch
 
 import autopar
-from autopar.errors import PlanError
-from autopar.runtime import moe
+from autopar.core.errors import PlanError
+from autopar.core.ops import moe
 from autopar.runtime.launch import launch
 from examples.gpt import example_batch
 from examples.moe import MoEConfig, MoEGPT
@@ -281,7 +281,7 @@ def test_an_moe_block_autopar_cannot_recognise_is_refused():
 # ---- checkpoints: expert shards written and read back whole, and under another expert layout
 
 def _train_and_save(rank: int, world: int, mesh: str, strategies: list, path: str, source: str | None) -> dict:
-    from autopar.checkpoint import load, save
+    from autopar.artifacts.checkpoint import load, save
 
     batches = BUILDS["example"][1]
     torch.manual_seed(0)
@@ -299,7 +299,7 @@ def _train_and_save(rank: int, world: int, mesh: str, strategies: list, path: st
 
 
 def _whole(path) -> tuple[dict, dict]:
-    from autopar.checkpoint import load_into_model
+    from autopar.artifacts.checkpoint import load_into_model
 
     model = MoEGPT(EXAMPLE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -13,9 +13,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import autopar
-from autopar.plan import shard
+from autopar.core.shards import shard
 from autopar.runtime.launch import launch
-from autopar.strategies import InputRule, ParamRule, Strategy
+from autopar.compiler.strategies import InputRule, ParamRule, Strategy
 from tests.numerics_checks import max_relative_error
 
 TOLERANCE = 1e-5

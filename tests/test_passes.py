@@ -12,10 +12,10 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import autopar
-from autopar.ir import SPEC
-from autopar.passes.insert_grad_reductions import GRAD_SYNC
-from autopar.runtime import collectives, in_flight
-from autopar.testing import rewrite_reference
+from autopar.core.ir import SPEC
+from autopar.compiler.passes.insert_grad_reductions import GRAD_SYNC
+from autopar.core.ops import collectives, in_flight
+from autopar.tools.testing import rewrite_reference
 from examples.gpt import GPT, GPTConfig, example_batch
 
 CONFIG = GPTConfig(n_layer=2)
@@ -57,7 +57,7 @@ def test_tp_inserts_g_forward_and_one_shared_f_per_block(tp_plan):
     f_nodes = calls(tp_plan, collectives.grad_all_reduce)
     assert len(f_nodes) == 2 * CONFIG.n_layer + 1
     attention_f = [n for n in f_nodes if "attn_norm" in str(n.meta.get("nn_module_stack"))]
-    # q, k, v share it (through its finish: the scheduling pass deferred it, passes/schedule_collectives.py)
+    # q, k, v share it (through its finish: the scheduling pass deferred it, autopar/compiler/passes/schedule_collectives.py)
     landed = [next((u for u in n.users if u.target is in_flight.finish), n) for n in attention_f]
     assert len(attention_f) == CONFIG.n_layer and all(len(n.users) == 3 for n in landed)
 

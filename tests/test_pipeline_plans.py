@@ -18,11 +18,11 @@ import sympy
 import torch
 
 import autopar
-from autopar import schedules
-from autopar.errors import PlanError
-from autopar.ledger.activations import saved_activations
-from autopar.ledger.bubble import build_bubble_ledger
-from autopar.runtime import p2p
+from autopar.core import schedules
+from autopar.core.errors import PlanError
+from autopar.compiler.ledger.activations import saved_activations
+from autopar.compiler.ledger.bubble import build_bubble_ledger
+from autopar.core.ops import p2p
 from examples.gpt import GPT, GPTConfig, example_batch
 
 CONFIG = GPTConfig(vocab_size=128, seq_len=16, n_layer=4, n_head=4, d_model=32, d_ff=64)

@@ -73,7 +73,7 @@ def test_op_without_a_rule_names_the_op_module_and_how_to_register():
     with pytest.raises(PlanError) as error:
         autopar.plan(UsesMystery(), "dp=2", strategies=[autopar.data_parallel()], example_inputs=(torch.ones(2, 4),))
     text = str(error.value)
-    assert "autopar_test.mystery" in text and "@autopar.op_rules.register" in text
+    assert "autopar_test.mystery" in text and "@autopar.compiler.rules.registry.register" in text
     assert "test_plan_errors.py" in text
 
 
@@ -96,7 +96,7 @@ def test_a_plan_file_with_shared_memory_collectives_is_refused(tmp_path):
     through it are refused (their ledger would not describe a run); the others read as before."""
     import json
 
-    from autopar.plan_file import SCHEMA, load_plan
+    from autopar.compiler.plan_file import SCHEMA, load_plan
 
     path = tmp_path / "old.json"
     path.write_text(json.dumps({"schema": SCHEMA, "collectives": [{"transport": "shared_memory"}]}))

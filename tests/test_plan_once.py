@@ -1,4 +1,4 @@
-"""Plan once: rank 0 plans, the other ranks run the plan it made (`autopar/plan_once.py`).
+"""Plan once: rank 0 plans, the other ranks run the plan it made (`autopar/artifacts/plan_once.py`).
 
 - A 4-rank job (gloo): ranks 1-3 receive the plan, spend a small share of rank 0's planning
   time obtaining it, and run exactly the graphs a plan made in this process emits for them;
@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.errors import PlanError
-from autopar.plan_codec import decode_plan, encode_plan
-from autopar.plan_file import save_plan
-from autopar.plan_once import fingerprint, load_runnable_plan
+from autopar.core.errors import PlanError
+from autopar.artifacts.plan_codec import decode_plan, encode_plan
+from autopar.compiler.plan_file import save_plan
+from autopar.artifacts.plan_once import fingerprint, load_runnable_plan
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
 from tests.numerics_checks import max_relative_error
@@ -33,7 +33,7 @@ MESH = "dp=2,tp=2"
 # receiving ranks measure ~5% of rank 0's planning CPU time on this 2-core machine (their work:
 # reading the store, checking fingerprints, decoding ~120 KiB; 30-45% while the fork server's heap
 # was not frozen out of the garbage collector: full collections over it landed in the decode,
-# autopar/runtime/forkserver_warmup.py); CPU time, not wall time, because
+# autopar/tools/forkserver_warmup.py); CPU time, not wall time, because
 # four processes share two cores. 25% leaves room for a loaded machine and still fails when a rank
 # plans (~100%).
 SHARE_BOUND = 0.25

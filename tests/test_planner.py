@@ -20,9 +20,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import autopar
 from autopar import Cluster, PlanError, SearchSpace
-from autopar.cost import comm_time
-from autopar.ledger.op_cost import rank_ops
-from autopar.step_cost import estimate
+from autopar.cost.comm_cost import comm_time
+from autopar.compiler.ledger.fake_run import rank_ops
+from autopar.cost.step_cost import estimate
 from examples.gpt import GPT, GPTConfig, example_batch
 from autopar.runtime.launch import launch
 from tests.cli_in_process import run_cli
@@ -360,7 +360,7 @@ def _measured_peaks(rank: int, world: int, candidates: str, config: GPTConfig, b
 
 @pytest.mark.timeout(240)
 def test_the_predicted_peak_is_the_measured_peak_within_5_percent():
-    """The step's peak memory, predicted as the largest of its moments (`ledger/peak.py`), against
+    """The step's peak memory, predicted as the largest of its moments (`autopar/compiler/ledger/peak.py`), against
     the peak measured from outside on two gloo ranks: DDP-style buckets, tensor parallelism, ZeRO
     1/2/3, 1F1B and GPipe."""
     config = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, d_model=64, d_ff=256)

@@ -16,7 +16,7 @@ built outside the timed region (about 35 s in all). The timing runs in a fresh i
 which charges the larger plan for other tests' leftovers.
 
 The plan-time check that runs the rank graphs forward and backward on fake tensors
-(`autopar/check_rank_graphs.py`) is part of the measured time: it runs the distinct blocks and
+(`autopar/compiler/check_rank_graphs.py`) is part of the measured time: it runs the distinct blocks and
 compares each copied block with block 2 node by node (what it runs does not grow with the layer
 count, `tests/test_check_rank_graphs.py`), so what it adds per layer is emitting its two rank
 graphs and the comparison, about 0.01-0.02 s a layer at this shape. Measured with it: 1.00 and

@@ -1,4 +1,4 @@
-"""Activation recomputation as a strategy (`autopar.recompute`, `passes/recompute.py`).
+"""Activation recomputation as a strategy (`autopar.recompute`, `autopar/compiler/passes/recompute.py`).
 
 Numerics (gloo): the example GPT under dp=2×tp=2+SP and ZeRO-3 on dp=4, each with selective and
 with full recomputation, trained 3 AdamW steps: loss, whole gradients and parameters equal one
@@ -24,8 +24,8 @@ import pytest
 import torch
 
 import autopar
-from autopar.ledger.activations import saved_activations
-from autopar.passes.recompute import RECOMPUTE, is_region_call, recomputed_flops
+from autopar.compiler.ledger.activations import saved_activations
+from autopar.compiler.passes.recompute import RECOMPUTE, is_region_call, recomputed_flops
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
 from tests.numerics import STEPS, distributed_rank, single_device
@@ -92,7 +92,7 @@ def test_full_recomputation_keeps_block_inputs_and_runs_the_forward_collectives_
     inside = [e for e in kept_full.entries if e.module.startswith("layers.")]
     assert sorted(e.module for e in inside) == ["layers.0", "layers.1"], [(e.module, e.node) for e in inside]
     # batch 8 over dp=2 leaves 4 rows a rank, which split over tp=2: SP shards the batch (its
-    # copy-free token dimension, strategies/token_shard.py), [2, 16, 32] of the [8, 16, 32] stream
+    # copy-free token dimension, autopar/compiler/strategies/token_shard.py), [2, 16, 32] of the [8, 16, 32] stream
     assert all(e.op == "getitem" and e.shape == (2, 16, 32) for e in inside), inside
     before, after = plain.comm.by_key(rank=0), full.comm.by_key(rank=0)
     again = _forward_collectives(full, None)
@@ -168,7 +168,7 @@ def test_bad_recompute_declarations_are_refused():
 
 
 def test_the_cli_plans_with_recomputation(capsys):
-    from autopar.cli import main
+    from autopar.tools.cli import main
 
     assert main(["plan", "examples/gpt.py", "--mesh", "dp=2,tp=2", "--strategy", "dp,sp", "--recompute", "full"]) == 0
     printed = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Repeated blocks traced once (autopar/repeated_blocks.py) give the plan a full trace gives.
+"""Repeated blocks traced once (autopar/compiler/repeated_blocks.py) give the plan a full trace gives.
 
 Each case plans a model with 4-6 equal blocks twice — exporting every block (`reuse_blocks=False`)
 and exporting three and copying the third — and compares, node for node in graph order: the op,
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import autopar
-from autopar.ir import ARG_SPECS, COLLECTIVE, SPEC, module_stack
-from autopar.repeated_blocks import find_repeated_blocks
+from autopar.core.ir import ARG_SPECS, COLLECTIVE, SPEC, module_stack
+from autopar.compiler.repeated_blocks import find_repeated_blocks
 
 
 def _target(node: torch.fx.Node) -> str:
@@ -122,8 +122,8 @@ def test_hf_gpt2_tp_is_the_full_plan(transformers, kind):
 def _dropped_and_exported(model: torch.nn.Module, path: str, mesh: str, strategies: list, inputs: tuple) -> tuple:
     """The one-block plan twice: its trace the two-block trace less its last block (what the planner at
     scale does, `block_ledgers.measure_layout`), and exported."""
-    from autopar.repeated_blocks import truncated
-    from autopar.trace import reuse_shortened, reused_trace, reusing_traces
+    from autopar.compiler.repeated_blocks import truncated
+    from autopar.compiler.trace import reuse_shortened, reused_trace, reusing_traces
 
     def one_block() -> autopar.Plan:
         return autopar.plan(model, mesh, strategies=strategies, example_inputs=inputs, reuse_blocks=False)

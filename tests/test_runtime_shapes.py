@@ -7,7 +7,7 @@ on fake tensors of another size's local shapes (the plan-time check runs them at
 
 Real gloo processes (world 2, one launch for every case): data parallel (batch split), tensor
 parallel, and sequence parallel (the sequence split inside the model: its sizes are computed
-from the inputs as global sizes and divided by the shard degree, `passes/emit_rank_graph.py`).
+from the inputs as global sizes and divided by the shard degree, `autopar/compiler/passes/emit_rank_graph.py`).
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import autopar
-from autopar.check_rank_graphs import _CheckedRun, _check_backward, _traced_mode
-from autopar.ir import SPEC, local_shape, sym_size
-from autopar.ledger.activations import kernel_device, on_device
+from autopar.compiler.check_rank_graphs import _CheckedRun, _check_backward, _traced_mode
+from autopar.core.ir import SPEC, local_shape, sym_size
+from autopar.compiler.ledger.activations import kernel_device, on_device
 from autopar.runtime.input_shapes import InputShapeError
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch

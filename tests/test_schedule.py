@@ -1,5 +1,5 @@
-"""The scheduling pass (passes/schedule_collectives.py) and the deferred steps it emits
-(autopar/runtime/in_flight.py): where the halves land in the graph, what runs between them in a
+"""The scheduling pass (autopar/compiler/passes/schedule_collectives.py) and the deferred steps it emits
+(autopar/core/ops/in_flight.py): where the halves land in the graph, what runs between them in a
 real run (read by a dispatch mode, outside the code under test), and the same numbers as the
 synchronous steps. Numerics of whole models with the pass on are the other test files' (it is
 the default)."""
@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.ir import module_path
-from autopar.passes.schedule_collectives import deferred_nodes, overlaps, small_values
-from autopar.runtime import collectives, in_flight, moe
+from autopar.core.ir import module_path
+from autopar.compiler.passes.schedule_collectives import deferred_nodes, overlaps, small_values
+from autopar.core.ops import collectives, in_flight, moe
 from autopar.runtime.launch import launch
-from autopar.views.html import render_html
+from autopar.tools.views.html import render_html
 from examples.gpt import GPT, GPTConfig, example_batch
 from examples.moe import MoEConfig, MoEGPT
 from tests.dispatch_calls import CallNames
@@ -127,7 +127,7 @@ def _tensor_parallel_calls(rank: int, world: int) -> list[str]:
 def test_the_input_gradient_all_reduce_is_in_flight_over_the_weight_gradient_gemms():
     """Megatron's overlap, by autograd's order: each column-parallel linear's input-gradient
     all-reduce (the conjugate of f) is issued before the weight-gradient GEMMs of the linears it
-    feeds and waited after them (`runtime/weight_gradients.py`)."""
+    feeds and waited after them (`autopar/core/ops/weight_gradients.py`)."""
     for calls in launch(_tensor_parallel_calls, 2, timeout_s=60, deadline_s=150):
         backward = calls[calls.index("<forward done>"):]
         issued = [i for i, name in enumerate(backward) if name == "all_reduce"]

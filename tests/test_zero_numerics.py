@@ -102,7 +102,7 @@ def test_reduce_auto_resolves_by_backend_and_refuses_unknown_kinds():
     """Without a process group, "auto" plans the reduce-scatter and the all-gather (a plan for a
     cluster); on gloo the exchange and the owners' broadcasts; a kind that is not a way to reduce
     gradients or to gather parameters is refused at declaration."""
-    from autopar.comm_kinds import gradient_exchange_kind
+    from autopar.core.comm_kinds import gradient_exchange_kind
 
     assert gradient_exchange_kind("auto") == "reduce_scatter"  # pytest's process has no process group
     assert gradient_exchange_kind("auto", backend="gloo") == "all_to_all"
@@ -113,7 +113,7 @@ def test_reduce_auto_resolves_by_backend_and_refuses_unknown_kinds():
     assert {u.reduce_kind for stage in plan.stages for u in stage.units} == {"reduce_scatter"}
     with pytest.raises(autopar.PlanError, match="reduce='all_reduce'"):
         autopar.zero(stage=2, reduce="all_reduce")
-    from autopar.comm_kinds import parameter_gather_kind
+    from autopar.core.comm_kinds import parameter_gather_kind
 
     assert parameter_gather_kind("auto") == "all_gather"
     assert parameter_gather_kind("auto", backend="gloo") == "broadcast"

@@ -7,7 +7,7 @@ import torch
 
 import autopar
 from autopar import PlanError
-from autopar.ledger.memory import build_memory_ledger, largest_model
+from autopar.compiler.ledger.memory import build_memory_ledger, largest_model
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
 
@@ -85,7 +85,7 @@ def test_gradients_lay_out_as_each_owner_reads_its_shard(rows, group_size):
     """`grad_layout` puts rank r's rows of every parameter side by side in row r of the flat buffer,
     padding rows and a missing gradient zero, whatever the buffer held before; `copy_gathered`
     reads it back into the full parameters."""
-    from autopar.zero_units import ShardUnit, UnitParam, copy_gathered, grad_layout, rows_per_rank, shard_of
+    from autopar.core.zero_units import ShardUnit, UnitParam, copy_gathered, grad_layout, rows_per_rank, shard_of
 
     shapes = [(rows, 3), (rows + 1,), (2, 2)]
     params = tuple(UnitParam(f"p{i}", f"p{i}", shape, rows_per_rank(shape[0], group_size))
@@ -137,7 +137,7 @@ def test_optimizer_that_cannot_run_on_shards_is_refused_before_its_step():
 
 
 def test_cli_compares_stages_side_by_side(capsys):
-    from autopar.cli import main
+    from autopar.tools.cli import main
 
     assert main(["plan", "examples/gpt.py", "--mesh", "dp=4", "--compare-stages"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -153,7 +153,7 @@ def test_comparing_stages_under_context_parallelism_counts_the_flattened_gradien
     """Under dp × cp plain data parallelism reduces its gradients over the flattened dp+cp group,
     ZeRO over dp (then its shards over cp): a per-axis question about dp counts the dp+cp
     reduction with it, or DDP's row would show no gradient bytes at all."""
-    from autopar.stage_compare import compare_stages
+    from autopar.tools.stage_compare import compare_stages
 
     config = GPTConfig(vocab_size=128, seq_len=32, n_layer=2, n_head=4, d_model=32, d_ff=64)
     strategies = [autopar.data_parallel(), autopar.context_parallel()]

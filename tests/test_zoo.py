@@ -53,7 +53,7 @@ FULL_CONFIGS = {
 CONFIGS = {**FULL_CONFIGS, "tp2_sp": ("tp=2", [autopar.sequence_parallel()])}
 CI_CONFIG = "tp2_sp"
 # (architecture, config) -> what the plan-time refusal names. None now: mixture-of-experts blocks
-# (transformers' grouped experts) are lowered by passes/lower_moe.py and train under every config.
+# (transformers' grouped experts) are lowered by autopar/compiler/passes/lower_moe.py and train under every config.
 REFUSED: dict[tuple[str, str], str] = {}
 
 

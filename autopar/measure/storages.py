@@ -34,8 +34,8 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections import defaultdict
 import weakref
+from collections import defaultdict
 from typing import Any, Iterable, Iterator
 
 import torch

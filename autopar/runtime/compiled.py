@@ -6,10 +6,10 @@ run as planned; `compiled` is what a `StageRunner` calls instead of its GraphMod
 `warn_if_watched` what it checks before each call.
 
 What is captured: dynamo traces a rank graph's generated code. The redistribution steps
-(`runtime/collectives.py`) are autograd functions that call functional collectives, so they are
+(`autopar/core/ops/collectives.py`) are autograd functions that call functional collectives, so they are
 traced into the graph, and AOT autograd derives the backward from their conjugates: a dp×tp+SP
 rank graph is one compiled graph, collectives included. What keeps run-time state in Python
-runs eagerly between compiled pieces: ZeRO's unit calls (`runtime/sharded_state.py`), the
+runs eagerly between compiled pieces: ZeRO's unit calls (`autopar/core/ops/sharded_state.py`), the
 re-gathering all-gather of `regather_in_backward` (`collectives._regathering_all_gather`).
 Measuring from outside with a dispatch mode (`autopar.measure`) disables compilation (dynamo
 runs frames eagerly under a non-infra dispatch mode), so the ledgers are checked on eager runs.
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from autopar.errors import PlanError
-from autopar.ir import module_path, source_line
-from autopar.runtime import moe
+from autopar.core.errors import PlanError
+from autopar.core.ir import module_path, source_line
+from autopar.core.ops import moe
 
 
 def compile_options(compile: Any, *, dynamic: bool) -> dict | None:

@@ -2,7 +2,7 @@
 
 A plan is traced at the example's shapes. A dimension declared dynamic (`dynamic_dims=` to
 `autopar.plan` / `autopar.parallelize`) keeps a symbolic size, and the rank graphs compute every
-size from the inputs they get (`passes/emit_rank_graph.py`): such a dimension may take any size
+size from the inputs they get (`autopar/compiler/passes/emit_rank_graph.py`): such a dimension may take any size
 its shard degree divides. Every other dimension is fixed at the example's size. Without this
 check a wrong size fails deep inside a rank graph (`shape '[128, 64]' is invalid for input of
 size 4096`) or, worse, on some ranks only; here it is an `InputShapeError` naming the input, the
@@ -19,8 +19,8 @@ from typing import Any, Sequence
 
 import torch
 
-from autopar.ir import SPEC, shard_dim
-from autopar.runtime.sequence_chunks import chunks_total
+from autopar.core.ir import SPEC, shard_dim
+from autopar.core.sequence_chunks import chunks_total
 
 
 class InputShapeError(ValueError):

@@ -10,7 +10,7 @@ running. Under torchrun use `init_from_env()` instead.
 
 Ranks start from a fork server (`multiprocessing`'s "forkserver") that has imported torch,
 autopar and, where installed, transformers once, and warmed up what every rank's first seconds
-would repeat (`autopar/runtime/forkserver_warmup.py`: transformers' lazy modules, one small
+would repeat (`autopar/tools/forkserver_warmup.py`: transformers' lazy modules, one small
 plan): a 4-rank launch then starts in ~0.1 s instead of ~8.5 s of imports per launch under
 "spawn" on a 2-core machine, and ranks skip ~4 s of transformers imports each. The fork server is a fresh
 interpreter (no threads of the caller's), started at the first launch; each rank takes the
@@ -51,7 +51,7 @@ def init_from_env(*, timeout_s: float = 120.0, backend: str | None = None) -> No
 
 # imported once by the fork server; every rank forks from it with these already loaded
 FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "sympy", "autopar",
-                      "transformers", "autopar.runtime.forkserver_warmup")
+                      "transformers", "autopar.tools.forkserver_warmup")
 _preload_set = False
 
 

@@ -19,21 +19,24 @@ equal rows) and `sharded_state.ShardedState` gathers and reduces them.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
-from autopar.ir import shard_dim
-from autopar.plan import Plan, shard
-from autopar.runtime import collectives, progress
-from autopar.runtime.collectives import raw_all_reduce
+from autopar.core.ir import shard_dim
+from autopar.core.ops.collective_calls import raw_all_gather, raw_all_reduce
+from autopar.core.shards import shard
+from autopar.core.zero_units import shard_of
+from autopar.runtime import progress
 from autopar.runtime.input_shapes import check_global_inputs, check_local_inputs
 from autopar.runtime.pipeline import PipelineExecutor
 from autopar.runtime.stage import StageRunner
-from autopar.zero_units import shard_of
+
+if TYPE_CHECKING:  # the runtime runs a plan the compiler made; it never imports the compiler
+    from autopar.compiler.plan import Plan
 
 
 def _set_path(root: torch.nn.Module, fqn: str, value: torch.Tensor, *, parameter: bool) -> torch.Tensor:
@@ -52,11 +55,11 @@ def _set_path(root: torch.nn.Module, fqn: str, value: torch.Tensor, *, parameter
 
 
 def _unshard(tensor: torch.Tensor, placement: Any, group: str, size: int) -> torch.Tensor:
-    """The inverse of `plan.shard` on one axis."""
+    """The inverse of `core.shards.shard` on one axis."""
     dim = shard_dim(placement)
     if dim is None:
         return tensor
-    gathered = collectives.raw_all_gather(tensor, group, size, dim)
+    gathered = raw_all_gather(tensor, group, size, dim)
     if not isinstance(placement, _StridedShard):
         return gathered
     # each rank holds its chunk of every block: regroup (rank, block) pieces block by block

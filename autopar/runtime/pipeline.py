@@ -1,7 +1,7 @@
 """The pipeline runtime: one rank's schedule of stage forwards and backwards over micro-batches.
 
 `PipelineExecutor.step(local_inputs)` splits the rank's local batch into m micro-batches along
-the batch dimension, then runs the rank's list of actions (`autopar.schedules.actions`):
+the batch dimension, then runs the rank's list of actions (`autopar.core.schedules.actions`):
 
 - F(stage, k): the stage graph on micro-batch k (`StageRunner.run`); its receives block until
   the previous stage's activations arrive, its sends leave asynchronously (`runtime/p2p.py`);
@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from autopar import schedules
-from autopar.runtime import p2p
+from autopar.core import schedules
+from autopar.core.ops import p2p
 from autopar.runtime.stage import StageRunner
 
 

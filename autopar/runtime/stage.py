@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from autopar.program import Stage
-from autopar.runtime import collectives, sharded_state
+from autopar.core.ops import collectives, sharded_state
+from autopar.core.program import Stage
 from autopar.runtime.compiled import compiled, warn_if_watched
 from autopar.runtime.grad_sync import GradSynchronizer
 

@@ -1,0 +1,72 @@
+"""The compiler passes, one per file, and the runner that applies them in order.
+
+Every pass maps a `Program` (autopar.core.program) to a `Program`. Order: `drop_empty_concats` (an empty
+KV cache concatenated with keys and values) -> `lower_moe` (mixture-of-experts routing to autopar's
+kernels, with the all-to-all exchange under expert parallelism) -> `propagate_placements` ->
+`insert_collectives` -> `insert_grad_reductions` (these decide the whole graph) -> `split_pipeline`
+(the stage graphs: one, the whole graph, without a pipeline) -> `shard_parameters` (ZeRO/FSDP units
+per stage; a no-op without a sharded-state strategy) -> `recompute` (marks the regions activation
+recomputation runs again; a no-op without it) -> `chunk_collectives` (async TP: each TP/SP linear
+and its forward collective cut into pieces of rows under `autopar.schedule(chunks=k)`; a no-op
+without it) -> `schedule_collectives` (each collective split into a start and a finish, small
+finishes deferred to where they are needed; off under `autopar.schedule(overlap=False)`), then
+`emit_rank_graph` once per (rank, stage), which wraps each marked region in a checkpointed call.
+`run_passes` names the pass that failed, times each one and records how many nodes it added over all
+stage graphs (`PassRecord`), so `autopar plan` can show what each pass did.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from autopar.compiler.context import CompileContext
+from autopar.compiler.passes.chunk_collectives import chunk_collectives
+from autopar.compiler.passes.drop_empty_concats import drop_empty_concats
+from autopar.compiler.passes.insert_collectives import insert_collectives
+from autopar.compiler.passes.insert_grad_reductions import insert_grad_reductions
+from autopar.compiler.passes.lower_moe import lower_moe
+from autopar.compiler.passes.propagate_placements import propagate_placements
+from autopar.compiler.passes.recompute import recompute
+from autopar.compiler.passes.schedule_collectives import schedule_collectives
+from autopar.compiler.passes.shard_parameters import shard_parameters
+from autopar.compiler.passes.split_pipeline import split_pipeline
+from autopar.core.errors import PlanError
+from autopar.core.program import Program
+
+Pass = Callable[[Program, CompileContext], Program]
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    name: str
+    seconds: float
+    nodes_before: int
+    nodes_after: int
+
+
+def run_passes(program: Program, ctx: CompileContext, passes: list[Pass]) -> tuple[Program, list[PassRecord]]:
+    """Run `passes` in order. A pass that refuses some combinations of strategies whatever the graph
+    says (its `refuses(ctx)` raises PlanError) is asked before any pass runs."""
+    for compiler_pass in passes:
+        refuses = getattr(compiler_pass, "refuses", None)
+        if refuses is not None:
+            refuses(ctx)
+    records = []
+    for compiler_pass in passes:
+        before = program.node_count()
+        start = time.perf_counter()
+        try:
+            program = compiler_pass(program, ctx)
+        except PlanError:
+            raise
+        except Exception as error:
+            raise PlanError(f"pass {compiler_pass.__name__} failed: {type(error).__name__}: {error}") from error
+        records.append(PassRecord(compiler_pass.__name__, time.perf_counter() - start, before, program.node_count()))
+    return program, records
+
+
+def default_passes() -> list[Pass]:
+
+    return [drop_empty_concats, lower_moe, propagate_placements, insert_collectives, insert_grad_reductions,
+            split_pipeline, shard_parameters, recompute, chunk_collectives, schedule_collectives]

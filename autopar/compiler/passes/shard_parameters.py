@@ -1,0 +1,241 @@
+"""Pass 4 (ZeRO / FSDP): group the parameters of the sharded-state axis into units and make the
+graph gather them where they are used.
+
+Runs after `split_pipeline`, only when a strategy declares a `ShardedState` (autopar/compiler/strategies/zero.py),
+on each stage graph (units never span stages). For each unit (a repeated block such as `layers.3`, or the root: every
+other parameter) it
+- decides each parameter's dim-0 shard rows (`autopar.core.zero_units`, padded when uneven) and
+  takes the sharded axis out of the parameter's GRAD_SYNC axes: the unit's own reduce-scatter
+  replaces the bucketed all-reduce; axes left (HSDP's replicate axis, sequence-parallel norms)
+  become the unit's `extra_axes`, all-reduced on the shard;
+- inserts `gather_unit(shards)` before the first use of any of its parameters, with one
+  getitem per parameter replacing the placeholder in every use. The placeholder now receives
+  the rank's shard; the getitem is the gathered compute tensor (node meta ZERO_UNIT);
+- stage 3, resharded units: inserts `release_unit` after the last forward use, and
+  `unit_boundary` on every tensor leaving the block, whose backward gathers the unit again
+  (and prefetches the one before) just before the block's backward needs it.
+A unit is resharded only when all its parameters are used inside its own module; the root unit
+only with `reshard_root` (FSDP2 keeps its root gathered: it is needed again first in backward),
+its boundary then sits on the graph's outputs. The runtime that executes
+the three calls (bound methods of `sharded_state.UnitCalls`) is `autopar.core.ops.sharded_state`.
+"""
+from __future__ import annotations
+
+import fnmatch
+import operator
+import re
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx
+
+from autopar.compiler.context import CompileContext
+from autopar.compiler.passes.insert_grad_reductions import GRAD_SYNC
+from autopar.core.comm_kinds import gradient_exchange_kind, parameter_gather_kind
+from autopar.core.errors import PlanError
+from autopar.core.ir import ARG_SPECS, COLLECTIVE, LOCAL_ARGS, RULE, SPEC, local_shape, module_path
+from autopar.core.ops import sharded_state
+from autopar.core.program import Program
+from autopar.core.zero_units import ShardUnit, UnitParam, rows_per_rank
+
+if TYPE_CHECKING:  # strategies sit above the passes: what the passes read of them comes through the context
+    from autopar.compiler.strategies.zero import ShardedState
+
+ZERO_UNIT = "autopar_zero_unit"  # on gather / getitem / boundary nodes: the unit's index
+ZERO_SHARD = "autopar_zero_shard"  # on a parameter placeholder: (unit index, shard shape)
+_BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
+
+
+def _unit_name(fqn: str, patterns: tuple[str, ...] | None) -> str:
+    module = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+    if patterns is not None:
+        parts = module.split(".")
+        prefixes = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+        return next((p for p in prefixes for pattern in patterns if fnmatch.fnmatchcase(p, pattern)), "")
+    match = _BLOCK.match(fqn)
+    return match.group(1) if match else ""
+
+
+def _inside(node: torch.fx.Node, unit_name: str) -> bool:
+    path = module_path(node)
+    return bool(unit_name) and (path == unit_name or path.startswith(unit_name + "."))
+
+
+def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declared, *, first: int,
+                stage: int) -> list[tuple[ShardUnit, list]]:
+    size = ctx.mesh.size(axis)
+    groups: dict[tuple, list[tuple[UnitParam, torch.fx.Node]]] = {}
+    for node in gm.graph.nodes:
+        info = ctx.placeholders.get(node.name)
+        if node.op != "placeholder" or info is None or info.kind != "parameter" or not info.requires_grad:
+            continue
+        spec = node.meta[SPEC]
+        sync = list(node.meta.get(GRAD_SYNC, []))
+        if not node.users or axis not in sync or len(spec.tensor_meta.shape) == 0:
+            continue  # unread, not data-parallel on the axis, or 0-d: stays replicated
+        shape = tuple(local_shape(spec.tensor_meta.shape, spec.placements, ctx.mesh.shape))
+        extra = ctx.mesh.sync_keys([a for a in sync if a != axis])
+        key = (_unit_name(info.target, declared.units), extra, spec.tensor_meta.dtype)
+        groups.setdefault(key, []).append((UnitParam(info.target, node.name, shape, rows_per_rank(shape[0], size)), node))
+    units = []
+    for index, ((name, extra, dtype), members) in enumerate(groups.items(), start=first):
+        if any("@" in axis for axis in extra):
+            # held by several pipeline stages (tied) and reduced over their group too: the same
+            # parameters in the same order on every holder, whatever each stage's graph order
+            members = sorted(members, key=lambda m: m[0].fqn)
+        params = tuple(p for p, _ in members)
+        nodes = [n for _, n in members]
+        self_contained = bool(name) and all(_inside(user, name) for n in nodes for user in n.users)
+        reshard = declared.stage == 3 and declared.reshard_after_forward and (
+            self_contained or (not name and declared.reshard_root))
+        master = ctx.master_dtypes.get(params[0].fqn, dtype)
+        units.append((ShardUnit(index=index, name=name, axis=axis, group_size=size, stage=declared.stage,
+                                dtype=dtype, params=params, extra_axes=extra, reshard=reshard,
+                                prefetch=declared.prefetch, backward_prefetch=declared.backward_prefetch,
+                                master_dtype=master,
+                                reduce_dtype=declared.reduce_dtype or dtype, pipeline_stage=stage,
+                                **_kinds(declared, backend=ctx.strategy.backend)), nodes))
+    return units
+
+
+def _kinds(declared: ShardedState, *, backend: str | None) -> dict[str, str]:
+    """The unit's reduce and gather kinds, as `comm_kinds` resolves the declared ones for `backend`
+    (the plan's, `plan(backend=)`; None: the initialised process group's)."""
+    return {"reduce_kind": gradient_exchange_kind(declared.reduce, backend),
+            "gather_kind": parameter_gather_kind(declared.gather, backend)}
+
+
+def _graph_order(graph: torch.fx.Graph, order: dict[torch.fx.Node, int], wanted: list[torch.fx.Node]
+                 ) -> dict[torch.fx.Node, int]:
+    """Positions in `graph`: `order` as computed before, refreshed when a wanted node is newer."""
+    if any(node not in order for node in wanted):
+        order.clear()
+        order.update((n, i) for i, n in enumerate(graph.nodes))
+    return order
+
+
+def _unit_members(graph: torch.fx.Graph, units: list[ShardUnit]) -> dict[str, list[torch.fx.Node]]:
+    """The call_function nodes inside each unit's module (`_inside`), in graph order, found once:
+    the nodes the rewrite adds (gathers, their items, boundaries) carry no module path."""
+    names = {unit.name for unit in units if unit.name}
+    members: dict[str, list[torch.fx.Node]] = {name: [] for name in names}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        parts = module_path(node).split(".")
+        for end in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:end])
+            if prefix in names:
+                members[prefix].append(node)
+    return members
+
+
+def _rewrite_unit(graph: torch.fx.Graph, unit: ShardUnit, nodes: list[torch.fx.Node], calls,
+                  order: dict[torch.fx.Node, int], members: dict[str, list[torch.fx.Node]]) -> None:
+    users = [user for n in nodes for user in n.users]
+    first_use = min(users, key=_graph_order(graph, order, users).__getitem__)
+    with graph.inserting_before(first_use):
+        gather = graph.call_function(calls.gather_unit, (tuple(nodes),), {"unit": unit.index})
+        gather.meta[ZERO_UNIT] = unit.index
+        gathered = []
+        for i, node in enumerate(nodes):
+            item = graph.call_function(operator.getitem, (gather, i))
+            item.meta.update({k: v for k, v in node.meta.items() if k not in (GRAD_SYNC,)})
+            item.meta[ZERO_UNIT] = unit.index
+            gathered.append(item)
+    for node, item, param in zip(nodes, gathered, unit.params):
+        node.replace_all_uses_with(item, delete_user_cb=lambda user: user is not gather)
+        node.meta[GRAD_SYNC] = []  # the unit reduces its gradient: over the axis, then its extra_axes
+        node.meta[ZERO_SHARD] = (unit.index, param.shard_shape)
+    if not unit.reshard:
+        return
+    users = [user for view in _aliases(gathered) for user in view.users]
+    last_use = max(users, key=_graph_order(graph, order, users).__getitem__)
+    with graph.inserting_after(last_use):
+        graph.call_function(calls.release_unit, (), {"unit": unit.index})
+    _insert_boundaries(graph, unit, calls, members.get(unit.name, []))
+
+
+def _returns_alias(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
+
+
+def _aliases(nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The nodes plus every view of them (permute, reshape, ...): a use of a view is a use of the
+    gathered storage, so release_unit must follow the last of those too."""
+    found, stack = [], list(nodes)
+    while stack:
+        node = stack.pop()
+        found.append(node)
+        stack.extend(user for user in node.users if _returns_alias(user) and user not in found)
+    return found
+
+
+def _insert_boundaries(graph: torch.fx.Graph, unit: ShardUnit, calls, inside: list[torch.fx.Node]) -> None:
+    """`unit_boundary` on every floating-point tensor computed in the block and read outside it;
+    for the root unit, on the graph's outputs (its backward is the first to run)."""
+    if not unit.name:
+        output = next(n for n in graph.nodes if n.op == "output")
+        for node in output.all_input_nodes:
+            _boundary(graph, node, [output], unit, calls)
+        return
+    for node in inside:
+        outside = [u for u in node.users if not _inside(u, unit.name)
+                   and sharded_state.unit_call(u.target) != "release_unit"]
+        _boundary(graph, node, outside, unit, calls)
+
+
+def _boundary(graph: torch.fx.Graph, node: torch.fx.Node, users: list[torch.fx.Node], unit: ShardUnit,
+              calls) -> None:
+    """Route `users`' reads of a floating-point `node` through one unit_boundary."""
+    value = node.meta.get("val")
+    if not users or not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
+        return
+    with graph.inserting_after(node):
+        boundary = graph.call_function(calls.unit_boundary, (node,), {"unit": unit.index})
+    # what the node computes (value, placement, provenance), not how it was lowered (a view's local
+    # shape arguments, a rule's kernel) nor the collective it performs (the ledger would count it twice)
+    lowering = ("nn_module_stack", LOCAL_ARGS, RULE, ARG_SPECS, COLLECTIVE)
+    boundary.meta.update({k: v for k, v in node.meta.items() if k not in lowering})
+    boundary.meta[ZERO_UNIT] = unit.index
+    for user in users:
+        user.replace_input_with(node, boundary)
+
+
+def _check_mixed_precision(gm: torch.fx.GraphModule, ctx: CompileContext, declared) -> None:
+    """Mixed precision keeps fp32 masters only in units: every other trainable parameter is refused."""
+    if declared.param_dtype is None:
+        return
+    in_units = {p.fqn for u in ctx.units for p in u.params}
+    for node in gm.graph.nodes:
+        info = ctx.placeholders.get(node.name)
+        if node.op == "placeholder" and info is not None and info.kind == "parameter" and info.requires_grad \
+                and node.users and info.target not in in_units:
+            raise PlanError(f"mixed precision (param_dtype={declared.param_dtype}) keeps fp32 master weights in "
+                            f"ZeRO units only, and parameter {info.target!r} is in none (0-d, or its gradient is not "
+                            f"reduced over the sharded axis). fix: drop param_dtype, or make the parameter 1-d+ and "
+                            f"data-parallel on the axis")
+
+
+def shard_parameters(program: Program, ctx: CompileContext) -> Program:
+    declared = ctx.strategy.sharded_state()
+    if declared is None:
+        return program
+    axis, state = declared
+    ctx.units = []
+    for stage in program.stages:
+        gm = stage.graph_module
+        units = _plan_units(gm, ctx, axis, state, first=len(ctx.units), stage=stage.index)
+        calls = sharded_state.UnitCalls([unit for unit, _ in units])
+        order: dict[torch.fx.Node, int] = {}
+        members = _unit_members(gm.graph, [unit for unit, _ in units])
+        for unit, nodes in units:
+            _rewrite_unit(gm.graph, unit, nodes, calls, order, members)
+        stage.units = [unit for unit, _ in units]
+        ctx.units += stage.units
+        gm.graph.lint()
+        gm.recompile()
+    for stage in program.stages:
+        _check_mixed_precision(stage.graph_module, ctx, state)
+    return program

@@ -1,0 +1,208 @@
+"""autopar's sharding rules for attention: `scaled_dot_product_attention`, which DTensor has no
+rule for on the CPU kernel.
+
+Batch- or head-sharded attention keeps that sharding (`sdpa_rule`); attention on sequence shards
+over a context-parallel axis is lowered to ring / all-gather / all-to-all attention
+(`context_attention_rule`, `autopar/core/ops/context_attention.py`), its mask recognised at plan time as
+causal or absent (`static_mask_kind`) and its collectives declared for the ledger
+(`_context_collectives`). Registered in `autopar.compiler.rules.registry`; importing `autopar.compiler.rules` loads this module.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+import torch
+import torch.fx
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import Placement
+
+from autopar.compiler.rules.registry import InternalCollective, RuleContext, RuleResult, register, spec_like
+from autopar.core.errors import PlanError
+from autopar.core.ir import hint, local_numel, simplified
+from autopar.core.ops import context_attention
+
+aten = torch.ops.aten
+
+
+@register(aten.scaled_dot_product_attention.default)
+def sdpa_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext) -> RuleResult:
+    """q sharded on batch (0) or heads (1) keeps that sharding when k and v are sharded alike or
+    replicated (then sliced locally: key/value heads a rank holds whole, e.g. replicated because
+    the tensor axis exceeds the key/value heads, after repeat_kv); q, k and v sharded on the
+    sequence (2) over a context-parallel axis keep it and the op is lowered to
+    `runtime.context_attention` (`context_attention_rule`); anything else replicates."""
+    q, k, v = specs[:3]
+    lowered = context_attention_rule(node, specs, ctx)
+    if lowered is not None:
+        return lowered
+    mask = specs[3] if len(specs) > 3 else None
+    chosen = []
+    for axis_index in range(len(ctx.mesh_names)):
+        placement = q.placements[axis_index]
+        same = all(s.placements[axis_index] in (placement, Replicate()) for s in (k, v))
+        keep = type(placement) is Shard and placement.dim in (0, 1) and same
+        chosen.append(placement if keep else Replicate())
+    chosen_t = tuple(chosen)
+    required: list[DTensorSpec | None] = [spec_like(s, chosen_t) for s in (q, k, v)]
+    if mask is not None:
+        mask_val = node.args[3].meta["val"]
+        mask_placements = tuple(p if isinstance(p, Shard) and hint(mask_val.shape[p.dim]) > 1 else Replicate()
+                                for p in chosen_t)
+        required.append(spec_like(mask, mask_placements))
+    required += [None] * (len(specs) - len(required))
+    return RuleResult(output=spec_like(q, chosen_t, node.meta["val"]), required=required)
+
+
+def context_attention_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext
+                           ) -> RuleResult | None:
+    """Attention whose query arrives sequence-sharded (Shard(2) of [batch, heads, seq, head_dim]) on a
+    context-parallel axis: q, k and v stay sequence-sharded there, batch and head shards on the other
+    axes are kept as `sdpa_rule` keeps them, and the node runs `context_attention` with the axis'
+    method. What each method moves is recorded for the ledger (`_context_collectives`)."""
+    q = specs[0]
+    found = [(axis, d) for axis, d in ctx.context_axes if q.placements[ctx.mesh_names.index(axis)] == Shard(2)]
+    if not found:
+        return None
+    axis, declaration = found[0]
+    axis_index = ctx.mesh_names.index(axis)
+    _refuse_unlocalisable(node, axis, declaration, ctx.mesh_shape[axis_index])
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    chosen = []
+    for i in range(len(ctx.mesh_names)):
+        placement = q.placements[i]
+        keep = i == axis_index or (type(placement) is Shard and placement.dim in (0, 1)
+                                   and all(s.placements[i] in (placement, Replicate()) for s in specs[1:3]))
+        chosen.append(placement if keep else Replicate())
+    chosen_t = tuple(chosen)
+    required: list[DTensorSpec | None] = [spec_like(s, chosen_t) for s in specs[:3]]
+    required += [None] * (len(specs) - len(required))  # a static mask is read as "causal" or "none"
+    return RuleResult(
+        output=spec_like(q, chosen_t, node.meta["val"]), required=required,
+        local_kernel=context_attention.context_attention,
+        kernel_kwargs={"group": ("group", axis), "size": ("size", axis), "index": ("index", axis),
+                       "method": ("value", declaration.method), "layout": ("value", declaration.layout),
+                       "mask": ("value", static_mask_kind(mask) if mask is not None else "absent")},
+        internal=_context_collectives(node, chosen_t, axis, declaration.method, ctx),
+        unread_args=(3,) if len(node.args) > 3 and node.args[3] is not None else ())
+
+
+def _refuse_unlocalisable(node: torch.fx.Node, axis: str, declaration: Any, size: int) -> None:
+    """Plan-time errors for attention context parallelism cannot lower (the issue's bad inputs)."""
+    q_val, k_val = node.args[0].meta["val"], node.args[1].meta["val"]
+    where = f"attention on sequence shards over {axis!r} (context_parallel, method={declaration.method!r})"
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    if mask is not None and static_mask_kind(mask) is None:
+        raise PlanError.at(node, f"{where}: its attention mask ({mask.name}) is not the causal mask or no mask "
+                                 f"computed from positions alone (a padding, sliding-window or document mask, or "
+                                 f"one read from an input), and cannot be localised to the rank's chunks",
+                           fix="build the model so attention is causal or unmasked (is_causal=True, no attn_mask; "
+                               "for Hugging Face models pass no attention_mask), or leave context_parallel out")
+    if dropout:
+        raise PlanError.at(node, f"{where} does not support attention dropout (dropout_p={dropout})",
+                           fix="set the attention dropout to 0 (e.g. config.attention_dropout = 0.0)")
+    device = q_val.device.type
+    if declaration.method != "alltoall" and device not in ("meta", *context_attention.BLOCK_KERNELS):
+        raise PlanError.at(node, f"{where}: no attention block kernel that returns the log-sum-exp is registered "
+                                 f"for device {device!r} (registered: {', '.join(context_attention.BLOCK_KERNELS)})",
+                           fix="use method='alltoall' (whole-sequence SDPA per head group), or register a kernel in "
+                               "autopar.core.ops.context_attention.BLOCK_KERNELS")
+    seq = q_val.shape[2]
+    parts = 2 * size if declaration.load_balance else size
+    if isinstance(seq, int) and seq % parts:
+        why = "2·cp chunks with load_balance=True" if declaration.load_balance else "cp chunks"
+        raise PlanError.at(node, f"{where}: sequence length {seq} does not divide into {parts} equal {why}",
+                           fix=f"use a sequence length divisible by {parts}"
+                               + (", or load_balance=False (then divisible by the axis size)"
+                                  if declaration.load_balance else ""))
+    if declaration.method == "alltoall":
+        for name, value in (("query", q_val), ("key/value", k_val)):
+            if isinstance(value.shape[1], int) and value.shape[1] % size:
+                raise PlanError.at(node, f"{where}: {value.shape[1]} {name} heads do not divide over {size} ranks "
+                                         f"(all-to-all scatters heads)",
+                                   fix=f"use method='ring' or 'allgather', or an axis size dividing {value.shape[1]}")
+
+
+def static_mask_kind(mask: torch.fx.Node) -> str | None:
+    """"causal" or "none" when `mask` is computed from constants alone (e.g. Hugging Face's mask
+    built from `arange`s) and equals the causal lower triangle, or allows everything; None when it
+    reads an input or parameter, fails to evaluate, or is anything else. Evaluated once per node at
+    the example's sizes, on CPU."""
+    if "autopar_mask_kind" in mask.meta:
+        return mask.meta["autopar_mask_kind"]
+    mask.meta["autopar_mask_kind"] = kind = _evaluate_mask_kind(mask)
+    return kind
+
+
+def _evaluate_mask_kind(mask: torch.fx.Node) -> str | None:
+    ancestors, stack = set(), [mask]
+    while stack:
+        node = stack.pop()
+        if node not in ancestors:
+            ancestors.add(node)
+            stack.extend(node.all_input_nodes)
+    if any(node.op != "call_function" for node in ancestors):
+        return None
+    values: dict[torch.fx.Node, Any] = {}
+
+    def concrete(value: Any) -> Any:
+        if isinstance(value, torch.fx.Node):
+            return values[value]
+        return torch.device("cpu") if isinstance(value, torch.device) else hint(value)
+
+    try:
+        for node in (n for n in mask.graph.nodes if n in ancestors):
+            args, kwargs = torch.utils._pytree.tree_map(concrete, (node.args, dict(node.kwargs)))
+            values[node] = node.target(*args, **kwargs)
+    except Exception:  # an op that does not run on constants here: not a mask we can read
+        return None
+    value = values[mask]
+    if not isinstance(value, torch.Tensor) or value.dim() < 2:
+        return None
+    if value.dtype == torch.bool:
+        allowed = value
+    else:
+        allowed = value > torch.finfo(value.dtype).min / 2
+        if bool((value[allowed] != 0).any()):
+            return None  # an additive bias, not a mask
+    rows, cols = value.shape[-2:]
+    if bool(allowed.all()):
+        return "none"
+    causal = torch.ones(rows, cols, dtype=torch.bool).tril()
+    return "causal" if bool((allowed == causal).all()) else None
+
+
+def _context_collectives(node: torch.fx.Node, placements: tuple[Placement, ...], axis: str, method: str,
+                         ctx: RuleContext) -> list[InternalCollective]:
+    """What context_attention moves per use, one record per tensor moved, in logical bytes of the
+    rank's shards. Gradients of K/V travel (ring) or are reduce-scattered (allgather) as fp32."""
+    size = ctx.mesh_shape[ctx.mesh_names.index(axis)]
+    q_val, k_val, v_val = (a.meta["val"] for a in node.args[:3])
+
+    def local(value: torch.Tensor, dtype: torch.dtype | None = None) -> sympy.Expr:
+        numel = local_numel(tuple(value.shape), placements, ctx.mesh_shape)
+        return simplified(numel * (dtype or value.dtype).itemsize)
+
+    k, v = local(k_val), local(v_val)
+    dk, dv = local(k_val, torch.float32), local(v_val, torch.float32)
+    dtype = k_val.dtype
+    if method == "ring":  # one send and one receive per tensor and step (module docstring of the kernel)
+        moved = [("forward", k, size - 1, "ring: K blocks to the next rank"),
+                 ("forward", v, size - 1, "ring: V blocks to the next rank"),
+                 ("backward", k, size - 1, "ring: K blocks again"), ("backward", v, size - 1, "ring: V blocks again"),
+                 ("backward", dk, size, "ring: dK accumulators (fp32), the last one home"),
+                 ("backward", dv, size, "ring: dV accumulators (fp32), the last one home")]
+        return [InternalCollective(kind, axis, phase, nbytes, dtype, why, calls=calls)
+                for phase, nbytes, calls, why in moved if calls for kind in ("send", "recv")]
+    if method == "allgather":  # S of a gather is the gathered size, of a reduce-scatter its input
+        return [InternalCollective("all_gather", axis, phase, simplified(size * t), dtype, f"{name} all-gathered{again}")
+                for phase, again in (("forward", ""), ("backward", " again (only the shards are saved)"))
+                for name, t in (("K", k), ("V", v))] + [
+                InternalCollective("reduce_scatter", axis, "backward", simplified(size * t), torch.float32,
+                                   f"{name} reduce-scattered (fp32)") for name, t in (("dK", dk), ("dV", dv))]
+    out = local(node.meta["val"])
+    return [InternalCollective("all_to_all", axis, phase, nbytes, dtype, f"Ulysses: {name} ({phase})")
+            for phase in ("forward", "backward")
+            for name, nbytes in (("query", local(q_val)), ("key", k), ("value", v), ("output", out))]

@@ -1,0 +1,276 @@
+"""Pipeline schedules as data: the order of forward and backward actions on each pipeline rank,
+and a simulator that times them.
+
+An `Action` is F (forward of a stage on a micro-batch), B (its backward: input and weight
+gradients, or with a split backward the input gradient only) or W (the weight gradient, split
+schedules only). `actions(schedule, degree=p, virtual=v, microbatches=m)` gives every rank's list:
+
+- `gpipe`: all forwards, then all backwards (with v > 1 breadth-first: a stage's forwards for all
+  micro-batches before the next stage's, PyTorch's LoopedBFS);
+- `1f1b`: p - c - 1 warm-up forwards on rank c, then one forward and one backward alternately,
+  then the remaining backwards (PipeDream-flush, Megatron's non-interleaved schedule);
+- `interleaved_1f1b`: Megatron's interleaved schedule over v stages per rank (stages dealt
+  round-robin, m a multiple of p), warm-up (p - c - 1)·2 + (v - 1)·p forwards;
+- `zb_h1`: zero bubble H1 (Qi et al. 2023): backward split into B (input gradient, on the
+  critical path) and W (weight gradient, deferrable); the later ranks defer their Ws into what
+  would be their cool-down bubble, at 1F1B's peak memory (p micro-batches on any rank).
+
+`simulate(actions, cost)` runs every rank's list in order, each action starting when its rank is
+free and its inputs exist (the previous stage's forward, the next stage's backward, this
+micro-batch's B before its W), and returns each action's (start, end) — or raises if the lists
+deadlock. The bubble ledger (`autopar.compiler.ledger.bubble`) prices actions with the compute ledger;
+the runtime (`autopar.runtime.pipeline`) executes the same lists.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
+
+SPLIT_BACKWARD = {"zb_h1"}
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "F", "B" or "W"
+    stage: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.stage}.{self.microbatch}"
+
+
+@lru_cache(maxsize=1 << 16)
+def _action(kind: str, stage: int, microbatch: int) -> Action:
+    """Actions are values: the generators hand out one object per distinct action (a composed
+    search builds the lists of a few hundred schedule shapes — ~250K actions, a few thousand
+    distinct — and allocating each one took most of that time, 0.74 s for the 8B exercise)."""
+    return Action(kind, stage, microbatch)
+
+
+def _gpipe(p: int, v: int, m: int) -> list[list[Action]]:
+    orders = []
+    for c in range(p):
+        stages = [c + chunk * p for chunk in range(v)]
+        forward = [_action("F", s, k) for s in stages for k in range(m)]
+        backward = [_action("B", s, k) for s in reversed(stages) for k in range(m)]
+        orders.append(forward + backward)
+    return orders
+
+
+def _one_f_one_b(p: int, v: int, m: int) -> list[list[Action]]:
+    orders = []
+    for c in range(p):
+        warmup = min(p - c - 1, m)
+        order = [_action("F", c, k) for k in range(warmup)]
+        for i in range(m - warmup):
+            order += [_action("F", c, warmup + i), _action("B", c, i)]
+        order += [_action("B", c, k) for k in range(m - warmup, m)]
+        orders.append(order)
+    return orders
+
+
+def _interleaved(p: int, v: int, m: int) -> list[list[Action]]:
+    """Megatron's `forward_backward_pipelining_with_interleaving`, per rank."""
+    total = m * v
+
+    def forward(c: int, k: int) -> Action:
+        chunk = (k // p) % v
+        return _action("F", chunk * p + c, (k // (p * v)) * p + k % p)
+
+    def backward(c: int, k: int) -> Action:
+        chunk = v - 1 - (k // p) % v
+        return _action("B", chunk * p + c, (k // (p * v)) * p + k % p)
+
+    orders = []
+    for c in range(p):
+        warmup = min((p - c - 1) * 2 + (v - 1) * p, total)
+        order = [forward(c, k) for k in range(warmup)]
+        for i in range(total - warmup):
+            order += [forward(c, warmup + i), backward(c, i)]
+        order += [backward(c, k) for k in range(total - warmup, total)]
+        orders.append(order)
+    return orders
+
+
+def _zero_bubble_h1(p: int, v: int, m: int) -> list[list[Action]]:
+    """ZB-H1 (the paper's Figure 3): rank c runs p - c warm-up forwards, then a B for each forward
+    it can add, a W whenever p micro-batches are held (a micro-batch is held until its W) or no
+    forward is left, and the remaining Ws last: the last rank defers its first Ws into what would
+    be its cool-down bubble, the first rank runs B W F, with 1F1B's peak of p micro-batches."""
+    orders = []
+    for c in range(p):
+        forwards = min(p - c, m)
+        order = [_action("F", c, k) for k in range(forwards)]
+        backwards = weights = 0
+        while backwards < m:
+            order.append(_action("B", c, backwards))
+            backwards += 1
+            if (forwards - weights >= p or forwards == m) and weights < backwards:
+                order.append(_action("W", c, weights))
+                weights += 1
+            if forwards < m:
+                order.append(_action("F", c, forwards))
+                forwards += 1
+        order += [_action("W", c, k) for k in range(weights, m)]
+        orders.append(order)
+    return orders
+
+
+GENERATORS: dict[str, Callable[[int, int, int], list[list[Action]]]] = {
+    "gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved_1f1b": _interleaved, "zb_h1": _zero_bubble_h1}
+
+
+def actions(schedule: str, *, degree: int, virtual: int, microbatches: int) -> list[list[Action]]:
+    """Every pipeline rank's actions, in order (see the module docstring)."""
+    if schedule == "interleaved_1f1b" and microbatches % degree:
+        raise ValueError(f"interleaved_1f1b needs micro-batches ({microbatches}) to be a multiple of the pipeline "
+                         f"degree ({degree})")
+    return GENERATORS[schedule](degree, virtual, microbatches)
+
+
+@dataclass(frozen=True)
+class Timed:
+    action: Action
+    rank: int
+    start: float
+    end: float
+
+
+def _inputs(action: Action, stages: int, latency: float) -> list[tuple[Action, float]]:
+    s, k = action.stage, action.microbatch
+    if action.kind == "F":
+        return [(Action("F", s - 1, k), latency)] if s > 0 else []
+    if action.kind == "B":
+        return [(Action("F", s, k), 0.0)] + ([(Action("B", s + 1, k), latency)] if s < stages - 1 else [])
+    return [(Action("B", s, k), 0.0)]
+
+
+def simulate(orders: list[list[Action]], cost: Callable[[Action], float], *, stages: int,
+             split_backward: bool = False, latency: float = 0.0, cores: int | None = None) -> list[Timed]:
+    """Every action's start and end when each rank runs its list in order (see module docstring).
+
+    `cores`: ranks share that many processors (processor sharing: r running ranks each progress
+    at min(1, cores / r)), as on a machine with fewer cores than pipeline ranks; None: one each."""
+    end: dict[Action, float] = {}
+    started: dict[int, tuple[float, float]] = {}  # rank -> (start, work left) of its current action
+    timed: list[Timed] = []
+    position = [0] * len(orders)
+    now = 0.0
+    while any(position[r] < len(order) for r, order in enumerate(orders)):
+        waiting_until = []
+        for rank, order in enumerate(orders):
+            if position[rank] >= len(order) or rank in started:
+                continue
+            needed = _inputs(order[position[rank]], stages, latency)
+            if all(a in end for a, _ in needed):
+                ready = max([now] + [end[a] + lag for a, lag in needed])
+                if ready <= now + 1e-12:
+                    started[rank] = (now, cost(order[position[rank]]))
+                else:
+                    waiting_until.append(ready)
+        if not started:
+            if not waiting_until:
+                stuck = [(r, str(o[position[r]])) for r, o in enumerate(orders) if position[r] < len(o)]
+                raise RuntimeError(f"pipeline schedule deadlocks: ranks wait at {stuck}")
+            now = min(waiting_until)
+            continue
+        rate = 1.0 if cores is None else min(1.0, cores / len(started))
+        step = min([left / rate for _, left in started.values()] + [t - now for t in waiting_until])
+        now += step
+        for rank in list(started):
+            start, left = started[rank]
+            left -= step * rate
+            if left > 1e-9:
+                started[rank] = (start, left)
+                continue
+            action = orders[rank][position[rank]]
+            end[action] = now
+            timed.append(Timed(action, rank, start, now))
+            position[rank] += 1
+            del started[rank]
+    return timed
+
+
+def bubble_fractions(timed: list[Timed], ranks: int) -> list[float]:
+    """Per rank: the fraction of the step (first start to last end, over all ranks) it is idle."""
+    begin = min(t.start for t in timed)
+    span = max(t.end for t in timed) - begin
+    busy = [0.0] * ranks
+    for t in timed:
+        busy[t.rank] += t.end - t.start
+    return [1 - b / span for b in busy]
+
+
+def in_flight(order: list[Action], *, split_backward: bool) -> dict[int, int]:
+    """Per stage of one rank: the most micro-batches whose activations are held at once (a
+    forward done, its backward — its W with a split backward — not yet)."""
+    releases = "W" if split_backward else "B"
+    held: dict[int, int] = {}
+    peak: dict[int, int] = {}
+    for action in order:
+        if action.kind == "F":
+            held[action.stage] = held.get(action.stage, 0) + 1
+            peak[action.stage] = max(peak.get(action.stage, 0), held[action.stage])
+        elif action.kind == releases:
+            held[action.stage] -= 1
+    return peak
+
+
+def peak_held(order: list[Action], *, releases: dict[int, str], forward_bytes: dict[int, float],
+              after_input_bytes: dict[int, float] | None = None) -> dict[int, tuple[int, int]]:
+    """Per stage of one rank, at the moment the rank holds the most bytes: (micro-batches past their
+    forward and before their backward, micro-batches past their B and before their W). A stage's
+    micro-batch holds `forward_bytes[s]` from F to B, and with a split backward (`releases[s]` "W")
+    `after_input_bytes[s]` from B to W."""
+    after = after_input_bytes or {}
+    forward = {stage: 0 for stage in forward_bytes}
+    waiting = {stage: 0 for stage in forward_bytes}
+    best, best_total = {s: (0, 0) for s in forward_bytes}, -1.0
+    for action in order:
+        s = action.stage
+        if action.kind == "F":
+            forward[s] += 1
+        elif action.kind == "B":
+            forward[s] -= 1
+            waiting[s] += 1 if releases[s] == "W" else 0
+        elif action.kind == "W":
+            waiting[s] -= 1
+        total = sum(forward[t] * forward_bytes[t] + waiting[t] * after.get(t, 0) for t in forward)
+        if total > best_total:
+            best, best_total = {t: (forward[t], waiting[t]) for t in forward}, total
+    return best
+
+
+def peak_live(order: list[Action], *, releases: dict[int, str], forward_bytes: dict[int, float],
+              after_input_bytes: dict[int, float] | None = None, working: dict[int, float] | None = None,
+              sent_forward: dict[int, float] | None = None, sent_backward: dict[int, float] | None = None,
+              gradients: float = 0.0) -> float:
+    """The most bytes one rank's schedule keeps alive at once beyond what it always holds: the
+    micro-batches held as in `peak_held`, a stage's backward working memory while its B runs
+    (`working[s]`), the sends the runtime holds (`sent_forward[s]`: a micro-batch's forward send
+    from its F until its B receives the gradient; `sent_backward[s]`: each B's gradient send,
+    until the step ends), and the step's gradients once the rank's first backward has made them."""
+    after, working = after_input_bytes or {}, working or {}
+    sent_forward, sent_backward = sent_forward or {}, sent_backward or {}
+    # what each action adds to the running total (held micro-batches, sends), per stage: the planner
+    # at scale walks every rank's list for each candidate it composes
+    on_f = {s: forward_bytes[s] + sent_forward.get(s, 0) for s in forward_bytes}
+    on_b = {s: sent_backward.get(s, 0) - sent_forward.get(s, 0) + (after.get(s, 0) if releases[s] == "W" else 0)
+            - forward_bytes[s] for s in forward_bytes}
+    during_b = {s: working.get(s, 0) for s in forward_bytes}  # its working memory beside what it releases
+    total, most, grads_counted = 0.0, 0.0, False
+    for action in order:
+        kind, s = action.kind, action.stage
+        if kind == "F":
+            total += on_f[s]
+        elif kind == "B":
+            most = max(most, total + during_b[s])
+            total += on_b[s]
+            if not grads_counted:  # the step's gradients, once the rank's first backward made them
+                total, grads_counted = total + gradients, True
+        elif kind == "W":
+            total -= after.get(s, 0)
+        if total > most:
+            most = total
+    return most

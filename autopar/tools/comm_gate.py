@@ -1,0 +1,112 @@
+"""The CI gate on communication volume: summaries, baseline files, and the comparison.
+
+`comm_summary(plan)` sums a plan's ledger per (axis, link, collective kind): calls and logical
+bytes per step for the traced shapes (per rank; under a pipeline summed over the stages, so a
+change in any stage shows). A baseline file (`autopar.comm/1`) stores that
+summary with the mesh and strategies it came from. `compare(baseline, current, tolerance_pct)`
+lists every row before and after and marks what grew: more bytes than the baseline allows, or a
+(axis, kind) the baseline did not have. `update_baseline` rewrites a baseline and says what
+changed. Used by `autopar check` and `autopar.tools.testing`.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+
+from autopar.core.errors import PlanError
+
+BASELINE_SCHEMA = "autopar.comm/1"
+
+
+def comm_summary(plan: Any) -> dict[str, Any]:
+    volumes: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for entry in plan.comm.entries:
+        row = volumes[(entry.axis, entry.path, entry.kind)]
+        row[0] += entry.times
+        row[1] += entry.times * int(plan.comm.number(entry.logical_bytes))
+    return {
+        "schema": BASELINE_SCHEMA,
+        "mesh": str(plan.mesh),
+        "strategies": [f"{s.name} on {s.axis}" for s in plan.strategy.strategies],
+        "volumes": [{"axis": a, "link": l, "kind": k, "calls": c, "bytes": b}
+                    for (a, l, k), (c, b) in sorted(volumes.items())],
+        "total_bytes": sum(b for _, b in volumes.values()),
+    }
+
+
+def save_baseline(summary: dict[str, Any], path: "str | Path") -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def update_baseline(summary: dict[str, Any], path: "str | Path") -> str:
+    """Rewrite the baseline at `path` with `summary`; return what changed: "" when the file already
+    held it, else the before/after table (every row against the old baseline, or "new baseline")."""
+    path = Path(path)
+    text = json.dumps(summary, indent=1) + "\n"
+    old = path.read_text() if path.exists() else None
+    if old == text:
+        return ""
+    save_baseline(summary, path)
+    if old is None:
+        return f"new baseline: {summary['total_bytes']} bytes per rank per step"
+    try:
+        before = json.loads(old)
+        table = compare(before, summary).table()
+    except (ValueError, KeyError) as error:  # an unreadable or other-schema file: say so, do not guess
+        return f"replaced an unreadable baseline ({error})"
+    return f"{table}\ntotal bytes {before.get('total_bytes')} -> {summary['total_bytes']}"
+
+
+def load_baseline(path: "str | Path") -> dict[str, Any]:
+    if not Path(path).exists():
+        raise PlanError(f"no communication baseline at {path}; fix: create it deliberately with --update "
+                        f"(or AUTOPAR_UPDATE_BASELINES=1 in tests)")
+    data = json.loads(Path(path).read_text())
+    if data.get("schema") != BASELINE_SCHEMA:
+        raise PlanError(f"baseline {path} has schema {data.get('schema')!r}, expected {BASELINE_SCHEMA!r}; "
+                        f"fix: regenerate it with --update")
+    return data
+
+
+@dataclass(frozen=True)
+class GateResult:
+    rows: list[list[Any]]
+    grew: list[list[Any]]
+
+    @property
+    def passed(self) -> bool:
+        return not self.grew
+
+    def table(self) -> str:
+        headers = ["axis", "link", "collective", "calls before", "calls now", "bytes before", "bytes now", "change", "status"]
+        return tabulate(self.rows, headers=headers, tablefmt="simple")
+
+
+def compare(baseline: dict[str, Any], current: dict[str, Any], *, tolerance_pct: float = 0.0) -> GateResult:
+    before = {(v["axis"], v["link"], v["kind"]): v for v in baseline["volumes"]}
+    now = {(v["axis"], v["link"], v["kind"]): v for v in current["volumes"]}
+    rows, grew = [], []
+    for key in sorted(set(before) | set(now)):
+        old, new = before.get(key), now.get(key)
+        old_bytes, new_bytes = (old or {}).get("bytes", 0), (new or {}).get("bytes", 0)
+        allowed = old_bytes * (1 + tolerance_pct / 100)
+        if old is None:
+            status = "NEW"
+        elif new_bytes > allowed:
+            status = "GREW"
+        elif new_bytes < old_bytes:
+            status = "shrank"
+        else:
+            status = "ok"
+        change = f"{(new_bytes - old_bytes) / old_bytes:+.1%}" if old_bytes else "new"
+        row = [*key, (old or {}).get("calls", 0), (new or {}).get("calls", 0), old_bytes, new_bytes, change, status]
+        rows.append(row)
+        if status in ("NEW", "GREW"):
+            grew.append(row)
+    return GateResult(rows=rows, grew=grew)
