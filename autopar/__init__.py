@@ -9,7 +9,7 @@ import warnings
 # torch.export's own pytree use triggers this deprecation inside torch 2.13; it is not ours to fix
 warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*", category=FutureWarning)
 
-from autopar.api import ParallelModule, Plan, parallelize, plan, save_runnable_plan
+from autopar.api import ParallelModule, Plan, calibrate, parallelize, plan, save_runnable_plan
 from autopar.compiler.rules.expert_rules import register_grouped_matmul
 from autopar.compiler.strategies.context import context_parallel
 from autopar.compiler.strategies.data_parallel import data_parallel
@@ -21,7 +21,6 @@ from autopar.compiler.strategies.tensor_parallel import sequence_parallel, tenso
 from autopar.compiler.strategies.zero import fsdp, hsdp, zero
 from autopar.core.errors import PlanError
 from autopar.core.mesh import Mesh
-from autopar.cost.calibration import calibrate
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm_cost import comm_time
 from autopar.cost.step_cost import estimate

@@ -25,14 +25,26 @@ from autopar.compiler.plan import Plan
 from autopar.compiler.plan import plan as compile_plan
 from autopar.core.errors import PlanError
 from autopar.core.mesh import Mesh
+from autopar.cost.calibration import SIZES, Calibration, calibration_rank, fit_calibration
 from autopar.cost.cluster import Cluster
 from autopar.planner.search import search, winner_plan
 from autopar.runtime.compiled import compile_options as _compile_options
 from autopar.runtime.compiled import refuse_uncompilable
 from autopar.runtime.job_hosts import job_node_size
+from autopar.runtime.launch import launch
 from autopar.runtime.module import ParallelModule
 
 BUCKET_CAP_MB = 25.0  # parallelize's default gradient bucket size (what plan(cluster=) plans with)
+
+
+def calibrate(*, world_size: int = 4, sizes: tuple[int, ...] = SIZES, repeats: int = 9,
+              timeout_s: float = 300.0) -> Calibration:
+    """Measure the local host as a `Cluster`: `world_size` local gloo ranks run
+    `calibration_rank` together and their timings are fitted (`autopar/cost/calibration.py`)."""
+    if world_size < 2:
+        raise ValueError("calibrating a link needs at least 2 ranks")
+    results = launch(calibration_rank, world_size, tuple(sizes), repeats, timeout_s=timeout_s)
+    return fit_calibration(results, world_size)
 
 
 def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | None" = None, *,
@@ -175,4 +187,4 @@ def _module(the_plan: Plan, timing: Any, model: torch.nn.Module, dynamic_dims: d
     return module
 
 
-__all__ = ["Plan", "ParallelModule", "parallelize", "plan", "save_runnable_plan"]
+__all__ = ["Plan", "ParallelModule", "calibrate", "parallelize", "plan", "save_runnable_plan"]

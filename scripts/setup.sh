@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs autopar with its test dependencies. torch 2.13.0 (CPU)
+# Creates .venv (if missing) and installs autopar with its test and docs dependencies. torch 2.13.0 (CPU)
 # first, from pip's local wheel cache/index, so that nothing later pulls in another torch build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,4 +9,4 @@ fi
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
 python -m pip install --quiet "torch==2.13.0"
-python -m pip install --quiet -e ".[test]"
+python -m pip install --quiet -e ".[test,docs]"

@@ -32,7 +32,8 @@ pytestmark = pytest.mark.timeout(300)
 CONFIG = GPTConfig(vocab_size=128, seq_len=16, n_layer=2, n_head=4, d_model=32, d_ff=64)
 BATCH = 4
 _COPIES = {torch.ops.aten.clone.default, torch.ops.aten.copy_.default, torch.ops.aten.cat.default}
-_RUNTIME = ("autopar/core/ops/collectives.py", "autopar/core/ops/in_flight.py", "autopar/core/ops/context_attention.py")
+_RUNTIME = ("autopar/core/ops/collectives.py", "autopar/core/ops/collective_calls.py", "autopar/core/ops/in_flight.py",
+            "autopar/core/ops/context_attention.py")
 
 
 class RuntimeCopies(TorchDispatchMode):

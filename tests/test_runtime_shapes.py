@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import autopar
-from autopar.compiler.check_rank_graphs import _CheckedRun, _check_backward, _traced_mode
+from autopar.compiler.check_rank_graphs import _CheckedRun, _check_backward
 from autopar.core.ir import SPEC, local_shape, sym_size
-from autopar.compiler.ledger.activations import kernel_device, on_device
+from autopar.compiler.ledger.fake_tensors import kernel_device, on_device, traced_mode
 from autopar.runtime.input_shapes import InputShapeError
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
@@ -122,7 +122,7 @@ def _fake_inputs_at(plan, graph, mode, sizes: dict[str, int]) -> list:
 def test_dynamic_rank_graphs_run_on_fake_tensors_of_another_size():
     plan = autopar.plan(build(), "dp=2,tp=2", strategies=[autopar.data_parallel(), autopar.sequence_parallel()],
                         example_inputs=EXAMPLE, dynamic_dims=DYNAMIC)
-    mode = _traced_mode(plan)
+    mode = traced_mode(plan)
     for rank in (0, 3):
         graph = on_device(plan.rank_graph(rank), kernel_device(plan, None))
         assert "floordiv" in graph.code and "sym_size" in graph.code, "sizes are not computed from the inputs"

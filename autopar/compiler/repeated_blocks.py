@@ -1,8 +1,8 @@
 """Repeated blocks traced once: a deep model is exported with its first three blocks and the
 third block's graph is copied for every other one.
 
-Tracing (`torch.export` and the decomposition to core ATen) costs about 0.9 s per Llama layer on
-a 2-core CPU, and the layers of a transformer are the same graph again with other parameters.
+Tracing (`torch.export` and the decomposition to core ATen) costs most of planning time, about a
+second per Llama layer on a small CPU host, and the layers of a transformer are the same graph again with other parameters.
 1. `find_repeated_blocks`: the outermost `nn.ModuleList` of at least `MIN_BLOCKS` children whose
    `_signature`s are all equal (module types, parameter and buffer shapes and dtypes, plain
    attributes; only `layer_idx` may differ) is the candidate.

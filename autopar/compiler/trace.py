@@ -1,7 +1,7 @@
 """Tracing: a model and example inputs -> an aten-level graph with shapes, via torch.export.
 
 `trace_model` runs `torch.export.export(strict=False)` (which also works on meta-device models
-and under FakeTensorMode, so models far larger than this machine can be planned), then
+and under FakeTensorMode, so models far larger than the planning host's memory can be planned), then
 decomposes to core ATen with DTensor-friendly ops, keeping `scaled_dot_product_attention` as one
 node. `dynamic_dims={"b": 0, "s": 1}` marks those dimensions of every user input dynamic; the
 resulting export symbols are renamed to the user's names so ledgers come out in `b` and `s`.

@@ -79,9 +79,8 @@ def wire_bytes(kind: str, group_size: int, logical: sympy.Expr) -> sympy.Expr:
 
 
 # Backends whose reduce-scatter is slower than an all-to-all followed by a local sum of the n
-# pieces that arrive. gloo on a 2-core CPU machine, `dist.*` median of 9 (2026-12-04): 4 ranks,
-# 13.4 MiB 43 ms against 20 ms; 2 MiB 10.4 / 3.9 ms; 16 KiB 3.7 / 0.9 ms; 2 ranks, 13.4 MiB 21 / 13 ms
-# (its all-reduce took 33 ms for the 13.4 MiB). Both put (n-1)/n of the input on the wire per rank;
+# pieces that arrive (gloo: measured 2x faster at 4 ranks from 16 KiB to 13 MiB, benchmarks/RESULTS.md).
+# Both put (n-1)/n of the input on the wire per rank;
 # the exchange receives the whole input size where the reduce-scatter receives 1/n of it.
 EXCHANGE_FOR_REDUCE_SCATTER = ("gloo",)
 
@@ -98,10 +97,8 @@ def runtime_backend() -> str | None:
 
 
 # Backends whose all-gather is slower than one broadcast from each rank into its row of the
-# gathered buffer. gloo on a 2-core CPU machine, `dist.*` median of 19 (2026-12-04): 4 ranks,
-# 13.4 MiB gathered 20.7 / 14.0 ms and 19.8 / 13.6 ms; 2 MiB 5.6 / 3.6 ms; 2 ranks, 13.4 MiB
-# 11.0 / 6.2 ms. Inside a ZeRO-2 step of the example GPT (4 ranks, every unit's shards in one
-# collective): 22-30 ms against 26-36 ms for the whole post-step gather (39-44 ms a unit at a time).
+# gathered buffer (gloo: measured 1.5x faster at 2 and 4 ranks, and inside a ZeRO-2 step,
+# benchmarks/RESULTS.md).
 BROADCASTS_FOR_ALL_GATHER = ("gloo",)
 
 

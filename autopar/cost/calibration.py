@@ -1,7 +1,7 @@
 """Measure the machine at hand as a `Cluster` (`autopar/cost/cluster.py`): α, β and compute throughput.
 
-`calibrate(world_size=4)` starts `world_size` local processes (`autopar.runtime.launch`: gloo on
-CPU, NCCL where there are GPUs, one thread each) that together:
+`autopar.calibrate(world_size=4)` (`autopar/api.py`) starts `world_size` local processes (gloo on
+CPU, one thread each), each running `calibration_rank`, which together:
 - time `torch.distributed.all_reduce` over all of them at logical sizes `SIZES` (after a warm-up,
   the median of `repeats` calls; each call's time is the slowest rank's, read after a barrier);
 - time a square fp32 matrix product on every rank at once (the ranks share the machine's cores
@@ -47,7 +47,6 @@ from tabulate import tabulate
 
 from autopar.core.comm_kinds import KINDS, wire_bytes
 from autopar.cost.cluster import GB, Cluster
-from autopar.runtime.launch import launch
 
 SIZES = tuple(4 ** k * 1024 for k in range(8))  # 1 KiB ... 16 MiB
 MATMUL_N = 512
@@ -220,7 +219,7 @@ def _timed_kinds(rank: int, world_size: int, repeats: int) -> dict[str, float]:
     return {kind: _median_slowest(call, repeats) for kind, call in calls.items()}
 
 
-def _calibration_rank(rank: int, world_size: int, sizes: tuple[int, ...], repeats: int) -> dict:
+def calibration_rank(rank: int, world_size: int, sizes: tuple[int, ...], repeats: int) -> dict:
     samples = [(size, _timed_all_reduce(size, repeats)) for size in sizes]
     return {"samples": samples, "groups": _group_samples(rank, world_size, sizes, repeats), "matmul": _timed_matmul(MATMUL_N, repeats),
             "copies": _timed_copies(CURVE_BYTES, repeats), "small_op": _timed_small_op(repeats),
@@ -256,13 +255,9 @@ def _memory_gb_per_rank(world_size: int) -> float:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / world_size / GB
 
 
-def calibrate(*, world_size: int = 4, sizes: tuple[int, ...] = SIZES, repeats: int = 9,
-              timeout_s: float = 300.0) -> Calibration:
-    """Measure this machine with `world_size` local ranks (module docstring)."""
-
-    if world_size < 2:
-        raise ValueError("calibrating a link needs at least 2 ranks")
-    results = launch(_calibration_rank, world_size, tuple(sizes), repeats, timeout_s=timeout_s)
+def fit_calibration(results: list[dict], world_size: int) -> Calibration:
+    """The cluster that `calibration_rank`'s measurements on `world_size` local ranks describe
+    (module docstring), `results` by rank."""
     samples = results[0]["samples"]  # every rank holds the same (slowest-rank) times
     alpha, beta = fit_alpha_beta(samples, world_size)
     matmul = max(r["matmul"] for r in results)
@@ -287,6 +282,6 @@ def calibrate(*, world_size: int = 4, sizes: tuple[int, ...] = SIZES, repeats: i
                       op_overhead_us=small_op * 1e6,
                       overlap=overlap_share(*overlap), processors=processors if processors < world_size else None,
                       group_links=tuple(sorted(group_links)), kind_factors=kind_factors,
-                      name=f"this machine, {world_size} ranks (measured)", backend="gloo")
+                      name=f"local host, {world_size} ranks (measured)", backend="gloo")
     fitted = tuple(cluster.collective_seconds("all_reduce", world_size, size, "intra") for size, _ in samples)
     return Calibration(cluster, world_size, tuple(samples), fitted, matmul, overlap)

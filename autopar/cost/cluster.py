@@ -15,8 +15,8 @@ describes it; `Cluster.preset(name)` gives the named ones (`PRESETS`); `autopar.
   ranks are not in a collective with them — a pipeline's hand-over between stages, whose
   peers compute or wait (`handover_seconds`). None: the link's α. On CPU ranks sharing cores the
   two differ by much: a collective's every step waits for all of its peers to be scheduled, a
-  lone message for one that is waiting for it (`calibrate` measures both: ~1 ms against ~50 µs
-  on a 2-core CPU with 4 ranks);
+  lone message for one that is waiting for it (`calibrate` measures both; they can differ
+  twentyfold);
 - `peak_tflops`: dense matrix-product throughput, 10^12 floating-point operations per second;
 - `memory_gbps`: the accelerator memory's bandwidth, GB/s (what an elementwise op is bound by);
 - `memory_curve`: measured (bytes an op touches, GB/s) where the bandwidth depends on the size —
@@ -234,10 +234,9 @@ def _a100_node(nodes: int) -> Cluster:
                    name=f"a100x{nodes}")
 
 
-# A 2-core CPU machine with 4 gloo ranks of one thread each, as `python benchmarks/calibrate.py
-# --world 4` measured it (2026-12-02, two runs: α 0.86-1.05 ms per ring step — four ranks share two
-# cores, so each step waits for a peer to be scheduled —, β 1.1-1.8 GB/s, 25-82 GFLOP/s per rank);
-# a lone message between two ranks 46-105 µs, median 60 (2026-12-04, eight calibrations)
+# A CPU host whose 4 gloo ranks of one thread each share 2 cores, as `python benchmarks/calibrate.py
+# --world 4` measures one (the readings behind these figures: benchmarks/RESULTS.md). α is large
+# because each ring step waits for a peer to be scheduled.
 CPU2X4 = Cluster(nodes=1, gpus_per_node=4, memory_gb=6.3, intra_gbps=1.4, inter_gbps=1.4, peak_tflops=0.05,
                  intra_latency_us=950, inter_latency_us=950, p2p_latency_us=60, name="cpu2x4",
                  backend="gloo")

@@ -2,7 +2,7 @@
 
 A composed search's cost is measuring its in-node layouts (`block_ledgers.measure_layout`: one
 small plan and its fake run, 0.1–0.3 s each for the 8B shape), one after the other,
-while a machine may have as few as two cores (CI's, for one). `measured(measure, layouts)` measures the first
+on however few cores the planning host has. `measured(measure, layouts)` measures the first
 layout here (the search's one export and first calls, which the copy then inherits) — or runs
 what it is given to warm up with (the planner: the export alone) — and forks once. This
 process first measures the layouts without context parallelism (up to half of the estimated
@@ -28,13 +28,10 @@ deterministic; `tests/test_layout_workers.py` compares both ways). If the copy d
 answer within `timeout(own)` seconds, it is killed and this process measures what it did not
 return: nothing is lost and nothing hangs.
 
-Measured on the 8B shape's default space (`benchmarks/planner_at_scale.py`, 2026-12-04): the
-first pass's 27 layouts after the export took 6.0 s in one process and 3.9 s split over two by
-a fixed share; with the groups claimed, the variants simulated (`BlockPricer.prefetch`) and the
-hopeless selective ones skipped (`BlockPricer.cannot_fit`), the first search went from
-5.3–5.6 s to 4.6–4.7 s on the same hour, both processes ending within 0.05 s of each other.
-Workers were tried before on the whole search (forked pools of 8 layouts each, 1.24×): most of
-the gain comes from forking once, after the export, with the heap already warm.
+Two processes split the first pass's layouts by claiming groups of them, the variants simulated
+(`BlockPricer.prefetch`) and the hopeless selective ones skipped (`BlockPricer.cannot_fit`):
+most of the gain comes from forking once, after the export, with the heap already warm (the
+readings: benchmarks/RESULTS.md, `benchmarks/planner_at_scale.py`).
 """
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ class GradSynchronizer:
 
     def _view(self, fqn: str) -> torch.Tensor:
         """`fqn`'s slice of its bucket, a new view each time (views built once and reused were
-        suspected in a heap corruption seen twice on 2026-12-05, not explained: see README)."""
+        suspected in a heap corruption, not explained: docs/known-limits.md)."""
         index, offset = self._slot[fqn]
         param = self.params[fqn]
         return self._flat[index][offset:offset + param.numel()].view_as(param)

@@ -1,6 +1,6 @@
 """Start a local multi-process job without torchrun (tests, examples, benchmarks).
 
-`launch(fn, world_size, *args)` spawns `world_size` processes on this machine, each with one
+`launch(fn, world_size, *args)` spawns `world_size` processes on the local host, each with one
 CPU thread, a gloo process group on a free loopback port with a timeout, runs `fn(rank,
 world_size, *args)` and returns every rank's return value (pickled through a temp file). If a
 rank raises, the others are terminated and the error is re-raised here with the rank's traceback.
@@ -11,8 +11,8 @@ running. Under torchrun use `init_from_env()` instead.
 Ranks start from a fork server (`multiprocessing`'s "forkserver") that has imported torch,
 autopar and, where installed, transformers once, and warmed up what every rank's first seconds
 would repeat (`autopar/tools/forkserver_warmup.py`: transformers' lazy modules, one small
-plan): a 4-rank launch then starts in ~0.1 s instead of ~8.5 s of imports per launch under
-"spawn" on a 2-core machine, and ranks skip ~4 s of transformers imports each. The fork server is a fresh
+plan): a launch then starts its ranks without each importing torch, autopar and transformers
+again (seconds per rank under "spawn"). The fork server is a fresh
 interpreter (no threads of the caller's), started at the first launch; each rank takes the
 caller's current environment variables and working directory at launch time, as a spawned one
 would. `start_method="spawn"` is still accepted.

@@ -2,7 +2,7 @@
 
 Importing this module, once per fork server, does the work every rank would otherwise repeat in
 its first seconds: the lazy parts of transformers (its import structure and `modeling_utils`,
-~4 s per rank on a 2-core machine, where it is installed), and one `autopar.plan` of a
+seconds per rank, where it is installed), and one `autopar.plan` of a
 two-layer model, which loads and initialises what tracing, decomposition, sharding propagation
 and the fake-tensor check use (~1 s off the first plan of each job's rank 0). Nothing it
 creates is handed to a rank except through the fork: no process group, no thread (checked), no
@@ -59,8 +59,8 @@ def warm_up() -> None:
         raise RuntimeError(f"the fork server's warm-up left {threading.active_count() - 1} threads running")
     # what the fork server holds now (torch, sympy, transformers: ~10^6 objects) lives as long as
     # every rank does: out of the cyclic collector, so that a rank's full collections do not walk
-    # it (~0.35 s each on a 2-core machine; two of them landed in a receiving rank's plan decode and
-    # made it 30% of rank 0's planning CPU time instead of ~2%, tests/test_plan_once.py)
+    # it (a full collection over them costs a receiving rank a large share of its plan decode,
+    # tests/test_plan_once.py)
     gc.collect()
     gc.freeze()
 

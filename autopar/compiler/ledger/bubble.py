@@ -53,8 +53,8 @@ class BubbleLedger:
 
 
 def build_bubble_ledger(plan: Any, *, cores: int | None = None) -> BubbleLedger:
-    """`cores`: the ranks of one pipeline share that many processors (a machine with fewer cores
-    than ranks, such as a 2-core CI machine running 4 ranks); None: each rank has its own."""
+    """`cores`: the ranks of one pipeline share that many processors (a host with fewer cores
+    than ranks); None: each rank has its own."""
     layout = plan.pipeline
     flops = {stage.index: sum(node_flops(n) for n in stage.graph_module.graph.nodes) for stage in plan.stages}
     unit = max(flops.values()) or 1

@@ -116,7 +116,7 @@ def peak_terms(plan: Any, ledger: MemoryLedger, *, rank: int = 0, optimizer: str
     step_gradients = totals["gradients"] - persistent
     working = {s.index: (ops[s.index].working if ops and s.index in ops else
                          backward_working(plan, rank=rank, stage=s.index)).bytes for s in stages}
-    activations, backward_working = totals["activations"], max(working.values())
+    activations, working_at_backward = totals["activations"], max(working.values())
     if plan.pipeline is not None:  # the schedule's own moments: held micro-batches, sends, gradients
         for stage in stages:  # every micro-batch's backward hands a ZeRO unit's gradients over
             if stage.units:
@@ -124,10 +124,10 @@ def peak_terms(plan: Any, ledger: MemoryLedger, *, rank: int = 0, optimizer: str
         # a ZeRO unit's gradient shards land when the step's synchronising backward ends (until then
         # the micro-batches accumulate into full gradients: ZeRO-1's persistent buffer, in `steady`)
         during = step_gradients - by_what[ZERO_GRADIENT_SHARDS]
-        activations, backward_working = _pipeline_live(plan, rank, stages, working, during), 0
+        activations, working_at_backward = _pipeline_live(plan, rank, stages, working, during), 0
     return PeakTerms(
         steady=totals["parameters"] + totals["model buffers"] + totals["optimizer state"] + persistent,
-        step_gradients=step_gradients, activations=activations, backward_working=backward_working,
+        step_gradients=step_gradients, activations=activations, backward_working=working_at_backward,
         gathered_at_backward=gathered_at_backward, recompute=recompute,
         regather=resharded and (resharded + by_what["ZeRO-3 units kept gathered forward to backward"]
                                 + _pending_gradients(plan, units, _last_resharded(plan, units))),
