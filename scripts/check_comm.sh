@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The communication gate over the examples' committed baselines: fails (exit 1) when a change
-# makes a step of any example move more bytes than its baseline in baselines/.
-# Rewrite a baseline deliberately with: autopar check ... --update
+# makes a step of any example move more bytes than its baseline in baselines/, or fewer.
+# See what a rewrite would change with `autopar check ... --update`; rewrite with `--update --accept`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate

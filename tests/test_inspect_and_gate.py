@@ -13,7 +13,7 @@ from autopar import PlanError
 from autopar.tools.plan_diff import diff_plans
 from autopar.compiler.plan_file import load_plan, save_plan
 from autopar.compiler.strategies.layouts import EXAMPLE_GPT
-from autopar.tools.comm_gate import comm_summary, load_baseline
+from autopar.tools.comm_gate import comm_summary, compare, load_baseline, save_baseline
 from autopar.tools.testing import assert_comm_within_baseline, rewrite_reference
 from examples.gpt import example
 from tests.cli_in_process import run_cli
@@ -50,9 +50,25 @@ def test_gate_fails_naming_axis_and_kind_when_a_strategy_adds_communication():
     assert [(row[0], row[2], row[-1]) for row in grew] == [("tp", "all_reduce", "GREW")]
 
 
+def test_gate_fails_when_communication_shrinks_unexplained(tmp_path):
+    """A ledger that drops bytes (an entry lost, a reduction skipped) reads as an improvement: the gate
+    fails on it as on growth, until the smaller baseline is accepted on purpose."""
+    baseline = tmp_path / "baseline.json"
+    save_baseline(comm_summary(plan_example("tp=2", [autopar.tensor_parallel(layout=NO_ROW_PARALLEL_MLP)])), baseline)
+    with pytest.raises(AssertionError) as failure:
+        assert_comm_within_baseline(plan_example("tp=2", [autopar.tensor_parallel()]), baseline)
+    assert "all_reduce on tp (SHRANK)" in str(failure.value)
+    before = comm_summary(plan_example("tp=2", [autopar.tensor_parallel()]))
+    gone = dict(before, volumes=before["volumes"] + [{"axis": "tp", "link": "intra", "kind": "all_to_all",
+                                                      "calls": 1, "bytes": 8}])
+    result = compare(gone, before)
+    assert not result.passed and [row[-1] for row in result.shrank] == ["GONE"]
+
+
 def test_update_modes_print_the_change_and_fail_unless_accepted(tmp_path, monkeypatch, capsys):
-    """AUTOPAR_UPDATE_BASELINES / AUTOPAR_UPDATE_GOLDEN rewrite the file, print what changed and
-    fail; only AUTOPAR_ACCEPT=1 makes a rewrite pass. An unchanged file passes quietly."""
+    """AUTOPAR_UPDATE_BASELINES / AUTOPAR_UPDATE_GOLDEN print what a rewrite would change and fail,
+    writing nothing; only AUTOPAR_ACCEPT=1 rewrites the file and passes. An unchanged file passes
+    quietly."""
     plan = plan_example("tp=2", [autopar.tensor_parallel()])
     baseline = tmp_path / "baseline.json"
     baseline.write_text((BASELINES / "example_gpt_tp2.json").read_text())
@@ -62,15 +78,16 @@ def test_update_modes_print_the_change_and_fail_unless_accepted(tmp_path, monkey
     with pytest.raises(AssertionError, match="AUTOPAR_ACCEPT=1") as failure:
         assert_comm_within_baseline(regressed, baseline)
     assert "GREW" in str(failure.value) and "GREW" in capsys.readouterr().out
-    assert load_baseline(baseline) == comm_summary(regressed)
+    assert load_baseline(baseline) == comm_summary(plan)  # nothing written until accepted
     golden = tmp_path / "golden.txt"
     golden.write_text("a\nb\n")
     with pytest.raises(AssertionError, match=r"(?s)-b\n\+c\n.*AUTOPAR_ACCEPT=1"):
         rewrite_reference(golden, "a\nc\n")
+    assert golden.read_text() == "a\nb\n"
     monkeypatch.setenv("AUTOPAR_ACCEPT", "1")
     rewrite_reference(golden, "a\nd\n")
-    assert_comm_within_baseline(plan, baseline)
-    assert golden.read_text() == "a\nd\n" and load_baseline(baseline) == comm_summary(plan)
+    assert_comm_within_baseline(regressed, baseline)
+    assert golden.read_text() == "a\nd\n" and load_baseline(baseline) == comm_summary(regressed)
 
 
 def test_plan_file_round_trip_gives_identical_reports(tmp_path):
@@ -118,8 +135,16 @@ def test_check_cli_exit_codes(tmp_path):
     assert run_cli(*args, "--baseline", str(tmp_path / "tight.json"), "--tolerance", "1").returncode == 0
     missing = run_cli(*args, "--baseline", str(tmp_path / "missing.json"))
     assert missing.returncode == 2 and "--update" in missing.stderr
-    # --update rewrites deliberately and says what it changed: the row that grew, old and new totals
-    updated = run_cli(*args, "--baseline", str(tmp_path / "tight.json"), "--update")
+    loose = json.loads((BASELINES / "example_gpt_tp2.json").read_text())
+    loose["volumes"][0]["bytes"] += 4
+    (tmp_path / "loose.json").write_text(json.dumps(loose))
+    shrank = run_cli(*args, "--baseline", str(tmp_path / "loose.json"))
+    assert shrank.returncode == 1 and "SHRANK" in shrank.stdout and "FAILED" in shrank.stdout
+    # --update says what a rewrite would change and writes nothing; --update --accept rewrites
+    shown = run_cli(*args, "--baseline", str(tmp_path / "tight.json"), "--update")
+    assert shown.returncode == 1 and "would change" in shown.stdout and "GREW" in shown.stdout
+    assert json.loads((tmp_path / "tight.json").read_text()) == tight
+    updated = run_cli(*args, "--baseline", str(tmp_path / "tight.json"), "--update", "--accept")
     assert updated.returncode == 0 and "rewritten; what changed" in updated.stdout and "GREW" in updated.stdout
     assert f"total bytes {tight['total_bytes']} ->" in updated.stdout
     assert run_cli(*args, "--baseline", str(tmp_path / "tight.json")).returncode == 0

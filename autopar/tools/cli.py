@@ -7,7 +7,7 @@
                     [--cp-method ring --no-load-balance] [--recompute selective|full|GLOBS]
                     [--no-overlap | --chunks K]
     autopar graph   TARGET --mesh ... --rank R [--diff] [--html out.html]
-    autopar check   TARGET --mesh ... --baseline comm.json [--tolerance PCT] [--update]
+    autopar check   TARGET --mesh ... --baseline comm.json [--tolerance PCT] [--update [--accept]]
     autopar diff    a.json b.json
     autopar explain plan.json NODE_OR_MODULE
     autopar explain TARGET --cluster h100x8
@@ -59,7 +59,7 @@ from autopar.core.mesh import Mesh
 from autopar.cost.cluster import Cluster
 from autopar.planner.search import search, winner_plan
 from autopar.planner.search_space import SearchSpace
-from autopar.tools.comm_gate import comm_summary, compare, load_baseline, update_baseline
+from autopar.tools.comm_gate import baseline_change, comm_summary, compare, load_baseline, update_baseline
 from autopar.tools.context_compare import compare_context_methods, context_table
 from autopar.tools.plan_diff import diff_plans
 from autopar.tools.stage_compare import compare_stages, stage_table
@@ -243,8 +243,13 @@ def _cmd_graph(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
 
     current = comm_summary(_plan(args))
-    if args.update:  # typed deliberately: accepted, never silently — what changed is printed
-        change = update_baseline(current, args.baseline)
+    if args.update:  # written only with --accept, after the change is printed: never silently
+        change = baseline_change(current, args.baseline)
+        if change and not args.accept:
+            print(f"baseline {args.baseline} would change (not rewritten; add --accept to rewrite it):\n{change}")
+            return 1
+        if change:
+            update_baseline(current, args.baseline)
         print(f"baseline {args.baseline} " + (f"rewritten; what changed:\n{change}" if change else "unchanged")
               + f"\n{current['total_bytes']} bytes per rank per step")
         return 0
@@ -253,8 +258,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if result.passed:
         print(f"\ncommunication within {args.baseline} (tolerance {args.tolerance}%)")
         return 0
-    print(f"\nFAILED: communication grew against {args.baseline}: "
-          + ", ".join(f"{row[2]} on {row[0]}" for row in result.grew) + "\n(rerun with --update to accept it)")
+    print(f"\nFAILED: communication changed against {args.baseline}: {result.failures()}\n"
+          f"(rerun with --update to see what a rewrite changes, --update --accept to accept it)")
     return 1
 
 
@@ -331,7 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     _planning_arguments(check_cmd)
     check_cmd.add_argument("--baseline", required=True)
     check_cmd.add_argument("--tolerance", type=float, default=0.0, help="allowed growth in percent")
-    check_cmd.add_argument("--update", action="store_true", help="rewrite the baseline deliberately")
+    check_cmd.add_argument("--update", action="store_true",
+                           help="print what rewriting the baseline would change (exit 1 if anything)")
+    check_cmd.add_argument("--accept", action="store_true", help="with --update: rewrite the baseline")
     diff_cmd = commands.add_parser("diff", help="compare two plan files")
     diff_cmd.add_argument("before")
     diff_cmd.add_argument("after")

@@ -4,15 +4,18 @@
 bytes per step for the traced shapes (per rank; under a pipeline summed over the stages, so a
 change in any stage shows). A baseline file (`autopar.comm/1`) stores that
 summary with the mesh and strategies it came from. `compare(baseline, current, tolerance_pct)`
-lists every row before and after and marks what grew: more bytes than the baseline allows, or a
-(axis, kind) the baseline did not have. `update_baseline` rewrites a baseline and says what
-changed. Used by `autopar check` and `autopar.tools.testing`.
+lists every row before and after and marks what changed: more bytes than the baseline allows or a
+(axis, kind) the baseline did not have (GREW, NEW), fewer bytes than it allows or a row gone
+(SHRANK, GONE). Either fails the gate: a shrink nobody explained is as likely a bytes-dropping bug
+(a ledger entry lost, a reduction skipped) as an improvement, and an improvement is accepted by
+rewriting the baseline on purpose. `baseline_change` says what a rewrite would change and
+`update_baseline` makes it. Used by `autopar check` and `autopar.tools.testing`.
 """
 from __future__ import annotations
 
 import json
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,15 +47,15 @@ def save_baseline(summary: dict[str, Any], path: "str | Path") -> None:
     Path(path).write_text(json.dumps(summary, indent=1) + "\n")
 
 
-def update_baseline(summary: dict[str, Any], path: "str | Path") -> str:
-    """Rewrite the baseline at `path` with `summary`; return what changed: "" when the file already
-    held it, else the before/after table (every row against the old baseline, or "new baseline")."""
+def baseline_change(summary: dict[str, Any], path: "str | Path") -> str:
+    """What rewriting the baseline at `path` with `summary` would change: "" when the file already
+    holds it, else the before/after table (every row against the old baseline, or "new
+    baseline"). Writes nothing."""
     path = Path(path)
     text = json.dumps(summary, indent=1) + "\n"
     old = path.read_text() if path.exists() else None
     if old == text:
         return ""
-    save_baseline(summary, path)
     if old is None:
         return f"new baseline: {summary['total_bytes']} bytes per rank per step"
     try:
@@ -63,9 +66,18 @@ def update_baseline(summary: dict[str, Any], path: "str | Path") -> str:
     return f"{table}\ntotal bytes {before.get('total_bytes')} -> {summary['total_bytes']}"
 
 
+def update_baseline(summary: dict[str, Any], path: "str | Path") -> str:
+    """Rewrite the baseline at `path` with `summary` (an accepted change); return what changed
+    (`baseline_change`)."""
+    change = baseline_change(summary, path)
+    if change:
+        save_baseline(summary, path)
+    return change
+
+
 def load_baseline(path: "str | Path") -> dict[str, Any]:
     if not Path(path).exists():
-        raise PlanError(f"no communication baseline at {path}; fix: create it deliberately with --update "
+        raise PlanError(f"no communication baseline at {path}; fix: create it deliberately with --update --accept "
                         f"(or AUTOPAR_UPDATE_BASELINES=1 in tests)")
     data = json.loads(Path(path).read_text())
     if data.get("schema") != BASELINE_SCHEMA:
@@ -77,11 +89,16 @@ def load_baseline(path: "str | Path") -> dict[str, Any]:
 @dataclass(frozen=True)
 class GateResult:
     rows: list[list[Any]]
-    grew: list[list[Any]]
+    grew: list[list[Any]]  # GREW and NEW rows
+    shrank: list[list[Any]] = field(default_factory=list)  # SHRANK and GONE rows
 
     @property
     def passed(self) -> bool:
-        return not self.grew
+        return not self.grew and not self.shrank
+
+    def failures(self) -> str:
+        """The failing rows in a line: kind on axis (status)."""
+        return ", ".join(f"{row[2]} on {row[0]} ({row[-1]})" for row in self.grew + self.shrank)
 
     def table(self) -> str:
         headers = ["axis", "link", "collective", "calls before", "calls now", "bytes before", "bytes now", "change", "status"]
@@ -91,17 +108,18 @@ class GateResult:
 def compare(baseline: dict[str, Any], current: dict[str, Any], *, tolerance_pct: float = 0.0) -> GateResult:
     before = {(v["axis"], v["link"], v["kind"]): v for v in baseline["volumes"]}
     now = {(v["axis"], v["link"], v["kind"]): v for v in current["volumes"]}
-    rows, grew = [], []
+    rows, grew, shrank = [], [], []
     for key in sorted(set(before) | set(now)):
         old, new = before.get(key), now.get(key)
         old_bytes, new_bytes = (old or {}).get("bytes", 0), (new or {}).get("bytes", 0)
-        allowed = old_bytes * (1 + tolerance_pct / 100)
         if old is None:
             status = "NEW"
-        elif new_bytes > allowed:
+        elif new is None:
+            status = "GONE"
+        elif new_bytes > old_bytes * (1 + tolerance_pct / 100):
             status = "GREW"
-        elif new_bytes < old_bytes:
-            status = "shrank"
+        elif new_bytes < old_bytes * (1 - tolerance_pct / 100):
+            status = "SHRANK"
         else:
             status = "ok"
         change = f"{(new_bytes - old_bytes) / old_bytes:+.1%}" if old_bytes else "new"
@@ -109,4 +127,6 @@ def compare(baseline: dict[str, Any], current: dict[str, Any], *, tolerance_pct:
         rows.append(row)
         if status in ("NEW", "GREW"):
             grew.append(row)
-    return GateResult(rows=rows, grew=grew)
+        elif status in ("GONE", "SHRANK"):
+            shrank.append(row)
+    return GateResult(rows=rows, grew=grew, shrank=shrank)

@@ -5,13 +5,15 @@
         plan = autopar.plan(model, "dp=2,tp=2", strategies=[...], example_inputs=batch)
         assert_comm_within_baseline(plan, "baselines/my_model.json", tolerance_pct=0)
 
-The assertion fails with a table naming the axis and collective kind that grew.
+The assertion fails with a table naming the axis and collective kind that grew or shrank (a
+shrink nobody explained fails as well: `autopar.tools.comm_gate`).
 
-Update modes never pass silently. `update=True`, or AUTOPAR_UPDATE_BASELINES=1, rewrites the
-baseline, prints what changed (the gate's before/after table) and fails unless the change is
-accepted explicitly with AUTOPAR_ACCEPT=1 (or `accept=True`); an unchanged baseline passes.
-`rewrite_reference(path, text)` does the same for any text reference file (golden code: the
-tests' AUTOPAR_UPDATE_GOLDEN=1), with a unified diff.
+Update modes never pass silently and write nothing until accepted. `update=True`, or
+AUTOPAR_UPDATE_BASELINES=1, prints what a rewrite of the baseline would change (the gate's
+before/after table) and fails without writing; with AUTOPAR_ACCEPT=1 (or `accept=True`) it
+rewrites the baseline and passes. An unchanged baseline passes. `rewrite_reference(path, text)`
+does the same for any text reference file (golden code: the tests' AUTOPAR_UPDATE_GOLDEN=1),
+with a unified diff.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from autopar.tools.comm_gate import comm_summary, compare, load_baseline, update_baseline
+from autopar.tools.comm_gate import baseline_change, comm_summary, compare, load_baseline, save_baseline
 
 ACCEPT = "AUTOPAR_ACCEPT"
 
@@ -31,10 +33,12 @@ def accepted(accept: bool | None = None) -> bool:
 
 
 def _refuse_unaccepted(path: "str | Path", change: str, accept: bool | None) -> None:
-    print(f"rewrote {path}; what changed:\n{change}")
+    """Fail, writing nothing, unless the printed change is accepted."""
     if not accepted(accept):
-        raise AssertionError(f"rewrote {path} (the change is printed above):\n{change}\n"
+        print(f"{path} would change (not rewritten):\n{change}")
+        raise AssertionError(f"{path} would change (printed above; nothing was written):\n{change}\n"
                              f"Review it; rerun with {ACCEPT}=1 to accept it.")
+    print(f"rewrote {path}; what changed:\n{change}")
 
 
 def rewrite_reference(path: "str | Path", text: str, *, accept: bool | None = None) -> None:
@@ -44,21 +48,23 @@ def rewrite_reference(path: "str | Path", text: str, *, accept: bool | None = No
     old = path.read_text() if path.exists() else ""
     if old == text:
         return
-    path.write_text(text)
     diff = "".join(difflib.unified_diff(old.splitlines(keepends=True), text.splitlines(keepends=True),
                                         fromfile=f"{path} (before)", tofile=f"{path} (now)"))
     _refuse_unaccepted(path, diff, accept)
+    path.write_text(text)
 
 
 def assert_comm_within_baseline(plan: Any, baseline: "str | Path", *, tolerance_pct: float = 0.0,
                                 update: bool | None = None, accept: bool | None = None) -> None:
     current = comm_summary(plan)
     if update if update is not None else os.environ.get("AUTOPAR_UPDATE_BASELINES") == "1":
-        change = update_baseline(current, baseline)
+        change = baseline_change(current, baseline)
         if change:
             _refuse_unaccepted(baseline, change, accept)
+            save_baseline(current, baseline)
         return
     result = compare(load_baseline(baseline), current, tolerance_pct=tolerance_pct)
-    assert result.passed, (f"communication grew against {baseline} (tolerance {tolerance_pct}%):\n"
+    assert result.passed, (f"communication changed against {baseline} (tolerance {tolerance_pct}%): "
+                           f"{result.failures()}\n"
                            f"{result.table()}\nIf intended: AUTOPAR_UPDATE_BASELINES=1 AUTOPAR_ACCEPT=1 to rewrite "
                            f"the baseline.")
