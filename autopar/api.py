@@ -138,7 +138,6 @@ def _job_cluster(cluster: Any, mesh: "Mesh | None", strategies: Sequence[Any] | 
                  dynamic_dims: dict | None, bucket_cap_mb: float) -> Any:
     """`cluster=`'s cluster, refused with what to change where it cannot describe this job (the
     planner plans with default options: one it would not honour is refused, not ignored)."""
-
     if mesh is not None or strategies is not None or plan_file is not None or dynamic_dims or \
             bucket_cap_mb != BUCKET_CAP_MB:
         raise PlanError("cluster= lets the planner choose the mesh and strategies; it takes no mesh, strategies, "

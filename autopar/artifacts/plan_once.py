@@ -83,7 +83,6 @@ def _describe_inputs(args: Sequence[Any], kwargs: dict | None) -> str:
 
 
 def _autopar_version() -> str:
-
     try:
         return version("autopar")
     except PackageNotFoundError:

@@ -22,7 +22,6 @@ MAX_ALTERNATIVES = 6
 
 
 def _op_strategy(schema: OpSchema) -> OpStrategy | None:
-
     propagator = DTensor._op_dispatcher.sharding_propagator
     wrapped = propagator._wrap_with_op_strategy(schema)
     single = propagator.op_single_dim_strategy_funcs.get(schema.op)

@@ -95,7 +95,6 @@ class Plan:
 
     def memory(self, *, rank: int = 0, optimizer: str = "adamw") -> "MemoryLedger":
         """The per-rank memory ledger (autopar.compiler.ledger.memory)."""
-
         return build_memory_ledger(self, rank=rank, optimizer=optimizer)
 
     def rank_graph(self, rank: int, groups: dict[str, str] | None = None, *, stage: int | None = None,
@@ -130,7 +129,6 @@ class Plan:
 
     def document(self) -> "PlanDocument":
         """The plan as data (built once: it runs the activation ledger's fake execution)."""
-
         if self._document is None:
             self._document = PlanDocument(plan_document(self))
         return self._document

@@ -95,7 +95,6 @@ def _node_entry(node: torch.fx.Node, plan: Any) -> dict[str, Any] | None:
 
 def _boundary_entries(plan: Any) -> list[dict[str, Any]]:
     """The send/recv steps of each stage graph (only a pipelined plan has them)."""
-
     entries = []
     for stage in plan.stages if plan.pipeline is not None else []:
         for node in stage.graph_module.graph.nodes:
@@ -119,7 +118,6 @@ def _boundary_entries(plan: Any) -> list[dict[str, Any]]:
 
 def _stored(node: torch.fx.Node, plan: Any) -> str | None:
     """How a ZeRO-sharded parameter is kept between uses (its placement is its gathered compute form)."""
-
     copies = [n for stage in plan.stages for n in stage.graph_module.graph.nodes
               if n.op == "placeholder" and n.name == node.name and ZERO_SHARD in n.meta] if node.op == "placeholder" else []
     if not copies:
@@ -176,7 +174,6 @@ def _overlap_data(plan: Any) -> list[dict[str, Any]]:
     """Each deferred collective of each stage graph (`autopar/compiler/passes/schedule_collectives.py`): the compute
     the rank runs while it is in flight (how many call nodes, the first and last of them and their
     modules)."""
-
     found = []
     for stage in plan.stages:
         graph = stage.graph_module.graph
@@ -193,7 +190,6 @@ def _overlap_data(plan: Any) -> list[dict[str, Any]]:
 def _recompute_data(plan: Any) -> dict[str, Any] | None:
     """The declared recomputation (`autopar/compiler/passes/recompute.py`): each region, its forward FLOPs run again
     in backward (global, at the traced sizes) and the share of the whole forward they are."""
-
     declared = plan.strategy.recompute
     if declared is None:
         return None
@@ -210,7 +206,6 @@ def _experts_data(plan: Any) -> list[dict[str, Any]]:
     """Each mixture-of-experts block (`autopar/compiler/passes/lower_moe.py`): its experts, the axes its tokens are
     sharded over, the expert-parallel axis splitting them, what its weights and the rest of the
     model synchronise gradients over, and its all-to-all bytes per step under uniform routing."""
-
     graph = plan.graph_module.graph
     weights = expert_parameters(graph)
     sync = plan.grad_sync_axes()
@@ -252,7 +247,6 @@ def _memory_ranks(plan: Any) -> list[int]:
 def _memory_data(plan: Any) -> list[dict[str, Any]]:
     """The memory ledger (AdamW) of rank 0 and, under a pipeline, of one rank per pipeline coordinate.
     Ranks of one coordinate differ only where uneven tensor-parallel shards would."""
-
     rows = []
     for rank in _memory_ranks(plan):
         ledger = build_memory_ledger(plan, rank=rank)
@@ -312,7 +306,6 @@ class PlanDocument:
         return sorted({e["rank"] for e in self.data.get("memory", [])})
 
     def memory_of(self, rank: int) -> "MemoryLedger":
-
         symbols = self.comm.symbol_values
         locals_ = {str(s): s for s in symbols}
         return MemoryLedger(entries=[MemoryEntry(e["category"], e["what"], sympy.sympify(e["bytes"], locals=locals_))

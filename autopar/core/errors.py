@@ -16,7 +16,6 @@ class PlanError(ValueError):
 
     @classmethod
     def at(cls, node: torch.fx.Node, message: str, *, fix: str) -> "PlanError":
-
         return cls(
             f"{message}\n"
             f"  node:   {node.format_node()}\n"

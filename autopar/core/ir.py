@@ -179,7 +179,6 @@ def lazy_graph_module(root: "torch.nn.Module | dict", graph: torch.fx.Graph, *,
     """A GraphModule whose Python code is generated when it is first read (`.code`) or run: the
     passes rewrite a graph and `recompile()` it several times, and the code of a 20,000-node graph
     takes seconds to generate (torch.fx's `_LazyGraphModule`, as inductor uses it)."""
-
     return _LazyGraphModule(root, graph, class_name=class_name)
 
 

@@ -198,7 +198,6 @@ class Mesh:
 
     def device_mesh(self, *, device_type: str = "cpu", plan_rank: int | None = None) -> DeviceMesh:
         """A torch DeviceMesh over these axes. With `plan_rank` no process group is needed."""
-
         with unset_fake_temporarily():  # planning may run under the caller's FakeTensorMode
             ranks = torch.arange(self.world_size).reshape(self.shape)
             if plan_rank is not None:
@@ -218,7 +217,6 @@ def release_planning_caches() -> None:
     mesh, but the cached planner holds the mesh), and the sharding propagator's LRU caches of
     tensor metadata and of shardings. A plan keeps its own mesh; the layout checker's and earlier
     plans' would otherwise stay. DTensor refills the caches on demand."""
-
     _redistribute.clear_redistribute_planner_cache()
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator._propagate_tensor_meta_cached.cache_clear()

@@ -72,7 +72,6 @@ class Calibration:
         return max(abs(f - t) / t for (_, t), f in zip(self.samples, self.fitted))
 
     def table(self) -> str:
-
         rows = [(f"{size:,}", f"{t * 1e3:.3f}", f"{f * 1e3:.3f}", f"{(f - t) / t:+.0%}")
                 for (size, t), f in zip(self.samples, self.fitted)]
         return tabulate(rows, headers=["all_reduce bytes", "measured ms", "α-β model ms", "error"],
@@ -82,7 +81,6 @@ class Calibration:
 def _timed_all_reduce(nbytes: int, repeats: int, group: object = None) -> float:
     """Median over `repeats` of the slowest rank's time of one all-reduce in `group` (every group
     of the world's partition at once; None: the world)."""
-
     tensor = torch.ones(nbytes // 4, dtype=torch.float32)
     return _median_slowest(lambda: dist.all_reduce(tensor, group=group), repeats, warmup=2)
 
@@ -90,7 +88,6 @@ def _timed_all_reduce(nbytes: int, repeats: int, group: object = None) -> float:
 def _median_slowest(call: "object", repeats: int, *, warmup: int = 1) -> float:
     """`call` run `warmup` times, then `repeats` times each after a barrier: the median of the
     slowest rank's time."""
-
     for _ in range(warmup):
         call()
     times = []
@@ -105,7 +102,6 @@ def _median_slowest(call: "object", repeats: int, *, warmup: int = 1) -> float:
 def _group_samples(rank: int, world_size: int, sizes: tuple[int, ...], repeats: int) -> dict[int, list]:
     """Per group size n < world dividing it: the world cut into groups of n consecutive ranks, all
     of them all-reducing at once (as a dp×tp mesh's tp groups do)."""
-
     samples = {}
     for n in (n for n in range(2, world_size) if world_size % n == 0):
         groups = [dist.new_group(list(range(start, start + n))) for start in range(0, world_size, n)]
@@ -117,7 +113,6 @@ def _group_samples(rank: int, world_size: int, sizes: tuple[int, ...], repeats: 
 def _timed_handover(rank: int, repeats: int, round_trips: int = 10) -> float:
     """Half a round trip of a 4-byte message between ranks 0 and 1 while the other ranks wait at
     the next barrier (median over `repeats` samples of `round_trips` each, after one unrecorded)."""
-
     message = torch.zeros(1)
     times = []
     for _ in range(repeats + 1):
@@ -131,7 +126,6 @@ def _timed_handover(rank: int, repeats: int, round_trips: int = 10) -> float:
 
 def round_trip(rank: int, message: torch.Tensor) -> None:
     """`message` from rank 0 to rank 1 and back (ranks 0 and 1 only)."""
-
     if rank == 0:
         dist.send(message, 1)
         dist.recv(message, 1)
@@ -145,7 +139,6 @@ def _per_call(call: Callable[[], object], calls: int, repeats: int) -> float:
     `repeats` samples of `calls` calls each. A sample outlasts the scheduler's slice, so that
     where ranks share cores every sample sees them shared, as training does (one short call
     often ran on a core its peer had left, and read the speed of a rank alone)."""
-
     call()
     dist.barrier()
     times = []
@@ -179,7 +172,6 @@ def _timed_small_op(repeats: int, calls: int = 5000) -> float:
 
 
 def _slowest(seconds: float) -> float:
-
     value = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return float(value)
@@ -187,7 +179,6 @@ def _slowest(seconds: float) -> float:
 
 def _overlap_times(repeats: int) -> tuple[float, float, float]:
     """(all-reduce alone, matmuls alone, both at once), each the slowest rank's median."""
-
     tensor, a = torch.ones(OVERLAP_BYTES // 4), torch.randn(MATMUL_N, MATMUL_N)
     # as many products as take the all-reduce's time: the share is then read off two equal parts
     one = _slowest(_timed_matmul(MATMUL_N, repeats))
@@ -210,7 +201,6 @@ def _overlap_times(repeats: int) -> tuple[float, float, float]:
 
 def _timed_kinds(rank: int, world_size: int, repeats: int) -> dict[str, float]:
     """Median seconds (slowest rank) of each other collective kind over the world at KIND_BYTES logical."""
-
     whole, piece = torch.ones(KIND_BYTES // 4), torch.ones(KIND_BYTES // 4 // world_size)
     calls = {"all_gather": lambda: dist.all_gather_into_tensor(whole, piece),
              "reduce_scatter": lambda: dist.reduce_scatter_tensor(piece, whole),

@@ -163,7 +163,6 @@ def _comm(plan: Any) -> tuple[Counter, Counter]:
 def _state(plan: Any) -> Part:
     """What the plan's placements state on rank 0, without a fake run: parameters, buffers, the
     collectives, the gradient synchronisation."""
-
     memory = build_memory_ledger(plan, rank=0, fake_runs=False)
     categories = {name: int(value) for name, value in memory.by_category().items()}
     tensors = sum(1 for e in memory.entries if e.category == "optimizer state")
@@ -179,7 +178,6 @@ def _attributed_state(plan: Any, block: str) -> tuple[Part, Part]:
     collectives its nodes make (`CommEntry.module`), and its parameters' share of each gradient
     bucket (their local elements at the bucket's dtype). The same as the difference of the one-
     and two-block plans (`tests/test_composed_cost.py`), with one plan instead of two."""
-
     whole = _state(plan)
     stages = plan.stages_of_rank(0)
 
@@ -220,7 +218,6 @@ def _measured(plan: Any, block: str | None = None) -> tuple[Part, Part | None]:
     the calls, backward's working memory), for the whole rank and, given `block`, for that module
     alone (its calls, `fake_run.ops_run(..., block=)`; the activations its nodes produce, each
     block's output among them)."""
-
     transient = int(build_memory_ledger(plan, rank=0, activations=False).by_category()["transient"])
     ops = ops_run(plan, 0, block=block)
     if ops.saved is not None:  # read off the ops run's autograd graph: no second forward
@@ -326,7 +323,6 @@ def layout_plans(model: torch.nn.Module, layout: Layout, *, example_inputs: Sequ
     two-block one less its last block, and no second export is made). Where they are a chain the
     two-block model is traced but not planned (its plan is None) unless `both`: the one-block plan
     tells its block apart (`_attributed_state`, `_measured`)."""
-
     path, _ = _blocks_path(model)
     args, kwargs = _layout_inputs(layout, example_inputs, example_kwargs)
     candidate = Candidate(layout.degrees, sequence_parallel=layout.sequence_parallel, recompute=layout.recompute)
@@ -358,7 +354,6 @@ def traced_blocks(model: torch.nn.Module, layout: Layout, *, example_inputs: Seq
     """Under `trace.reusing_traces()`: the model cut to two blocks exported (once) on the layout's
     inputs and the one-block trace made from it; whether the blocks are a chain (`layout_plans`).
     The planner calls it before measuring layouts in two processes, so that both share one export."""
-
     path, _ = _blocks_path(model)
     args, kwargs = _layout_inputs(layout, example_inputs, example_kwargs)
     with truncated(model, path, 2):
@@ -382,7 +377,6 @@ def _before_blocks(model: torch.nn.Module, path: str, plan: Any) -> list[int]:
 
 def plan_parameter_bytes(plan: Any) -> dict[str, int]:
     """Each parameter's bytes on rank 0 (its local shard under the plan's placements)."""
-
     result = {}
     for node in plan.program.graph_module.graph.nodes if plan.program.graph_module is not None else ():
         info = plan.context.placeholders.get(node.name) if node.op == "placeholder" else None
@@ -397,7 +391,6 @@ def plan_parameter_bytes(plan: Any) -> dict[str, int]:
 def _boundary_bytes(plan: Any, block: str) -> int:
     """Rank 0's bytes of the value `block` hands on (the largest output of it that a node outside
     it reads: in a one-block plan what the next block would read)."""
-
     graph = plan.program.graph_module.graph
     carried = 0
     for node in graph.nodes:

@@ -136,7 +136,6 @@ class _Pricer:
 
 @lru_cache(maxsize=256)
 def _stage_blocks(blocks: int, stages: int, block_flops: int, tail_flops: int) -> tuple[int, ...]:
-
     if stages == 1:
         return (blocks,)
     if blocks > 64:  # balanced_starts is O(blocks^2 * stages): even groups, the last one lighter

@@ -139,7 +139,6 @@ def _pipeline_live(candidate: Candidate, rank: "_Rank", stages: list["_Stage"], 
                    working: float, gradients: float, micro: int) -> float:
     """`schedules.peak_live` of the rank's action list: its stages' activations per micro-batch,
     the loss's working memory on the last stage, a send per boundary per micro-batch each way."""
-
     pp, chunks = candidate.degree("pp"), len(stages)
     order = _action_orders(candidate.schedule, pp, candidate.virtual, micro)[rank.index]
     mine = [s.index for s in rank.stages]
@@ -162,7 +161,6 @@ def _pipeline_live(candidate: Candidate, rank: "_Rank", stages: list["_Stage"], 
 def _action_orders(schedule: str, pp: int, virtual: int, micro: int) -> tuple[tuple, ...]:
     """The schedule's action lists, made once per shape: a search prices hundreds of candidates
     that share a few (schedule, degree, virtual stages, micro-batches)."""
-
     return tuple(tuple(order) for order in schedules.actions(schedule, degree=pp, virtual=virtual, microbatches=micro))
 
 

@@ -188,7 +188,6 @@ class BlockPricer:
         return None
 
     def __call__(self, candidate: Candidate) -> Any:
-
         start = time.perf_counter()
         refused = self._splits(candidate)
         ledgers = self.ledgers(layout_of(candidate)) if refused is None else refused

@@ -71,7 +71,6 @@ def can_fork() -> bool:
 def _in_process_group() -> bool:
     """A rank of an initialised process group (a search planned on every rank) runs its backend's
     threads in C++, which the thread check does not see: it measures in one process."""
-
     return dist.is_available() and dist.is_initialized()
 
 

@@ -116,7 +116,6 @@ class SearchResult:
 
 def _price(model: torch.nn.Module, cluster: Cluster, candidate: Candidate, args: Sequence[Any],
            kwargs: dict | None) -> Outcome:
-
     start = time.perf_counter()
     try:
         planned = plan(model, cluster.mesh(candidate.mesh_spec), strategies=candidate.strategies(cluster.backend),

@@ -82,7 +82,6 @@ class Candidate:
     def strategies(self, backend: str | None = None) -> list[Any]:
         """The candidate's declarations; `backend`: the cluster's (how ZeRO exchanges gradients
         and re-gathers parameters; None: as the process planning it would)."""
-
         chosen: list[Any] = []
         for axis, _ in self.degrees or (("dp", 1),):
             if axis == "dp":

@@ -92,7 +92,6 @@ def strategies_for(names: str | None, mesh: Mesh, pipeline: dict[str, Any] | Non
                    context: dict[str, Any] | None = None) -> list[Any]:
     """Strategies by CLI name; `pipeline` holds pp's options (schedule, microbatches, virtual_stages,
     stages), `context` cp's (method, load_balance)."""
-
     chosen = names.split(",") if names else [a for a in ("dp", "tp", "pp", "cp", "ep") if a in mesh.names]
     makers = {"dp": data_parallel, "ep": expert_parallel, "tp": tensor_parallel, "sp": sequence_parallel, "fsdp": fsdp, "hsdp": hsdp,
               "cp": lambda: context_parallel(**{k: v for k, v in (context or {}).items() if v is not None}),
@@ -111,7 +110,6 @@ def _symbolic(text: str | None) -> dict[str, int] | None:
 
 
 def _plan(args: argparse.Namespace, *, explain: bool = False):
-
     _require_mesh(args)
     model, inputs = load_target(args.target)()
     mesh = Mesh.parse(args.mesh, ranks_per_node=args.node)
@@ -128,7 +126,6 @@ def declared_strategies(args: argparse.Namespace, mesh: Mesh) -> list[Any]:
 
 def _recompute_option(args: argparse.Namespace) -> list[Any]:
     """`--recompute selective|full|GLOB,GLOB`: autopar.recompute(policy) beside the strategies."""
-
     if not args.recompute:
         return []
     return [recompute(args.recompute if args.recompute in ("selective", "full") else args.recompute.split(","))]
@@ -136,7 +133,6 @@ def _recompute_option(args: argparse.Namespace) -> list[Any]:
 
 def _schedule_option(args: argparse.Namespace) -> list[Any]:
     """`--no-overlap` / `--chunks K`: autopar.schedule(...) beside the strategies."""
-
     if not args.no_overlap and args.chunks is None:
         return []
     try:
@@ -155,7 +151,6 @@ def _context_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _search(args: argparse.Namespace):
-
     if not args.cluster:
         raise PlanError("--auto (and explain TARGET) need --cluster NAME, a preset such as h100x8 or cpu2x4")
 
@@ -224,7 +219,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_graph(args: argparse.Namespace) -> int:
-
     the_plan = _plan(args)
     if not 0 <= args.rank < the_plan.mesh.world_size:
         raise PlanError(f"--rank {args.rank} is outside the mesh's {the_plan.mesh.world_size} ranks")
@@ -241,7 +235,6 @@ def _cmd_graph(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-
     current = comm_summary(_plan(args))
     if args.update:  # written only with --accept, after the change is printed: never silently
         change = baseline_change(current, args.baseline)
@@ -264,14 +257,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-
     result = diff_plans(load_plan(args.before), load_plan(args.after))
     print(result.report())
     return 1 if result.grew else 0
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-
     if not args.plan.endswith(".json"):  # a target: the planner's choice for --cluster, and why
         args.target = args.plan
         print(_search(args)[0].explain())

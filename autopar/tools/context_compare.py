@@ -35,7 +35,6 @@ def compare_context_methods(model: Any, mesh: Any, *, strategies: Sequence[Any],
                             **plan_options: Any) -> list[dict[str, Any]]:
     """One row per method: communication on the context axis per step (a flattened group's that
     includes it, `dp+cp`, counted with it) and memory of rank 0."""
-
     rows = []
     for method in METHODS:
         with_method, axis = _with_method(strategies, method)

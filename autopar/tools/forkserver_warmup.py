@@ -40,7 +40,6 @@ class _TwoLayers(torch.nn.Module):
 
 
 def _plan_once() -> None:
-
     try:
         autopar.plan(_TwoLayers(), "tp=2", strategies=[autopar.tensor_parallel()], example_inputs=(torch.ones(4, 8),))
     except Exception as error:  # a warm-up only saves time: the ranks plan for themselves either way

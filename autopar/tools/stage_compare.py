@@ -21,7 +21,6 @@ _REPLACEABLE = {"data_parallel", "zero1", "zero2", "zero3"}
 
 
 def _with_stage(strategies: Sequence[Any], axis: str, stage: int) -> list[Any]:
-
     replaced = [s for s in strategies if getattr(s, "axis", None) == axis and getattr(s, "name", "") in _REPLACEABLE]
     kept = [s for s in strategies if not any(s is r for r in replaced)]
     declared = next((s.sharded_state for s in replaced if getattr(s, "sharded_state", None) is not None), None)
@@ -35,7 +34,6 @@ def _with_stage(strategies: Sequence[Any], axis: str, stage: int) -> list[Any]:
 def compare_stages(model: Any, mesh: Any, *, strategies: Sequence[Any], example_inputs: Sequence[Any],
                    axis: str = "dp", stages: Sequence[int] = (0, 1, 2, 3), **plan_options: Any) -> list[dict[str, Any]]:
     """One row per stage: memory bytes per category (rank 0) and communication on `axis` per step."""
-
     rows = []
     for stage in stages:
         the_plan = plan(model, mesh, strategies=_with_stage(strategies, axis, stage), example_inputs=example_inputs,

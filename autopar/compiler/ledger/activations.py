@@ -105,7 +105,6 @@ class ActivationLedger:
 
 def _saved_storages(plan: "Plan", rank: int, device: torch.device, stage: int | None, *,
                     recompute: bool = True) -> tuple[torch.fx.GraphModule, list["SavedStorage"]]:
-
     run = saving_run(plan, rank, stage=stage, device=device, recompute=recompute)
     return run.graph_module, run.saved
 
@@ -163,7 +162,6 @@ def attention_core(gm: torch.fx.GraphModule, placeholder_kinds: dict[str, str]) 
     """Names of the nodes strictly inside explicit attention cores (see the module docstring): the
     cores `passes/recompute.attention_cores` finds (score matmul … probabilities·v), without their
     last node (the probabilities·v matmul) and without fused attention, which has no such core."""
-
     return {n.name for core in attention_cores(gm.graph, placeholder_kinds) if core[0].target not in ATTENTION_OPS
             for n in core[:-1]}
 

@@ -226,7 +226,6 @@ WEIGHT_GRADIENTS = "weight gradients"
 def build_comm_ledger(program: Any, mesh: Mesh, symbols: dict[sympy.Symbol, sympy.Symbol],
                       symbol_values: dict[sympy.Symbol, int]) -> CommLedger:
     """Every collective of every stage per step."""
-
     pipeline = program.pipeline
     micro = pipeline.microbatches if pipeline is not None else 1
     stage_index = 0

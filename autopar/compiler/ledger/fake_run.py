@@ -152,7 +152,6 @@ def _prepared(plan: "Plan", rank: int, stage: int | None, device: torch.device |
     """(stage, kernels' device, rank graph on that device, fake mode, fake inputs): what both runs
     start from. Call under `unset_fake_temporarily()` (planning may run under the caller's
     FakeTensorMode)."""
-
     chosen = plan.stages[stage] if stage is not None else plan.stages_of_rank(rank)[0]
     device = kernel_device(plan, device)
     gm = on_device(plan.rank_graph(rank, stage=chosen.index, recompute=recompute), device)
@@ -161,7 +160,6 @@ def _prepared(plan: "Plan", rank: int, stage: int | None, device: torch.device |
 
 
 def _key(plan: "Plan", what: str, rank: int, stage: int | None, device: torch.device | None, recompute: bool) -> tuple:
-
     chosen = plan.stages[stage] if stage is not None else plan.stages_of_rank(rank)[0]
     return what, rank, chosen.index, kernel_device(plan, device), recompute
 
@@ -185,7 +183,6 @@ def ops_run(plan: "Plan", rank: int, *, stage: int | None = None, block: str | N
     """The calls `rank`'s graph of `stage` (default: its first) makes, forward and backward, and
     backward's working memory (module docstring); with `block` (a module path) also which of the
     calls are that module's (`RankOps.block`, `_BlockCalls`)."""
-
     plain = _key(plan, "ops", rank, stage, None, True)
     key = plain + ((block,) if block else ())
     if key not in plan._fake_runs:
@@ -309,7 +306,6 @@ class _BlockCalls:
         self.backward = False
 
     def around(self, node: torch.fx.Node, run: Any) -> Any:
-
         inside = any(path == self.block or path.startswith(self.prefix) for path in module_stack(node))
         self.current, self.in_core = inside, node in self.cores
         result = run(node)

@@ -226,7 +226,6 @@ def _activation_entries(plan: Any, rank: int, stages: list) -> list[MemoryEntry]
     times the micro-batches the rank holds at its peak (`schedules.peak_held`). With a split
     backward, a micro-batch past its B (input gradient) and before its W (weight gradient) holds
     what the weight pass still needs (`split_backward_hold`) instead of its whole forward."""
-
     if plan.pipeline is None:
         return [MemoryEntry("activations", "saved for backward", saved_activations(plan, rank=rank).total)]
 
@@ -250,7 +249,6 @@ def _activation_entries(plan: Any, rank: int, stages: list) -> list[MemoryEntry]
 def _schedule_inputs(plan: Any, rank: int, stages: list) -> tuple[list, dict, dict, dict]:
     """The rank's action list, when each stage's micro-batch lets its activations go ("B", or "W"
     with a split backward), each stage's activation ledger, and what a split backward keeps from B to W."""
-
     layout = plan.pipeline
     split = layout.schedule in schedules.SPLIT_BACKWARD
     ledgers = {s.index: saved_activations(plan, rank=rank, stage=s.index) for s in stages}
@@ -265,7 +263,6 @@ def _schedule_inputs(plan: Any, rank: int, stages: list) -> tuple[list, dict, di
 def _weight_meets_input(plan: Any, stage: Any) -> list[Any]:
     """The ops where a trainable parameter's path meets what the stage received (a linear, a norm):
     where `torch.distributed.pipelining`'s `stage_backward_input` stops and keeps the gradient."""
-
     weights: set = set()
     received: set = set()
     meets = []
@@ -290,7 +287,6 @@ def split_backward_hold(plan: Any, stage: Any, ledger: Any) -> tuple[sympy.Expr,
     reads — those saved by the meeting ops and everything before them; what only later ops saved,
     e.g. the loss's log-probabilities, is freed when B lets the outputs go — and the gradients B
     kept at the meeting ops, one per op output)."""
-
     meets = _weight_meets_input(plan, stage)
     before: set[str] = set()
     stack = list(meets)

@@ -99,7 +99,6 @@ def peak_terms(plan: Any, ledger: MemoryLedger, *, rank: int = 0, optimizer: str
     they live, the backward's working memory (the op ledger's fake run, `autopar/compiler/ledger/working_memory.py`;
     `ops`: the rank's `rank_ops` by stage, when the caller has them), the first ZeRO unit's
     hand-over and the optimizer's transient."""
-
     activations_of = functools.lru_cache(maxsize=None)(  # one fake run per stage (None: no pipeline)
         lambda stage: saved_activations(plan, rank=rank, stage=stage))
     number = ledger.number
@@ -143,7 +142,6 @@ def peak_terms(plan: Any, ledger: MemoryLedger, *, rank: int = 0, optimizer: str
 def _pipeline_live(plan: Any, rank: int, stages: list, working: dict[int, int], gradients: int) -> int:
     """`schedules.peak_live` for the rank: activations per micro-batch from the stage ledgers, each
     stage's sends per micro-batch from the communication ledger (activations in F, gradients in B)."""
-
     order, releases, ledgers, waiting = _schedule_inputs(plan, rank, stages)
     sent = {"forward": defaultdict(float), "backward": defaultdict(float)}
     for entry in plan.comm.for_rank(rank):

@@ -67,6 +67,5 @@ def run_passes(program: Program, ctx: CompileContext, passes: list[Pass]) -> tup
 
 
 def default_passes() -> list[Pass]:
-
     return [drop_empty_concats, lower_moe, propagate_placements, insert_collectives, insert_grad_reductions,
             split_pipeline, shard_parameters, recompute, chunk_collectives, schedule_collectives]

@@ -86,7 +86,6 @@ def register_grouped_matmul(op: Any) -> None:
     """Declare a custom op a grouped matmul (rows [N, K] sorted by expert, weights [E, K, M],
     cumulative row offsets [E] -> [N, M]), like `aten._grouped_mm`: experts blocks using it are
     then found (`autopar/compiler/passes/lower_moe.py`) and it gets `grouped_mm_rule`. Registering it twice is harmless."""
-
     name = str(op)
     if name not in GROUPED_MATMULS:
         GROUPED_MATMULS.add(name)

@@ -244,7 +244,6 @@ def resolve_strategies(mesh: Mesh, strategies: "list[Strategy] | tuple[Strategy,
                        backend: str | None = None) -> ResolvedStrategy:
     """Bind deferred strategies (the tensor-parallel layout found in the traced graph) and check
     every strategy names an axis of `mesh`."""
-
     flat = []
     for strategy in strategies:  # hsdp() declares two axes at once: a tuple of strategies
         flat.extend(strategy if isinstance(strategy, (tuple, list)) else [strategy])

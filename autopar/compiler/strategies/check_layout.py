@@ -93,7 +93,6 @@ def _outputs_failure(node: torch.fx.Node) -> str | None:
 def check_candidates(gm: torch.fx.GraphModule, placeholders: dict[str, PlaceholderInfo], *, axis: str, size: int,
                      candidates: list[Candidate]) -> list[CheckResult]:
     """One `CheckResult` per candidate (see the module docstring); all are placed in one pass."""
-
     mesh = Mesh({axis: size})
     ctx = CompileContext(mesh=mesh, device_mesh=mesh.device_mesh(plan_rank=0), strategy=ResolvedStrategy(mesh, ()),
                          placeholders=placeholders)

@@ -50,7 +50,6 @@ class ExpertParallel:
     name: str = "expert_parallel"
 
     def bind(self, *, mesh: Mesh, graph_module: torch.fx.GraphModule, placeholders: dict) -> Strategy:
-
         found = expert_parameters(graph_module.graph)
         if not found:
             raise PlanError(f"expert_parallel on {self.axis!r}: the model has no mixture-of-experts block (grouped "
@@ -122,7 +121,6 @@ def expert_tensor_layout(graph_module: torch.fx.GraphModule, placeholders: dict,
     `_StridedShard(split_factor=2)`), the second's on its input features; the block's tokens enter
     replicated on the axis (gathered under sequence parallelism). Returns (parameter rules, experts
     modules to give replicated inputs, notes on blocks left replicated)."""
-
     blocks: dict[str, list[torch.fx.Node]] = {}
     for node in graph_module.graph.nodes:
         if node.op == "call_function" and is_grouped_mm(node.target):

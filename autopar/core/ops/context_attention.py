@@ -90,7 +90,6 @@ def _kv_chunks(source: int, k: torch.Tensor, v: torch.Tensor, size: int, layout:
 
 
 def _process_group(name: str) -> Any:
-
     return _resolve_process_group(name)
 
 

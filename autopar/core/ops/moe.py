@@ -168,7 +168,6 @@ def routing_bytes(routing: list[tuple], *, row_bytes: dict[str, int], count_byte
 def expert_load(routing: list[tuple]) -> str:
     """Rows this rank routed to each expert, per experts block, summed over the recorded dispatches,
     with the busiest expert's load over the mean (1.00: balanced)."""
-
     totals: dict[str, list[int]] = {}
     for block, _, _, per_expert in routing:
         totals[block] = [a + b for a, b in zip(totals.get(block, [0] * len(per_expert)), per_expert)]

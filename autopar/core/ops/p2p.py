@@ -86,7 +86,6 @@ _current: list[Exchange] = []
 
 
 def _group(name: str) -> Any:
-
     return _resolve_process_group(name)
 
 
