@@ -12,14 +12,14 @@ warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).
 from autopar.api import ParallelModule, Plan, calibrate, parallelize, plan, save_runnable_plan
 from autopar.compiler.rules.expert_rules import register_grouped_matmul
 from autopar.compiler.strategies.context import context_parallel
-from autopar.compiler.strategies.data_parallel import data_parallel
+from autopar.compiler.strategies.data_parallel import data_parallel, replicated
 from autopar.compiler.strategies.expert import expert_parallel
 from autopar.compiler.strategies.pipeline import pipeline_parallel
 from autopar.compiler.strategies.recompute import recompute
 from autopar.compiler.strategies.schedule import schedule
 from autopar.compiler.strategies.tensor_parallel import sequence_parallel, tensor_parallel
 from autopar.compiler.strategies.zero import fsdp, hsdp, zero
-from autopar.core.errors import PlanError
+from autopar.core.errors import CheckpointError, PlanError
 from autopar.core.mesh import Mesh
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm_cost import comm_time
@@ -27,5 +27,5 @@ from autopar.cost.step_cost import estimate
 from autopar.planner.search import search
 from autopar.planner.search_space import SearchSpace
 
-__all__ = ["Cluster", "Mesh", "calibrate", "comm_time", "estimate", "search", "SearchSpace", "ParallelModule", "Plan", "PlanError", "context_parallel", "data_parallel", "expert_parallel", "fsdp", "hsdp", "parallelize",
-           "pipeline_parallel", "plan", "recompute", "register_grouped_matmul", "save_runnable_plan", "schedule", "sequence_parallel", "tensor_parallel", "zero"]
+__all__ = ["Cluster", "Mesh", "calibrate", "comm_time", "estimate", "search", "SearchSpace", "ParallelModule", "Plan", "PlanError", "CheckpointError", "context_parallel", "data_parallel", "expert_parallel", "fsdp", "hsdp", "parallelize",
+           "pipeline_parallel", "plan", "recompute", "register_grouped_matmul", "replicated", "save_runnable_plan", "schedule", "sequence_parallel", "tensor_parallel", "zero"]

@@ -2,10 +2,13 @@
 (under torchrun or any initialised process group: returns the rank's `ParallelModule`). These are
 the only functions that call both the compiler (`autopar/compiler/plan.py`: a given mesh and
 strategies) and the planner (`autopar/planner/search.py`: `cluster=`, the planner chooses them).
+`parallelize` logs the plan's per-strategy summary (`Plan.strategy_summary`) on rank 0 through the
+"autopar" logger at INFO (`log_strategy_summary`; quiet it with that logger's level).
 Where `parallelize`'s plan comes from — made on rank 0 and received by the others, read from a
 runnable plan file, or made on every rank for dynamic sizes — is `autopar/artifacts/plan_once.py`."""
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -23,6 +26,7 @@ from autopar.artifacts.plan_once import (
 )
 from autopar.compiler.plan import Plan
 from autopar.compiler.plan import plan as compile_plan
+from autopar.compiler.plan import require_module
 from autopar.core.errors import PlanError
 from autopar.core.mesh import Mesh
 from autopar.cost.calibration import SIZES, Calibration, calibration_rank, fit_calibration
@@ -33,7 +37,9 @@ from autopar.runtime.compiled import refuse_uncompilable
 from autopar.runtime.job_hosts import job_node_size
 from autopar.runtime.launch import launch
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.optimizer_guard import retire
 
+LOG = logging.getLogger("autopar")
 BUCKET_CAP_MB = 25.0  # parallelize's default gradient bucket size (what plan(cluster=) plans with)
 
 
@@ -55,6 +61,7 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | None" = No
     `autopar.Cluster` or a preset's name) and neither mesh nor strategies, for the mesh and
     strategies the planner chooses (`autopar/planner/search.py`; `space=` narrows its search): the
     winner's plan, its `search` holding the ranking."""
+    require_module(model)
     if mesh is None and strategies is None:
         if cluster is None:
             raise PlanError("plan needs a mesh and strategies, or cluster= to let the planner choose them "
@@ -86,6 +93,7 @@ def parallelize(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | Non
     every rank runs the winner; the cluster must describe this job's world. `compile=True` runs each
     rank graph through `torch.compile` (inductor; a dict is passed to `torch.compile` as its
     options), collectives included (`runtime/compiled.py`)."""
+    require_module(model)
     if not dist.is_initialized():
         raise RuntimeError("autopar.parallelize needs an initialised process group (run under torchrun, or call "
                            "torch.distributed.init_process_group first); use autopar.plan to plan without one")
@@ -181,9 +189,18 @@ def _module(the_plan: Plan, timing: Any, model: torch.nn.Module, dynamic_dims: d
     state = the_plan.traced.state if timing.source in ("planned", "local") else state_from_model(the_plan, model)
     module = ParallelModule(the_plan, rank=dist.get_rank(), groups=groups, state=state, compile_options=compile_options)
     module.plan_timing = timing
+    log_strategy_summary(the_plan, rank=dist.get_rank())
+    retire(model)  # an optimizer over the model's own parameters would train nothing: refused at its step
     # the module holds its shards now; the plan must not keep the full weights alive (ZeRO's point)
     the_plan.traced.state = {}
     return module
+
+
+def log_strategy_summary(plan: Plan, *, rank: int) -> None:
+    """The plan's per-strategy summary at INFO on the "autopar" logger, from rank 0 only (every rank
+    holds the same plan): what each strategy sharded and what it left replicated, and why."""
+    if rank == 0 and LOG.isEnabledFor(logging.INFO):  # not even built where nobody listens
+        LOG.info("autopar plan on mesh %s:\n%s", plan.mesh, plan.strategy_summary())
 
 
 __all__ = ["Plan", "ParallelModule", "calibrate", "parallelize", "plan", "save_runnable_plan"]

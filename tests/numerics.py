@@ -35,6 +35,9 @@ import torch
 
 import autopar
 from autopar.compiler.ledger.memory import build_memory_ledger
+from autopar.compiler.ledger.peak import moments, peak_terms
+from autopar.compiler.passes.recompute import RECOMPUTE
+from autopar.core.ops import moe as moe_ops
 from autopar.measure.activations import measure_saved_activations
 from autopar.measure.comm_counter import CommCounter
 from autopar.measure.memory import held_bytes
@@ -239,7 +242,12 @@ def memory_ledger(module: Any, rank: int) -> dict[str, Any]:
     entries: dict[tuple[str, str], int] = {}
     for entry in ledger.entries:
         entries[(entry.category, entry.what)] = entries.get((entry.category, entry.what), 0) + ledger.number(entry.bytes)
-    return {"by_category": ledger.by_category(), "entries": entries}
+    terms = peak_terms(module.plan, ledger, rank=rank)
+    graph = module.plan.graph_module.graph
+    routed = any(getattr(node.target, "__module__", "") == moe_ops.__name__ for node in graph.nodes)
+    recomputed = any(RECOMPUTE in node.meta for stage in module.plan.stages for node in stage.graph_module.graph.nodes)
+    return {"by_category": ledger.by_category(), "entries": entries, "moments": moments(terms),
+            "peak_at_its_moment": module.plan.pipeline is None and not routed and not recomputed}
 
 
 def unit_bytes(plan: Any, *, keep: Callable[[Any], bool], padded: bool) -> int:

@@ -167,7 +167,25 @@ def assert_activations_equal_ledger(result: dict[str, Any], *, kept: int | None 
         assert measured == ledger + kept, f"rank {result['rank']} forward {step}: {measured} != ledger {ledger} + {kept}"
 
 
-def assert_peak_within_ledger(result: dict[str, Any], single_device_temporaries: list[int]) -> None:
+# The ledger's peak (the largest of its moments, autopar/compiler/ledger/peak.py) against the measured
+# one, where the moments model the step exactly: measured within 0.01% on data, tensor, sequence
+# parallelism and ZeRO 1/2/3 (24-byte DeviceMesh and loss leftovers). An extra gradient row kept
+# through backward is several percent of these peaks: 2% catches it.
+PEAK_TOLERANCE = 0.02
+
+
+def ledger_peak_at_its_moment(result: dict[str, Any]) -> bool:
+    """Whether the step's peak is compared with the ledger's at the moment it happens. Not under a
+    pipeline (the schedule's peak_live is a bound: measured up to 19% above the moment on four
+    stages, 2026-12-06) nor with routed experts (tokens per expert follow the router:
+    the ledger prices a uniform split; measured -1.4% to +13.5% per rank), nor with recomputed
+    regions (the moments read 18-31% over the measured peak, cause not analysed): those keep the
+    bound. Each is an open gap of the cost model's peak, not of the test."""
+    return result["memory_ledger"].get("peak_at_its_moment", False)
+
+
+def assert_peak_within_ledger(result: dict[str, Any], single_device_temporaries: list[int], *,
+                              tolerance: float | None = PEAK_TOLERANCE) -> None:
     """The step's peak against the ledger (from the second step on, when optimizer state exists).
 
     The harness's own bytes are taken off: the global batches (alive throughout), the rank's local
@@ -179,7 +197,10 @@ def assert_peak_within_ledger(result: dict[str, Any], single_device_temporaries:
     difference,
     backward temporaries (gradients in flight, which the ledger does not model), bounded by the
     most bytes one device's backward of the same step holds at once beyond its forward's (a rank
-    computes a slice of that step; its own gradient buffers are in the ledger's held bytes)."""
+    computes a slice of that step; its own gradient buffers are in the ledger's held bytes).
+    And where the ledger's moments model the step (`ledger_peak_at_its_moment`), the peak is the
+    ledger's largest moment within `tolerance` (None: the bound only, for the cases whose callers
+    state the measured gap), named in the failure."""
     ledger = result["memory_ledger"]["by_category"]
     held = sum(ledger[c] for c in CLAIMED)
     lower = held - ledger["gradients"] + ledger["activations"]
@@ -195,10 +216,14 @@ def assert_peak_within_ledger(result: dict[str, Any], single_device_temporaries:
         assert measured >= lower, f"{where} < ledger's state + activations {lower}"
         assert measured <= upper + temporaries, \
             f"{where} > ledger {upper} + one device's backward temporaries {temporaries}"
+        if tolerance is not None and ledger_peak_at_its_moment(result):
+            moment, predicted = max(result["memory_ledger"]["moments"].items(), key=lambda item: item[1])
+            assert abs(measured - predicted) <= tolerance * measured, \
+                f"{where} differs from the ledger's peak {predicted} ({moment!r}) by more than {tolerance:.0%}"
 
 
 def assert_memory_equals_ledger(results: list[dict[str, Any]], reference: dict[str, Any], *,
-                                activations: bool = True) -> None:
+                                activations: bool = True, peak_tolerance: float | None = PEAK_TOLERANCE) -> None:
     """Held after each step, left by each forward, and the peak (see the three checks above).
     `activations=False` says, for a step body whose forward cannot be watched apart from its
     backward (a pipeline schedule), that no activations were measured; otherwise none is a failure."""
@@ -206,7 +231,7 @@ def assert_memory_equals_ledger(results: list[dict[str, Any]], reference: dict[s
         assert_held_equals_ledger(result)
         if activations:
             assert_activations_equal_ledger(result)
-        assert_peak_within_ledger(result, reference["backward_temporaries"])
+        assert_peak_within_ledger(result, reference["backward_temporaries"], tolerance=peak_tolerance)
 
 
 def assert_cases_match(names: list[str], per_rank: list[list[dict[str, Any]]], reference: dict[str, Any]) -> None:

@@ -123,7 +123,7 @@ def test_a_plan_on_another_mesh_than_the_cluster_is_refused():
     _, plan = _plan("dp=2", [autopar.data_parallel()])
     with pytest.raises(PlanError, match="has 2 ranks; cluster h100x1 has 1 x 8 = 8"):
         autopar.comm_time(plan, cluster)
-    _, on_one_node = _plan("dp=2,tp=2", [autopar.data_parallel()])
+    _, on_one_node = _plan("dp=2,tp=2", [autopar.data_parallel(), autopar.replicated("tp")])
     with pytest.raises(PlanError, match="puts 4 ranks on a node; cluster 2x2 has 2"):
         autopar.comm_time(on_one_node, Cluster(nodes=2, gpus_per_node=2, memory_gb=8, intra_gbps=2, inter_gbps=1,
                                                peak_tflops=1))

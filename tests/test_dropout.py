@@ -4,7 +4,11 @@ attention and the MLP) trained on gloo processes equals the single-device model 
 tensor + sequence (alone, inside and outside data parallelism), ZeRO-3 x tensor and context
 parallelism: every rank's masks are one device's
 masks, or its piece of them (`autopar/core/ops/dropout.py`). With masks drawn independently per
-rank the losses would differ from the first step (`test_independent_masks_would_be_caught`)."""
+rank the losses would differ from the first step (`test_independent_masks_would_be_caught`).
+Hugging Face GPT-2's dropouts sit inside the attention and MLP modules, after the row-parallel
+projections: their input is a partial sum that DTensor reduce-scatters onto batch shards of both
+axes under dp=2 x tp=2 + SP, and they draw one device's masks there too
+(`test_dropout_after_a_row_parallel_projection`; its numerics are `tests/test_random_ops.py`'s)."""
 from __future__ import annotations
 
 import functools
@@ -13,6 +17,8 @@ import pytest
 import torch
 
 import autopar
+from autopar.core.ir import RULE
+from autopar.core.ops.dropout import sharded_dropout
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
 from tests.numerics import STEPS, distributed_rank, single_device
@@ -68,3 +74,22 @@ def test_dropout_under_a_pipeline_is_refused():
         autopar.plan(deep, autopar.Mesh(pp=2), strategies=[autopar.pipeline_parallel(microbatches=2)],
                      example_inputs=BATCHES[0])
     assert "dropout" in str(error.value) and "examples/gpt.py" in str(error.value) and "fix:" in str(error.value)
+
+
+def test_dropout_after_a_row_parallel_projection():
+    """Every dropout of HF GPT-2 (attention dropout off) under dp=2 x tp=2 + SP draws the whole mask
+    and keeps the piece of both axes' batch shards, the residual dropouts after the row-parallel
+    projections included (their partial input is reduce-scattered by DTensor's choice)."""
+    transformers = pytest.importorskip("transformers")
+    from examples.hf_models import CausalLMLoss, token_batch  # an optional dependency: transformers
+
+    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=128, n_positions=64, attn_pdrop=0.0,
+                                     use_cache=False, attn_implementation="sdpa", tie_word_embeddings=False)
+    plan = autopar.plan(CausalLMLoss(transformers.GPT2LMHeadModel(config)), "dp=2,tp=2",
+                        strategies=[autopar.data_parallel(), autopar.sequence_parallel()],
+                        example_inputs=token_batch(batch=8, seq=16))
+    dropouts = [n for n in plan.graph_module.graph.nodes if n.target is torch.ops.aten.native_dropout.default]
+    assert len(dropouts) == 5  # the embeddings', and per block the attention's and the MLP's residual dropout
+    for node in dropouts:
+        assert node.meta.get(RULE) is not None and node.meta[RULE].local_kernel is sharded_dropout, node.format_node()
+        assert node.meta[RULE].kernel_kwargs["cuts"] == ("value", "dp:0:2:contiguous:1;tp:0:2:contiguous:1")

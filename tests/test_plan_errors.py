@@ -1,6 +1,9 @@
 """Bad input is refused at plan time with a message naming the node, op, module, source line and fix."""
 from __future__ import annotations
 
+import re
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -104,3 +107,93 @@ def test_a_plan_file_with_shared_memory_collectives_is_refused(tmp_path):
         load_plan(path)
     path.write_text(json.dumps({"schema": SCHEMA, "collectives": [{"kind": "all_reduce"}]}))
     assert load_plan(path).data["collectives"] == [{"kind": "all_reduce"}]
+
+
+@pytest.mark.parametrize("mesh, strategies", [("dp=2,tp=2", [autopar.tensor_parallel()]), ("tp=2", [])])
+def test_a_mesh_axis_no_strategy_uses_is_refused_with_the_fix(mesh, strategies):
+    """The batch would be replicated on it: every rank on the axis computing the same thing."""
+    unused = "dp" if mesh.startswith("dp") else "tp"
+    with pytest.raises(PlanError) as error:
+        plan_gpt(mesh, strategies)
+    text = str(error.value)
+    assert f"mesh axis {unused!r} (size 2) is used by no strategy" in text
+    assert f"fix: add a strategy on {unused!r}" in text and f"autopar.replicated({unused!r})" in text
+
+
+def test_an_axis_declared_replicated_and_size_one_axes_plan():
+    config = GPTConfig(n_layer=1)
+    replicated = plan_gpt("dp=2,tp=2", [autopar.tensor_parallel(), autopar.replicated("dp")], config)
+    assert replicated.comm.count(axis="dp") == 0 and replicated.comm.count(axis="tp") > 0
+    assert not any("dp" in axes for axes in replicated.grad_sync_axes().values())
+    plan_gpt("dp=2,tp=1", [autopar.data_parallel()], config)
+
+
+@pytest.mark.parametrize("mesh, strategies, names", [
+    ("dp=2", [autopar.data_parallel(), autopar.zero(stage=3)], "data_parallel and zero3"),
+    ("dp=2", [autopar.fsdp(), autopar.data_parallel()], "zero3 and data_parallel"),
+    ("tp=2", [autopar.data_parallel(axis="tp"), autopar.tensor_parallel()], "data_parallel and tensor_parallel"),
+    ("tp=2", [autopar.replicated("tp"), autopar.sequence_parallel()], "replicated and tensor_parallel+sp"),
+])
+def test_two_strategies_claiming_one_axis_are_refused(mesh, strategies, names):
+    axis = mesh.split("=")[0]
+    with pytest.raises(PlanError, match=rf"strategies {re.escape(names)} both claim mesh axis '{axis}'(.|\n)*fix:"):
+        plan_gpt(mesh, strategies, GPTConfig(n_layer=1))
+
+
+def test_tensor_and_sequence_parallel_may_share_their_axis():
+    plan_gpt("tp=2", [autopar.tensor_parallel(), autopar.sequence_parallel()], GPTConfig(n_layer=1))
+
+
+def test_a_function_instead_of_a_module_is_refused():
+    weight = torch.ones(4, 4, requires_grad=True)
+    for model in (lambda x: (x @ weight).sum(), torch.nn.functional.relu):
+        with pytest.raises(PlanError, match=r"autopar plans a torch.nn.Module(.|\n)*fix: wrap it in an nn.Module"):
+            autopar.plan(model, "dp=2", strategies=[autopar.data_parallel()], example_inputs=(torch.ones(2, 4),))
+
+
+class DataDependentRows(nn.Module):
+    """Rows picked by value (a mixture of experts' dispatch): an unbacked size in the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = torch.nonzero(x[:, 0] > 0).squeeze(1)
+        picked = self.linear(x.index_select(0, rows))
+        return picked.sum() + torch.cat([picked, picked.new_zeros(0, 4)]).mean()
+
+
+def test_an_internal_failure_while_planning_is_a_plan_error_in_autopars_words():
+    with pytest.raises(PlanError) as error:
+        autopar.plan(DataDependentRows(), "tp=2", strategies=[autopar.tensor_parallel()],
+                     example_inputs=(torch.randn(8, 4),))
+    text = str(error.value)
+    print(text)
+    assert "module:" in text and "fix:" in text and "internal error:" in text
+    assert isinstance(error.value.__cause__, Exception) and not isinstance(error.value.__cause__, PlanError)
+
+
+def _failing_pass(error: BaseException):
+    def explode_at_the_first_linear(program, ctx):
+        for node in program.graph_module.graph.nodes:
+            if node.target is torch.ops.aten.linear.default or "addmm" in str(node.target):
+                raise error
+        return program
+
+    return explode_at_the_first_linear
+
+
+def test_a_pass_failing_inside_is_a_plan_error_naming_the_pass_node_module_and_source(monkeypatch):
+    plan_module = sys.modules["autopar.compiler.plan"]
+    monkeypatch.setattr(plan_module, "default_passes", lambda: [_failing_pass(RuntimeError("boom\nsecond line"))])
+    with pytest.raises(PlanError) as error:
+        autopar.plan(UsesMystery(), "dp=2", strategies=[autopar.data_parallel()], example_inputs=(torch.ones(2, 4),))
+    text = str(error.value)
+    assert text.startswith("autopar does not support aten.") and "(pass explode_at_the_first_linear failed)" in text
+    assert "module: linear" in text and "test_plan_errors.py" in text and "fix:    plan this model without" in text
+    assert "  internal error: RuntimeError: boom\n      second line" in text
+    assert isinstance(error.value.__cause__, RuntimeError)
+    monkeypatch.setattr(plan_module, "default_passes", lambda: [_failing_pass(KeyboardInterrupt())])
+    with pytest.raises(KeyboardInterrupt):
+        autopar.plan(UsesMystery(), "dp=2", strategies=[autopar.data_parallel()], example_inputs=(torch.ones(2, 4),))

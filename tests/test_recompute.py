@@ -148,7 +148,7 @@ def test_bad_recompute_declarations_are_refused():
     with pytest.raises(autopar.PlanError, match="found no region"):
         _plan(["decoder.*"])
     with pytest.raises(autopar.PlanError, match="declared 2 times"):
-        _plan("full", strategies=[autopar.data_parallel(), autopar.recompute("selective")])
+        _plan("full", strategies=[autopar.data_parallel(), autopar.tensor_parallel(), autopar.recompute("selective")])
     deep = GPTConfig(vocab_size=128, seq_len=16, n_layer=4, n_head=4, d_model=32, d_ff=64)
     with pytest.raises(autopar.PlanError, match="zb_h1 schedule is not supported yet"):
         _plan("full", mesh="pp=2", strategies=[autopar.pipeline_parallel(schedule="zb_h1", microbatches=2)],

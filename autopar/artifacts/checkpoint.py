@@ -22,14 +22,22 @@ optimizer state entry (tensors shaped like the parameter as boxes, scalars such 
 as plain tensors), `optim.param_groups` (hyper-parameters, parameters by name), and `extra` (a
 learning-rate scheduler's `state_dict()`, RNG states, anything picklable or tensors). After
 loading, ZeRO-1/2's replicated compute copies are refreshed from the loaded shards.
+
+Safety (`checkpoint_files.py`): a save writes beside `path` and commits by a rename once every
+rank's files, the metadata and a manifest (save id, size and CRC-32 of every file) are written;
+`load` and `load_into_model` read only a committed checkpoint whose files all belong to its save
+and pass their CRC-32, and, strict by default, only into a model whose parameters (names and whole
+shapes; for `load`, the plan's) are the checkpoint's. Every failure is a `CheckpointError` naming
+the file or directory and the cause.
 """
 from __future__ import annotations
 
 import itertools
 import json
 import math
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -38,6 +46,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from autopar.artifacts import checkpoint_files as files
+from autopar.core.errors import CheckpointError
 from autopar.core.ir import shard_dim
 from autopar.core.sequence_chunks import chunk_ids, chunks_total
 
@@ -171,8 +181,8 @@ def _optimizer_names(module: Any, optimizer: torch.optim.Optimizer) -> dict[int,
     for group in optimizer.param_groups:
         for param in group["params"]:
             if id(param) not in by_id:
-                raise ValueError("the optimizer holds a tensor that is not one of the module's parameters; build "
-                                 "it over module.parameters()")
+                raise CheckpointError("the optimizer holds a tensor that is not one of the module's parameters; "
+                                      "build it over module.parameters()")
             names[id(param)] = by_id[id(param)]
     return names
 
@@ -201,14 +211,127 @@ def state_dict(module: Any, optimizer: torch.optim.Optimizer | None = None, extr
     return result
 
 
+def _rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _from_rank0(make: Callable[[], Any]) -> Any:
+    """Rank 0's `make()`, on every rank."""
+    value = [make() if _rank_and_world()[0] == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(value, src=0)
+    return value[0]
+
+
+def _raise_any(problem: str | None, collective: bool) -> None:
+    """Every rank raises the first rank's problem (no rank is left waiting in a collective)."""
+    problems = [problem]
+    if collective and dist.is_initialized():
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p is not None), None)
+    if first is not None:
+        raise CheckpointError(first)
+
+
 def save(path: "str | Path", module: Any, optimizer: torch.optim.Optimizer | None = None,
-         extra: dict | None = None) -> None:
-    """Write the module's (and optimizer's) state as a sharded DCP checkpoint; collective."""
-    dcp.save(state_dict(module, optimizer, extra), checkpoint_id=str(path), planner=_SavePlanner())
+         extra: dict | None = None, *, on_phase: Callable[[str], None] | None = None) -> None:
+    """Write the module's (and optimizer's) state as a sharded DCP checkpoint at `path`, atomically
+    (`checkpoint_files.py`): a crash at any point leaves the checkpoint that was at `path`, if any,
+    loadable. Collective. `on_phase(phase)` is called on each rank as it reaches a phase of the save
+    ("write", "shards", "metadata", "manifest"; rank 0 also "commit", "swap", "cleanup"): the fault
+    tests stop a rank there."""
+    path, hook = Path(path), on_phase or (lambda phase: None)
+    save_id, problem = _from_rank0(lambda: (files.new_save_id(), files.replace_problem(path)))
+    _raise_any(problem, collective=False)
+    staging = files.staging_path(path, save_id)
+    hook("write")
+    writer = files.Writer(staging, save_id, hook)
+    with files.as_checkpoint_error(f"saving checkpoint {path} failed (in {staging})"):
+        dcp.save(state_dict(module, optimizer, extra), storage_writer=writer, planner=_SavePlanner())
+    hook("manifest")
+    gathered = _gather_digests(path, staging, writer.written)
+    _raise_any(_from_rank0(lambda: _commit(path, staging, save_id, gathered, hook)), collective=False)
 
 
-def _saved(path: "str | Path") -> dict[str, Any]:
-    return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+def _gather_digests(path: Path, staging: Path, written: list[str]) -> list[dict | str] | None:
+    """On rank 0, every rank's {file: size and CRC-32} of the files it wrote (or why it could not
+    read them back: sent like the digests, so that no rank is left waiting)."""
+    try:
+        digests: dict | str = {name: files.digest(staging / name) for name in written}
+    except OSError as error:
+        digests = f"saving checkpoint {path} failed: rank {_rank_and_world()[0]} cannot read back {staging}: {error}"
+    if not dist.is_initialized():
+        return [digests]
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(digests, gathered, dst=0)
+    return gathered
+
+
+def _commit(path: Path, staging: Path, save_id: str, gathered: list[dict | str],
+            hook: Callable[[str], None]) -> str | None:
+    """Rank 0: the manifest, then the commit and the clean-up; why not, as a message for every rank."""
+    problem = next((entry for entry in gathered if isinstance(entry, str)), None)
+    if problem is not None:
+        return problem
+    try:
+        files.write_manifest(staging, save_id, {k: v for rank_files in gathered for k, v in rank_files.items()})
+        files.commit(path, staging, save_id, hook)
+        files.remove_leftovers(path)
+    except Exception as error:
+        return f"saving checkpoint {path} failed while committing {staging}: {type(error).__name__}: {error}"
+    return None
+
+
+def _open(path: "str | Path", *, verify: bool, collective: bool) -> tuple[Path, Any]:
+    """The committed checkpoint directory for `path` and its DCP metadata, verified against the
+    manifest (`checkpoint_files.verify`); the ranks share out the CRC-32s and all raise the same error."""
+    rank, world = _rank_and_world() if collective else (0, 1)
+    opened, problem = None, None
+    try:
+        directory = files.resolve(path)
+        manifest = files.read_manifest(directory)
+        metadata = files.read_metadata(directory)
+        share = files.verification_share(manifest, rank, world) if verify else [files.METADATA]
+        files.verify(directory, manifest, metadata, share)
+        opened = directory, metadata
+    except CheckpointError as error:
+        problem = str(error)
+    _raise_any(problem, collective)
+    if collective and dist.is_initialized():  # one save for all: a rank must not find another directory
+        found = [None] * world
+        dist.all_gather_object(found, str(opened[0]))
+        if len(set(found)) > 1:
+            raise CheckpointError(f"the ranks found different checkpoints for {path}: {sorted(set(found))} (a save "
+                                  f"committed while loading, or ranks that see different file systems)")
+    return opened
+
+
+def _check_model(directory: Path, saved: dict[str, Any], required: dict[str, tuple], accepted: set[str],
+                 strict: bool) -> set[str]:
+    """The model entries to load; CheckpointError naming every missing, unexpected and mismatched
+    entry (only mismatched shapes when not `strict`). `required`: key -> shape the model needs;
+    `accepted`: keys it can take (non-persistent buffers too)."""
+    stored = {k: tuple(m.size) for k, m in saved.items() if k.startswith("model.") and hasattr(m, "size")}
+    missing = sorted(required.keys() - stored.keys())
+    unexpected = sorted(stored.keys() - accepted - required.keys())
+    mismatched = [f"{k.removeprefix('model.')} (checkpoint {list(stored[k])}, model {list(required[k])})"
+                  for k in sorted(required.keys() & stored.keys()) if stored[k] != required[k]]
+    if mismatched or strict and (missing or unexpected):
+        parts = [f"{what}: {', '.join(k.removeprefix('model.') for k in keys[:8])}"
+                 + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+                 for what, keys in (("missing from the checkpoint", missing), ("not in the model", unexpected),
+                                    ("shapes differ", mismatched)) if keys]
+        raise CheckpointError(f"checkpoint {directory} does not fit the model: {'; '.join(parts)}. Load it into "
+                              f"the model it was saved from; strict=False loads only the entries that match "
+                              f"(shapes must still agree)")
+    return required.keys() & stored.keys()
+
+
+def _check_optimizer(directory: Path, saved: dict[str, Any], optimizer: torch.optim.Optimizer | None) -> None:
+    if optimizer is not None and "optim.param_groups" not in saved:
+        raise CheckpointError(f"checkpoint {directory} holds no optimizer state (it was saved without an "
+                              f"optimizer); load without one")
 
 
 def _saved_optimizer_state(saved: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -250,21 +373,27 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, fqn_of: dict[int, str],
 
 
 def load(path: "str | Path", module: Any, optimizer: torch.optim.Optimizer | None = None,
-         extra: dict | None = None) -> dict:
+         extra: dict | None = None, *, strict: bool = True, verify: bool = True) -> dict:
     """Fill the module's shards (and the optimizer's state, created where missing) from a
     checkpoint written under any plan; `extra` names what to read back (its values are templates:
-    a tensor of the saved shape, or any object). Returns the extra entries read. Collective."""
-    saved = _saved(path)
+    a tensor of the saved shape, or any object). Returns the extra entries read. Collective.
+
+    Refuses (CheckpointError, on every rank) an incomplete checkpoint, one whose files are not all
+    of one save or fail their CRC-32 (`verify=False`: sizes only), and one whose parameters do not
+    match the plan's (`strict=False`: load the entries that match)."""
+    directory, metadata = _open(path, verify=verify, collective=True)
+    saved = metadata.state_dict_metadata
+    _check_optimizer(directory, saved, optimizer)
     target = state_dict(module, None)
-    missing = next((key for key in target if key not in saved), None)
-    if missing is not None:
-        raise KeyError(f"{path} holds no {missing!r}: it was written from another model")
+    shapes = {key: tuple(value.shape) for key, value in target.items()}
+    kept = _check_model(directory, saved, shapes, set(shapes), strict)
+    target = {key: value for key, value in target.items() if key in kept}
     if optimizer is not None:
-        fqn_of, shapes = _optimizer_names(module, optimizer), _global_shapes(module)
+        fqn_of, global_shapes = _optimizer_names(module, optimizer), _global_shapes(module)
 
         def place(fqn: str, param: torch.Tensor, name: str, meta: Any) -> Any:
             state = optimizer.state[param]
-            if len(meta.size) and tuple(meta.size) == shapes[fqn]:  # shaped like the parameter: its boxes
+            if len(meta.size) and tuple(meta.size) == global_shapes[fqn]:  # shaped like the parameter: its boxes
                 state.setdefault(name, torch.zeros_like(param))
                 return _param_boxes(module, fqn, state[name])
             state.setdefault(name, torch.zeros(tuple(meta.size), dtype=meta.properties.dtype))
@@ -272,9 +401,10 @@ def load(path: "str | Path", module: Any, optimizer: torch.optim.Optimizer | Non
 
         target.update(_optimizer_targets(saved, optimizer, fqn_of, place))
     target.update({f"extra.{key}": value for key, value in (extra or {}).items()})
-    dcp.load(target, checkpoint_id=str(path), planner=_LoadPlanner())
-    if optimizer is not None:
-        _restore_optimizer(optimizer, fqn_of, target)
+    with files.as_checkpoint_error(f"loading checkpoint {directory} failed"):
+        dcp.load(target, storage_reader=files.Reader(directory), planner=_LoadPlanner())
+        if optimizer is not None:
+            _restore_optimizer(optimizer, fqn_of, target)
     with torch.no_grad():
         for runner in module.stages:
             if runner.sharded is not None:
@@ -283,14 +413,21 @@ def load(path: "str | Path", module: Any, optimizer: torch.optim.Optimizer | Non
 
 
 def load_into_model(path: "str | Path", model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    extra: dict | None = None) -> dict:
-    """Load a checkpoint into a plain single-device model (and its optimizer), no process group
-    needed: every tensor whole. Names are the traced parameter names (a tied weight under the
-    name the trace kept)."""
-    saved = _saved(path)
+                    extra: dict | None = None, *, strict: bool = True, verify: bool = True) -> dict:
+    """Load a checkpoint into a plain single-device model (and its optimizer) in this process
+    alone, whether or not a process group is initialised: every tensor whole. Names are the traced
+    parameter names (a tied weight under the name the trace kept). Refuses what `load` refuses;
+    `strict` compares the model's parameters and persistent buffers with the checkpoint's."""
+    directory, metadata = _open(path, verify=verify, collective=False)
+    saved = metadata.state_dict_metadata
+    _check_optimizer(directory, saved, optimizer)
     params = dict(model.named_parameters())
-    target: dict[str, Any] = {f"model.{fqn}": p.detach() for fqn, p in params.items() if f"model.{fqn}" in saved}
-    target.update({f"model.{fqn}": b for fqn, b in model.named_buffers() if f"model.{fqn}" in saved})
+    persistent = model.state_dict(keep_vars=True).keys()
+    tensors = {f"model.{fqn}": t for fqn, t in [*params.items(), *model.named_buffers()]}
+    required = {key: tuple(t.shape) for key, t in tensors.items()
+                if key.removeprefix("model.") in params or key.removeprefix("model.") in persistent}
+    _check_model(directory, saved, required, set(tensors), strict)
+    target: dict[str, Any] = {key: t.detach() for key, t in tensors.items() if key in saved}
     if optimizer is not None:
         fqn_of = {id(p): fqn for fqn, p in params.items()}
 
@@ -301,7 +438,10 @@ def load_into_model(path: "str | Path", model: torch.nn.Module, optimizer: torch
 
         target.update(_optimizer_targets(saved, optimizer, fqn_of, place))
     target.update({f"extra.{key}": value for key, value in (extra or {}).items()})
-    dcp.load(target, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-    if optimizer is not None:
-        _restore_optimizer(optimizer, fqn_of, target)
+    with files.as_checkpoint_error(f"loading checkpoint {directory} failed"):
+        with warnings.catch_warnings():  # DCP's notice that it loads in one process: what was asked
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(target, storage_reader=files.Reader(directory), no_dist=True)
+        if optimizer is not None:
+            _restore_optimizer(optimizer, fqn_of, target)
     return {key: target[f"extra.{key}"] for key in (extra or {})}

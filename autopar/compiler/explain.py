@@ -5,18 +5,25 @@ op (the same expansion `propagate_op_sharding` minimises over) and lists each on
 placements, required input placements and redistribution cost, cheapest first. `explain(document,
 name)` renders, for a node, parameter or module of a plan file: its placement, the seed rule or
 module layouts behind it, who decided (DTensor or an autopar rule), the alternatives, and the
-collectives the plan inserted around it.
+collectives the plan inserted around it. `strategy_summary(plan)` gives one line per strategy:
+the parameters it shards out of all (counts and bytes), and each module it left replicated with
+the reason (the strategy's own note, or what autopar knows of that kind of module).
 """
 from __future__ import annotations
 
+import math
+import re
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy
 from torch.distributed.tensor._sharding_prop import _expand_single_dim_strategy_to_mesh
 
-from autopar.core.ir import describe
+from autopar.core.ir import SPEC, describe
+
+if TYPE_CHECKING:
+    from autopar.compiler.plan import Plan
 
 MAX_ALTERNATIVES = 6
 
@@ -100,3 +107,83 @@ def _stage_line(document: Any, stages: list[int], *, leaf: bool) -> str:
         return f"{'held by' if leaf else 'computed in'} {held}"
     return (f"held by {held}: its gradient is summed over them" if leaf else
             f"computed in {held}: recomputed where needed, not sent")
+
+
+MAX_REPLICATED = 6  # modules listed per strategy; the rest counted
+# why tensor parallelism leaves a module of this class replicated, where no note of its own says
+KNOWN_REPLICATED = {"MultiheadAttention": "fused in_proj (q|k|v in one weight, applied inside "
+                                          "F.multi_head_attention_forward) not split by TP",
+                    "Embedding": "not the token embedding (only the vocabulary is split)"}
+
+
+def _bytes(count: int) -> str:
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} B"
+
+
+def _module_classes(plan: "Plan") -> dict[str, str]:
+    """Module path -> class name, from the traced graph's module stacks."""
+    classes = {}
+    for node in plan.traced.graph_module.graph.nodes:
+        for path, kind in (node.meta.get("nn_module_stack") or {}).values():
+            name = kind.__name__ if isinstance(kind, type) else str(kind).rsplit(".", 1)[-1]
+            classes.setdefault(path, name)
+    return classes
+
+
+def _replicated_modules(plan: "Plan", strategy: Any, axis_index: int, params: dict[str, Any]) -> list[str]:
+    """Modules with a matrix parameter the tensor-parallel `strategy` left replicated, and why;
+    repeated blocks folded into one pattern (`layers.*.attn`)."""
+    left = {fqn.rsplit(".", 1)[0] if "." in fqn else "" for fqn, node in params.items()
+            if len(node.meta[SPEC].tensor_meta.shape) >= 2 and node.meta[SPEC].placements[axis_index].is_replicate()}
+    outermost = sorted(m for m in left if not any(m.startswith(f"{o}.") for o in left if o != m))
+    classes, reasons = _module_classes(plan), {}
+    for module in outermost:
+        kind = classes.get(module, "")
+        note = next((n for n in strategy.notes if re.search(rf"\b{re.escape(module)}\b", n)), None)
+        why = note or KNOWN_REPLICATED.get(kind, "no column / row pattern found in it")
+        reasons.setdefault(re.sub(r"\.\d+(?=\.|$)", ".*", module) or "<top level>", f"{kind}: {why}" if kind else why)
+    shown = [f"{module} ({why})" for module, why in list(reasons.items())[:MAX_REPLICATED]]
+    if len(reasons) > MAX_REPLICATED:
+        shown.append(f"... and {len(reasons) - MAX_REPLICATED} more")
+    return shown
+
+
+def _stage_counts(plan: "Plan") -> str:
+    counts = [sum(1 for n in stage.graph_module.graph.nodes if n.op == "placeholder" and
+                  plan.context.placeholders[n.name].kind == "parameter") for stage in plan.stages]
+    return f"{len(counts)} stages holding " + " / ".join(map(str, counts)) + " parameters"
+
+
+def strategy_summary(plan: "Plan") -> str:
+    """One line per strategy on an axis of size > 1: parameters sharded / total (counts, bytes), then
+    the modules it left replicated, one per line, with the reason."""
+    params = {plan.context.placeholders[n.name].target: n for n in plan.placeholder_nodes("parameter")}
+    size = {fqn: math.prod(n.meta[SPEC].tensor_meta.shape) * n.meta[SPEC].tensor_meta.dtype.itemsize
+            for fqn, n in params.items()}
+    lines = []
+    for strategy in plan.strategy.strategies:
+        if plan.mesh.size(strategy.axis) == 1:
+            continue
+        index = plan.mesh.names.index(strategy.axis)
+        if strategy.sharded_state is not None:
+            units = {p.fqn for u in plan.units if u.axis == strategy.axis for p in u.params}
+            chosen = [f for f in params if f in units]
+            what = f"parameters' ZeRO-{strategy.sharded_state.stage} state sharded"
+        else:
+            chosen = [f for f, n in params.items() if not n.meta[SPEC].placements[index].is_replicate()]
+            what = "parameters sharded"
+        line = (f"{strategy.name} on {strategy.axis} ({plan.mesh.size(strategy.axis)}): {len(chosen)} / {len(params)} "
+                f"{what} ({_bytes(sum(size[f] for f in chosen))} / {_bytes(sum(size.values()))})")
+        if strategy.pipeline is not None:
+            line += f"; {_stage_counts(plan)}"
+        elif not chosen and strategy.name == "replicated":
+            line += f"; every rank of {strategy.axis} computes the same step (declared replicated)"
+        elif not chosen:
+            line += f"; replicated, gradients summed over {strategy.axis}"
+        lines.append(line)
+        if strategy.name.startswith("tensor_parallel"):
+            lines += [f"  left replicated: {entry}" for entry in _replicated_modules(plan, strategy, index, params)]
+    return "\n".join(lines)

@@ -7,6 +7,11 @@ graph of any of its stages (`rank_graph`), shard a parameter or a global batch f
 (`shard`, `local_inputs`), and print the placement table and ledger (`report`). Under pipeline
 parallelism the model is traced at one micro-batch (the global batch's first 1/m along the
 batch dimension): every shape in the graphs and ledgers is a micro-batch's.
+
+Before tracing, `plan()` refuses what is wrong whatever the model: something other than an
+`nn.Module` (`require_module`), a mesh axis no strategy claims or claimed by two that conflict
+(`autopar.compiler.strategies.check_axes`). Any exception raised while planning that is not
+autopar's own becomes a `PlanError` (`autopar/compiler/planning_errors.py`).
 """
 from __future__ import annotations
 
@@ -26,13 +31,15 @@ from torch.utils import _pytree as pytree
 
 from autopar.compiler.check_rank_graphs import check_rank_graphs
 from autopar.compiler.context import CompileContext
+from autopar.compiler.explain import strategy_summary
 from autopar.compiler.ledger.comm import CommLedger, build_comm_ledger
 from autopar.compiler.ledger.memory import build_memory_ledger
 from autopar.compiler.passes import PassRecord, default_passes, run_passes
 from autopar.compiler.passes.emit_rank_graph import emit_rank_graph
 from autopar.compiler.passes.insert_grad_reductions import GRAD_SYNC
 from autopar.compiler.plan_file import PlanDocument, plan_document
-from autopar.compiler.strategies import ResolvedStrategy, resolve_strategies
+from autopar.compiler.planning_errors import planning_error
+from autopar.compiler.strategies import ResolvedStrategy, check_axes, resolve_strategies
 from autopar.compiler.trace import TracedProgram, trace_model
 from autopar.core.buckets import Bucket, plan_buckets
 from autopar.core.errors import PlanError
@@ -130,15 +137,27 @@ class Plan:
     def document(self) -> "PlanDocument":
         """The plan as data (built once: it runs the activation ledger's fake execution)."""
         if self._document is None:
-            self._document = PlanDocument(plan_document(self))
+            data = plan_document(self)
+            data["strategy_summary"] = self.strategy_summary()  # saved with the plan, for its report
+            self._document = PlanDocument(data)
         return self._document
 
     def placement_table(self, *, activations: bool = True) -> str:
         return self.document().placement_table(activations=activations)
 
+    def strategy_summary(self) -> str:
+        """One line per strategy: parameters sharded / total (counts and bytes), and each module it
+        left replicated with the reason (`autopar/compiler/explain.py`)."""
+        return strategy_summary(self)
+
     def report(self, *, activations: bool = True) -> str:
-        """Rendered from the plan's document, so a saved and reloaded plan reports the same."""
-        return self.document().report(activations=activations)
+        """The strategy summary, then the rest rendered from the plan's document (a saved and
+        reloaded plan reports the same from there on)."""
+        document = self.document()
+        rest = document.report(activations=activations)
+        if rest.startswith("Strategies\n"):  # a document that renders the summary itself
+            return rest
+        return f"Strategies\n{document.data['strategy_summary']}\n\n{rest}"
 
     def pass_timings(self) -> str:
         return tabulate([[r.name, f"{r.seconds * 1000:.0f} ms", r.nodes_before, r.nodes_after]
@@ -146,16 +165,25 @@ class Plan:
 
 
 @contextmanager
-def _timed(seconds: dict[str, float], phase: str) -> Iterator[None]:
+def _timed(seconds: dict[str, float], phase: str, *, strategies: str = "the declared strategies") -> Iterator[None]:
+    """Time `phase`; an exception in it that is not autopar's own becomes a `PlanError` naming it."""
     start = time.perf_counter()
     try:
         yield
+    except PlanError:
+        raise
+    except Exception as error:
+        raise planning_error(error, phase=phase, strategies=strategies) from error
     finally:
         seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - start
 
 
 def _flat(strategies: Sequence[Any]) -> list[Any]:
     return [s for item in strategies for s in (item if isinstance(item, (tuple, list)) else (item,))]
+
+
+def _named(strategies: Sequence[Any]) -> str:
+    return " + ".join(s.name for s in _flat(strategies) if hasattr(s, "name")) or "the declared strategies"
 
 
 def _declared_param_dtype(strategies: Sequence[Any], mesh: Mesh) -> torch.dtype | None:
@@ -259,10 +287,46 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | None" = No
     plans, `autopar/planner/block_ledgers.py`, are read for their ledgers and never run, so they skip
     running every rank graph on fake tensors, `check_rank_graphs`; every plan a user gets is
     checked.)"""
+    require_module(model)
     if mesh is None or strategies is None:
         raise PlanError("plan needs a mesh and strategies, or neither of them and cluster= to let the planner "
                         "choose (autopar.plan(model, cluster='h100x8', example_inputs=...))")
     mesh = Mesh.parse(mesh, ranks_per_node=ranks_per_node)
+    check_axes(mesh, strategies)
+    options = dict(example_inputs=example_inputs, example_kwargs=example_kwargs, dynamic_dims=dynamic_dims,
+                   bucket_cap_mb=bucket_cap_mb, explain=explain, reuse_blocks=reuse_blocks, backend=backend,
+                   measured_only=_measured_only)
+    try:
+        return _plan(model, mesh, strategies, **options)
+    except PlanError as error:
+        raise _located(error, model)
+    except Exception as error:
+        raise planning_error(error, phase="planning", module=type(model).__name__,
+                             strategies=_named(strategies)) from error
+
+
+def _located(error: PlanError, model: torch.nn.Module) -> PlanError:
+    """`error`, with a "module:" line naming the whole model where it names no module (a refusal about
+    the model as a whole, e.g. no tensor-parallel pattern in it): every refusal says where."""
+    if not any(line.strip().startswith("module:") for line in str(error).splitlines()):
+        error.args = (f"{error}\n  module: the whole model ({type(model).__name__})", *error.args[1:])
+    return error
+
+
+def require_module(model: Any) -> None:
+    """autopar plans an `nn.Module`: its parameters are what the strategies shard."""
+    if not isinstance(model, torch.nn.Module):
+        what = getattr(model, "__name__", type(model).__name__)
+        raise PlanError(f"autopar plans a torch.nn.Module, and {what!r} is a {type(model).__name__}: autopar reads "
+                        f"the parameters and submodules of what it is given\n"
+                        f"  fix: wrap it in an nn.Module whose forward calls it (parameters as nn.Parameter "
+                        f"attributes of the module), and pass that module")
+
+
+def _plan(model: torch.nn.Module, mesh: Mesh, strategies: Sequence[Any], *, example_inputs: Sequence[Any],
+          example_kwargs: dict | None, dynamic_dims: dict[str, int] | None, bucket_cap_mb: float, explain: bool,
+          reuse_blocks: bool, backend: str | None, measured_only: bool) -> Plan:
+    """`plan()` once its arguments are checked."""
     param_dtype = _declared_param_dtype(strategies, mesh)
     pipelined = _declared_pipeline(strategies, mesh)
     args, kwargs = tuple(example_inputs), example_kwargs or {}
@@ -273,7 +337,8 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | None" = No
                          reuse_blocks=reuse_blocks)
     seconds.update(traced.seconds)
     masters = _keep_master_weights(traced, model) if param_dtype is not None else {}
-    with _timed(seconds, "resolve_strategies"):
+    named = _named(strategies)
+    with _timed(seconds, "resolve_strategies", strategies=named):  # binds tensor_parallel() to the graph
         strategy = resolve_strategies(mesh, list(strategies), traced.graph_module, traced.placeholders,
                                       backend=backend)
     if pipelined is not None:
@@ -284,14 +349,14 @@ def plan(model: torch.nn.Module, mesh: "Mesh | str | dict[str, int] | None" = No
                              master_dtypes=masters)
     program, records = run_passes(Program(graph_module=traced.graph_module), context, default_passes())
     seconds.update((record.name, record.seconds) for record in records)
-    with _timed(seconds, "comm_ledger"):
+    with _timed(seconds, "comm_ledger", strategies=named):
         for stage in program.stages:
             stage.buckets = _stage_buckets(stage, context, mesh, int(bucket_cap_mb * 2**20))
         comm = build_comm_ledger(program, mesh, traced.symbols, traced.symbol_values)
     planned = Plan(mesh=mesh, strategy=strategy, traced=traced, program=program, context=context,
                    pass_records=records, comm=comm, phase_seconds=seconds)
-    if not _measured_only:
-        with _timed(seconds, "check_rank_graphs"):
+    if not measured_only:
+        with _timed(seconds, "check_rank_graphs", strategies=named):
             check_rank_graphs(planned)  # every accepted plan runs: forward and backward on fake tensors
     release_planning_caches()  # DTensor's caches would keep every planning mesh alive
     return planned

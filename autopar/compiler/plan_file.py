@@ -328,9 +328,10 @@ class PlanDocument:
 
     def report(self, *, activations: bool = True) -> str:
         mesh = self.mesh
+        summary = self.data.get("strategy_summary")
         passes = tabulate([[p["name"], p["nodes_in"], p["nodes_out"]] for p in self.data["passes"]],
                           headers=["pass", "nodes in", "nodes out"])
-        return (f"mesh {mesh}  ({mesh.world_size} ranks; "
+        return ((f"Strategies\n{summary}\n\n" if summary else "") + f"mesh {mesh}  ({mesh.world_size} ranks; "
                 + ", ".join(f"{a}: {link}" for a, link in self.data["mesh"]["links"].items()) + ")\n"
                 + "strategies: " + ", ".join(f"{s['name']} on {s['axis']}" for s in self.data["strategies"]) + "\n\n"
                 + passes + "\n\n" + self.placement_table(activations=activations)

@@ -9,7 +9,8 @@ A list of equal blocks (a transformer's layers) is exported three blocks deep an
 block's graph copied for the others (`autopar/compiler/repeated_blocks.py`): tracing costs what the
 distinct blocks cost, not the layer count. Parameters, buffers and constants are lifted to placeholders, described by `PlaceholderInfo`;
 the model's `state_dict()` names and the other names of tied parameters are kept, so that a
-gathered state dict loads back into the original model strictly.
+gathered state dict loads back into the original model strictly. Any other exception raised while
+tracing becomes a `PlanError` in autopar's words (`autopar/compiler/planning_errors.py`).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from autopar.compiler.context import PlaceholderInfo
+from autopar.compiler.planning_errors import planning_error
 from autopar.compiler.repeated_blocks import TRACED, drop_last_block, find_repeated_blocks, replicate_blocks, truncated
 from autopar.core.errors import PlanError
 from autopar.core.ir import lazy_graph_module, sym_size
@@ -84,7 +86,8 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims: dic
             f"{str(error).splitlines()[0] if str(error) else ''}\n"
             f"  fix: make forward traceable (no data-dependent Python control flow on tensor values, no "
             f"unsupported side effects; for HF models set use_cache=False), or trace a wrapper that returns "
-            f"the loss") from error
+            f"the loss\n"
+            f"  module: {type(model).__name__} (its forward)") from error
     seconds["export"] = seconds.get("export", 0.0) + time.perf_counter() - start
     start = time.perf_counter()
     program = program.run_decompositions(_decomposition_table())
@@ -188,11 +191,22 @@ def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     for the rest (`autopar/compiler/repeated_blocks.py`); the whole model where they are not the same graph.
     Under `reusing_traces()` a trace made before is copied instead."""
     if _REUSED is None:
-        return _trace_model(model, args, kwargs, dynamic_dims=dynamic_dims, reuse_blocks=reuse_blocks)
+        return _trace_or_refuse(model, args, kwargs, dynamic_dims=dynamic_dims, reuse_blocks=reuse_blocks)
     key = _reuse_key(model, tuple(args), kwargs or {}, dynamic_dims, reuse_blocks)
     if key not in _REUSED:
-        _REUSED[key] = _trace_model(model, args, kwargs, dynamic_dims=dynamic_dims, reuse_blocks=reuse_blocks)
+        _REUSED[key] = _trace_or_refuse(model, args, kwargs, dynamic_dims=dynamic_dims, reuse_blocks=reuse_blocks)
     return _copy_of(_REUSED[key])
+
+
+def _trace_or_refuse(model: torch.nn.Module, args: tuple, kwargs: dict | None, *,
+                     dynamic_dims: dict[str, int] | None, reuse_blocks: bool) -> TracedProgram:
+    """`_trace_model`, its exceptions that are not autopar's own made a `PlanError`."""
+    try:
+        return _trace_model(model, args, kwargs, dynamic_dims=dynamic_dims, reuse_blocks=reuse_blocks)
+    except PlanError:
+        raise
+    except Exception as error:
+        raise planning_error(error, phase="tracing", module=type(model).__name__) from error
 
 
 def _trace_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,

@@ -16,10 +16,33 @@ of backward — a chain of asynchronous collectives, where waiting on every axis
 held backward up at each bucket. Every rank advances the chains at the same points, so each
 process group sees the same order of collectives on every rank.
 
+Accumulation has one device's semantics: any number of backward passes between optimizer steps,
+synchronising or not (`ParallelModule.no_sync`), leave in `param.grad` the sum of their
+gradients. After a synchronising backward a bucket holds the reduced gradient R, the same on every
+rank of its group (of size n, the product of its axes' groups). A backward that adds into it
+would have the next sum-reduction count R n times; so before the first gradient of a new backward
+lands in a synchronised bucket (a tensor hook, which autograd runs before it accumulates), the
+bucket is divided by n in place (`_to_share`): each rank holds R/n, its share, and the reduction
+gives back R plus the new gradients' sum — what DDP's averaging does to an accumulated gradient.
+Memory and communication: none beyond the buckets — no copy of R is kept (keeping R aside and
+adding it back after the reduction would cost a copy of every synchronised bucket from the next
+backward to the end of the next synchronising one), and nothing is reduced but the plan's
+buckets, so the communication ledger stays exact per synchronising backward. The division is
+exact for n a power of two and otherwise costs R an ulp or so of rounding; it relies on R being
+equal on the group's ranks, which holds unless a rank changes its gradients alone between
+backward passes. Until the next synchronising backward ends, a rank's `param.grad` holds its
+share: inside `no_sync` gradients are this rank's unreduced part, as without a previous step.
+The hook also runs under `torch.autograd.grad` (a split backward's weight passes, which then add
+into `.grad` directly). A parameter no gradient reaches in a synchronising backward contributes
+what its `.grad` holds (earlier micro-batches, its share), zeros when it has none.
+
 """
 from __future__ import annotations
 
+import math
+
 import torch
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autopar.core.buckets import Bucket
 from autopar.runtime import progress
@@ -30,13 +53,12 @@ class GradSynchronizer:
 
     Each bucket owns one flat buffer. A gradient is copied into its slice when autograd has
     accumulated it the first time, and `param.grad` becomes that slice (a view): later backward
-    passes of an accumulation (no_sync, a pipeline's micro-batches) add into it in place. A
-    complete bucket is all-reduced in place, asynchronously, while backward goes on; nothing is
-    copied back. Gradients must be zeroed or set to None between backward passes (optimizer.zero_grad,
-    either way): the reduction sums Partial gradients, so gradients left from a synchronised step
-    would be counted once per rank. Accumulate micro-batches under `ParallelModule.no_sync()` (the
-    synchronising backward then reduces the accumulated sum), or by summing their losses; a pipeline
-    step does the same over its micro-batches (`runtime/stage.py`)."""
+    passes of an accumulation (no_sync, a pipeline's micro-batches, another synchronising backward)
+    add into it in place. A complete bucket is all-reduced in place, asynchronously, while backward
+    goes on; nothing is copied back. A gradient already synchronised is turned into this rank's
+    share before anything is added to it (module docstring), so backward passes accumulate as on
+    one device whether gradients are zeroed, set to None (optimizer.zero_grad, either way) or kept
+    between them."""
 
     def __init__(self, params: dict[str, torch.nn.Parameter], buckets: list[Bucket], groups: dict[str, str]) -> None:
         self.buckets = buckets
@@ -54,8 +76,11 @@ class GradSynchronizer:
         self._launched: dict[int, torch.Tensor] = {}
         self._axes_issued: dict[int, int] = {}  # bucket -> its axes issued so far (a chain, module docstring)
         self._callback_queued = False
+        self._synchronised: set[int] = set()  # buckets holding their reduced gradient (module docstring)
+        self._group_sizes: list[int] | None = None  # n per bucket, read from the process groups when first needed
         self.enabled = True  # False under ParallelModule.no_sync: gradients accumulate in param.grad
         for fqn in self._slot:
+            self.params[fqn].register_hook(self._make_pre_hook(fqn))
             self.params[fqn].register_post_accumulate_grad_hook(self._make_hook(fqn))
 
     def _view(self, fqn: str) -> torch.Tensor:
@@ -64,6 +89,24 @@ class GradSynchronizer:
         index, offset = self._slot[fqn]
         param = self.params[fqn]
         return self._flat[index][offset:offset + param.numel()].view_as(param)
+
+    def _make_pre_hook(self, fqn: str):
+        """Runs before autograd adds `fqn`'s new gradient into `param.grad`."""
+        def hook(grad: torch.Tensor) -> None:
+            index = self._slot[fqn][0]
+            if index in self._synchronised:
+                self._to_share(index)
+        return hook
+
+    def _to_share(self, index: int) -> None:
+        """Bucket `index`'s reduced gradient R becomes this rank's share R/n (module docstring). Slices
+        of parameters whose `.grad` is elsewhere (None, reassigned) are stale and overwritten later."""
+        if self._group_sizes is None:
+            self._group_sizes = [math.prod(_resolve_process_group(self.groups[key]).size() for key in bucket.axes)
+                                 for bucket in self.buckets]
+        self._synchronised.discard(index)
+        with torch.no_grad():
+            self._flat[index].div_(self._group_sizes[index])
 
     def _make_hook(self, fqn: str):
         def hook(param: torch.Tensor) -> None:
@@ -88,9 +131,11 @@ class GradSynchronizer:
 
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
+        if index in self._synchronised:  # no gradient of this backward reached the bucket
+            self._to_share(index)
         for fqn in bucket.params:
-            if fqn not in self._ready[index]:  # unused in this step: contributes zeros
-                self._view(fqn).zero_()
+            if fqn not in self._ready[index]:  # no gradient in this backward: contributes what it holds
+                self._hold_in_view(fqn)
         for earlier in list(self._axes_issued):  # the chains of earlier buckets move on by one axis
             self._next_axis(earlier)
         self._axes_issued[index] = 0
@@ -107,17 +152,19 @@ class GradSynchronizer:
                                                                         self.groups[axes[issued]])
         self._axes_issued[index] = issued + 1
 
+    def _hold_in_view(self, fqn: str) -> None:
+        """`fqn`'s slice holds its `.grad` (accumulated earlier, a share) or zeros when it has none."""
+        grad, view = self.params[fqn].grad, self._view(fqn)
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+
     def synchronise_all(self) -> None:
         """Reduce every bucket now: gradients accumulated without autograd's post-accumulate hooks
-        (a split backward's weight-gradient passes assign `.grad` directly)."""
-        for index, bucket in enumerate(self.buckets):
-            for fqn in bucket.params:
-                param = self.params[fqn]
-                if param.grad is not None:
-                    view = self._view(fqn)
-                    if param.grad.data_ptr() != view.data_ptr():
-                        view.copy_(param.grad)
-                    self._ready[index].add(fqn)
+        (a split backward's weight-gradient passes add into `.grad` directly, after `torch.autograd.grad`
+        ran the tensor hooks that make synchronised buckets shares)."""
+        for index in range(len(self.buckets)):
             self._launch(index)
         self._finish()
 
@@ -133,6 +180,7 @@ class GradSynchronizer:
             for fqn in self.buckets[index].params:
                 param, view = self.params[fqn], self._view(fqn)
                 param.grad = view
+        self._synchronised.update(self._launched)
         self._launched.clear()
         self._axes_issued.clear()
         self._ready = [set() for _ in self.buckets]

@@ -8,7 +8,8 @@ check a wrong size fails deep inside a rank graph (`shape '[128, 64]' is invalid
 size 4096`) or, worse, on some ranks only; here it is an `InputShapeError` naming the input, the
 dimension, the size expected and the size given, and the fix.
 
-`check_global_inputs` checks a global batch (`ParallelModule.local_batch`), `check_local_inputs`
+Index inputs' values (token ids against the embedding's rows) are checked after their sizes
+(`runtime/input_values.py`). `check_global_inputs` checks a global batch (`ParallelModule.local_batch`), `check_local_inputs`
 a rank's share (`ParallelModule.forward`, `train_step`). Under pipeline parallelism the plan is
 traced at one micro-batch: the batch dimension of a (global or local) batch is m micro-batches.
 """
@@ -21,6 +22,7 @@ import torch
 
 from autopar.core.ir import SPEC, shard_dim
 from autopar.core.sequence_chunks import chunks_total
+from autopar.runtime.input_values import check_index_ranges
 
 
 class InputShapeError(ValueError):
@@ -79,8 +81,10 @@ def _check(plan: Any, inputs: Sequence[Any], *, local: bool) -> None:
 def check_global_inputs(plan: Any, inputs: Sequence[Any]) -> None:
     """A global batch (flattened user inputs, traced order) against the plan's input shapes."""
     _check(plan, inputs, local=False)
+    check_index_ranges(plan, inputs, local=False)
 
 
 def check_local_inputs(plan: Any, inputs: Sequence[Any]) -> None:
     """A rank's local inputs against its share of the plan's input shapes."""
     _check(plan, inputs, local=True)
+    check_index_ranges(plan, inputs, local=True)

@@ -160,11 +160,13 @@ class ParallelModule(torch.nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Gradient accumulation: backward passes inside add gradients up locally and move nothing;
-        the first backward after it reduces the sum. Under ZeRO-3 the gathered parameters stay
-        gathered from the first micro-batch's forward to the end of that synchronising backward
-        (one all-gather per unit for all micro-batches, none in backward), at the memory cost of
-        the unsharded parameters and gradients (the ledger's `accumulation` view shows both)."""
+        """Gradient accumulation without communication: backward passes inside add gradients up
+        locally and move nothing; the first backward after it reduces the sum, giving what
+        synchronising every backward gives (which accumulates too, `runtime/grad_sync.py`). Under
+        ZeRO-3 the gathered parameters stay gathered from the first micro-batch's forward to the
+        end of that synchronising backward (one all-gather per unit for all micro-batches, none in
+        backward), at the memory cost of the unsharded parameters and gradients (the ledger's
+        `accumulation` view shows both)."""
         if self.pipeline is not None:
             raise RuntimeError("a pipeline-parallel module accumulates over its micro-batches inside train_step; "
                                "no_sync does not apply")
@@ -179,7 +181,8 @@ class ParallelModule(torch.nn.Module):
     def train_step(self, *inputs: Any) -> torch.Tensor:
         """Forward and backward of one training step on this rank's local inputs; returns the loss
         (detached). Under pipeline parallelism: every micro-batch through the schedule, gradients
-        accumulated and synchronised once, the loss (mean over micro-batches) on every rank."""
+        accumulated and synchronised once, the loss (mean over micro-batches) on every rank.
+        Called again before `optimizer.step()`, it adds to the gradients, as backward does."""
         if self.pipeline is not None:
             local = pytree.tree_leaves(list(inputs))
             check_local_inputs(self.plan, local)
@@ -256,7 +259,7 @@ class ParallelModule(torch.nn.Module):
         then under a pipeline each stage's parameters broadcast from a rank holding them. Keys are
         the original model's `state_dict()` keys (tied names included), so `model.load_state_dict(
         full)` loads strictly. For export or a single-device checkpoint; collective, so every rank
-        must call it."""
+        must call it. The values are a snapshot: training on does not change them."""
         local = {fqn: param.detach() for fqn, param in self.named_parameters()}
         for runner in self.stages:
             if runner.sharded is not None:
@@ -264,10 +267,13 @@ class ParallelModule(torch.nn.Module):
                     for param, full in zip(unit.params, runner.sharded._finish(unit.index)):
                         local[param.fqn] = full.to(runner.sharded.shards[unit.index][0].dtype)
         result = {}
+        parameters = dict(self.named_parameters())
         for fqn, tensor in local.items():
             for axis, placement in reversed(list(zip(self.plan.mesh.names, self._placements[fqn]))):
                 tensor = _unshard(tensor, placement, self.groups[axis], self.plan.mesh.size(axis))
-            result[fqn] = tensor
+            # a parameter replicated everywhere comes back as itself: a snapshot, not the live tensor
+            live = tensor.untyped_storage().data_ptr() == parameters[fqn].untyped_storage().data_ptr()
+            result[fqn] = tensor.clone() if live else tensor
         for fqn, buffer in self.named_buffers():
             result[fqn.removeprefix("_state.")] = buffer.detach().clone()
         if self.pipeline is not None:

@@ -13,7 +13,8 @@ the batch dimension, then runs the rank's list of actions (`autopar.core.schedul
 
 Every stage holds its gradients until its last backward of the step (`StageRunner.hold`): the
 data-parallel all-reduce, ZeRO's reduce-scatter and a tied parameter's sum over its stages run
-once per step, not per micro-batch (with a split backward, explicitly after the last W). Under
+once per step, not per micro-batch (with a split backward, explicitly after the last W); a step run
+again before the optimizer's adds to the synchronised gradients (`runtime/grad_sync.py`). Under
 ZeRO-3 the units stay gathered for all micro-batches. The loss returned is the mean over
 micro-batches (exact for a mean loss when every micro-batch counts the same number of tokens),
 broadcast from the last stage's rank to the others of the pipeline axis.

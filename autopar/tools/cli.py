@@ -47,7 +47,7 @@ from autopar.compiler.ledger.bubble import build_bubble_ledger
 from autopar.compiler.plan import plan
 from autopar.compiler.plan_file import load_plan, save_plan
 from autopar.compiler.strategies.context import context_parallel
-from autopar.compiler.strategies.data_parallel import data_parallel
+from autopar.compiler.strategies.data_parallel import data_parallel, replicated
 from autopar.compiler.strategies.expert import expert_parallel
 from autopar.compiler.strategies.pipeline import pipeline_parallel
 from autopar.compiler.strategies.recompute import recompute
@@ -121,6 +121,7 @@ def _plan(args: argparse.Namespace, *, explain: bool = False):
 def declared_strategies(args: argparse.Namespace, mesh: Mesh) -> list[Any]:
     """`--strategy` with its axes' options, plus `--recompute` and `--no-overlap` / `--chunks`."""
     return (strategies_for(args.strategy, mesh, _pipeline_options(args), _context_options(args))
+            + [replicated(axis) for axis in (getattr(args, "replicated", None) or "").split(",") if axis]
             + _recompute_option(args) + _schedule_option(args))
 
 
@@ -280,6 +281,8 @@ def _planning_arguments(command: argparse.ArgumentParser) -> None:
     command.add_argument("target", help="module:function or file.py[:function] returning (model, example_inputs)")
     command.add_argument("--mesh", help="axes, e.g. dp=2,tp=2 (plan --auto chooses them)")
     command.add_argument("--strategy", help="comma-separated: " + ", ".join(STRATEGY_NAMES))
+    command.add_argument("--replicated", help="axes left replicated on purpose, comma-separated (every rank of "
+                         "such an axis computes the same: a mesh axis no strategy uses is refused otherwise)")
     command.add_argument("--node", type=int, help="ranks per node (axes spanning nodes are 'inter')")
     command.add_argument("--backend", choices=("gloo", "nccl"),
                          help="plan as a job on this process-group backend: ZeRO's reduce/gather 'auto' resolve as "

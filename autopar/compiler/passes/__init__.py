@@ -11,8 +11,10 @@ and its forward collective cut into pieces of rows under `autopar.schedule(chunk
 without it) -> `schedule_collectives` (each collective split into a start and a finish, small
 finishes deferred to where they are needed; off under `autopar.schedule(overlap=False)`), then
 `emit_rank_graph` once per (rank, stage), which wraps each marked region in a checkpointed call.
-`run_passes` names the pass that failed, times each one and records how many nodes it added over all
-stage graphs (`PassRecord`), so `autopar plan` can show what each pass did.
+`run_passes` times each pass and records how many nodes it added over all stage graphs (`PassRecord`),
+so `autopar plan` can show what each pass did; an exception of a pass that is not autopar's own
+becomes a `PlanError` naming the pass, the node it was processing, what is unsupported and the fix
+(`autopar/compiler/planning_errors.py`).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from autopar.compiler.passes.recompute import recompute
 from autopar.compiler.passes.schedule_collectives import schedule_collectives
 from autopar.compiler.passes.shard_parameters import shard_parameters
 from autopar.compiler.passes.split_pipeline import split_pipeline
+from autopar.compiler.planning_errors import planning_error
 from autopar.core.errors import PlanError
 from autopar.core.program import Program
 
@@ -61,9 +64,15 @@ def run_passes(program: Program, ctx: CompileContext, passes: list[Pass]) -> tup
         except PlanError:
             raise
         except Exception as error:
-            raise PlanError(f"pass {compiler_pass.__name__} failed: {type(error).__name__}: {error}") from error
+            raise planning_error(error, phase=f"pass {compiler_pass.__name__}",
+                                 strategies=_described(ctx)) from error
         records.append(PassRecord(compiler_pass.__name__, time.perf_counter() - start, before, program.node_count()))
     return program, records
+
+
+def _described(ctx: CompileContext) -> str:
+    names = [s.name for s in ctx.strategy.strategies if ctx.mesh.size(s.axis) > 1]
+    return " + ".join(names) or "the declared strategies"
 
 
 def default_passes() -> list[Pass]:

@@ -16,7 +16,9 @@ replicated tensors. Every other node, in topological order:
    `LOCAL_ARGS` (arguments with local shapes), `RULE` (an autopar rule's result, if any) and
    `ORIGIN` (why: the seed rule, the module layouts its inputs crossed, who decided, and with
    `CompileContext.explain` the alternatives DTensor weighed with their costs).
-An op with no rule whose inputs are all replicated runs whole on every rank (`_held_whole`). A
+An op with no rule whose inputs are all replicated runs whole on every rank (`_held_whole`); a
+random op DTensor placed on shards gets the kernel that draws one device's values, or is refused
+(`_draw_as_one_device`, `autopar/compiler/rules/random_rules.py`). A
 sharded dimension that its axis does not divide, or an op with no rule on sharded inputs, is a
 `PlanError` naming the node, module and source line. `propagate_node` places one node (the
 tensor-parallel layout finder, `autopar/compiler/strategies/find_layout.py`, checks its candidates with it).
@@ -174,6 +176,10 @@ def _propagate_with_dtensor_decided(node: torch.fx.Node, args: tuple, kwargs: di
     except NotImplementedError as error:
         if _held_whole(node, args, kwargs, ctx):
             return
+        if rules.draws(node):
+            raise rules.refuse_draw(node, ", ".join(describe(a.placements) for a in pytree.tree_leaves(args)
+                                                    if isinstance(a, DTensorSpec)),
+                                    "autopar has no rule drawing one device's values for it on a shard") from None
         raise PlanError.at(node, f"no sharding rule for {node.target} with inputs "
                                  f"{[describe(a.placements) for a in pytree.tree_leaves(args) if isinstance(a, DTensorSpec)]}: {error}",
                            fix="register one with @autopar.compiler.rules.registry.register(<op>) returning a RuleResult, "
@@ -233,15 +239,19 @@ def _held_whole(node: torch.fx.Node, args: tuple, kwargs: dict, ctx: CompileCont
     return True
 
 
+def _rule_context(ctx: CompileContext) -> rules.RuleContext:
+    return rules.RuleContext(ctx.mesh.names, ctx.mesh.shape, ctx.strategy.context_axes())
+
+
 def _propagate_with_rule(node: torch.fx.Node, rule: Any, args: tuple, kwargs: dict, ctx: CompileContext) -> bool:
     """An autopar rule sees and constrains positional tensor arguments; list and keyword tensors pass as is."""
     positional = [a if isinstance(a, DTensorSpec) else None for a in args]
-    result = rule(node, positional, rules.RuleContext(ctx.mesh.names, ctx.mesh.shape, ctx.strategy.context_axes()))
+    result = rule(node, positional, _rule_context(ctx))
     if result is None:
         return False
     node.meta[SPEC] = result.output
     node.meta[RULE] = result
-    node.meta.setdefault(ORIGIN, {})["decided_by"] = f"autopar rule {rule.__name__} (autopar.compiler.rules.op_rules)"
+    node.meta.setdefault(ORIGIN, {})["decided_by"] = f"autopar rule {rule.__name__} ({rule.__module__})"
     required = list(result.required) + [None] * (len(args) - len(result.required))
     wanted: list[DTensorSpec | None] = []
     for arg, need in zip(args, required):
@@ -293,3 +303,15 @@ def _propagate_node(node: torch.fx.Node, ctx: CompileContext) -> None:
     if rule is not None and _propagate_with_rule(node, rule, args, kwargs, ctx):
         return
     _propagate_with_dtensor(node, args, kwargs, ctx)
+    _draw_as_one_device(node, ctx)
+
+
+def _draw_as_one_device(node: torch.fx.Node, ctx: CompileContext) -> None:
+    """A random op DTensor placed on shards runs the kernel drawing one device's values, or is
+    refused (`autopar/compiler/rules/random_rules.py`)."""
+    drawn = rules.one_device_draws(node, _rule_context(ctx))
+    if drawn is not None:
+        node.meta[RULE] = drawn
+        origin = node.meta.setdefault(ORIGIN, {})
+        origin["decided_by"] = (f"{origin.get('decided_by', 'DTensor')}; run as {drawn.local_kernel.__name__}: "
+                                f"one device's values drawn whole, the rank's piece kept")

@@ -36,6 +36,7 @@ import torch.fx
 from autopar.compiler.context import CompileContext, PlaceholderInfo
 from autopar.compiler.flops import node_flops
 from autopar.compiler.passes.insert_grad_reductions import GRAD_SYNC, REQUIRES_GRAD
+from autopar.compiler.rules.random_rules import draws, what_to_zero
 from autopar.core.comm_kinds import comm_step
 from autopar.core.errors import PlanError
 from autopar.core.ir import (
@@ -195,17 +196,19 @@ def _free_nodes(gm: torch.fx.GraphModule, ctx: CompileContext) -> set[torch.fx.N
     return free
 
 
-def _refuse_dropout(graph: torch.fx.Graph) -> None:
-    """Dropout under a pipeline: each stage's process would draw its masks from its own generator,
-    micro-batch by micro-batch, where one device draws each layer's mask for the whole batch — not
-    one device's masks (`autopar/core/ops/dropout.py` keeps them equal for the other strategies)."""
+def _refuse_random_draws(graph: torch.fx.Graph) -> None:
+    """Random ops under a pipeline: each stage's process draws from its own generator, micro-batch
+    by micro-batch, where one device draws each tensor for the whole batch, every layer's draws
+    after the layers before it — not one device's values (`autopar/core/ops/dropout.py` keeps them
+    equal for the other strategies)."""
     for node in graph.nodes:
-        if node.target is torch.ops.aten.native_dropout.default and node.args[1] and node.args[2] is not False:
-            raise PlanError.at(node, f"dropout (p={node.args[1]}) under pipeline parallelism would not draw the "
-                                     f"single-device model's masks (each stage draws from its own generator, one "
+        if draws(node):
+            raise PlanError.at(node, f"{node.target} draws random values, and under pipeline parallelism it would not "
+                                     f"draw the single-device model's (each stage draws from its own generator, one "
                                      f"micro-batch at a time)",
-                               fix="set dropout to 0 for pipeline-parallel training, or train this model without "
-                                   "pipeline_parallel (dropout matches one device under DP, ZeRO, TP, SP and CP)")
+                               fix=f"set {what_to_zero(node)} for pipeline-parallel training, or train this model "
+                                   f"without pipeline_parallel (random ops match one device under DP, ZeRO, FSDP, TP, "
+                                   f"SP, CP and EP)")
 
 
 def split_pipeline(program: Program, ctx: CompileContext) -> Program:
@@ -221,7 +224,7 @@ def split_pipeline(program: Program, ctx: CompileContext) -> Program:
                         f"which ZeRO/FSDP units (gathered weights reduced as their gradient arrives) do not support "
                         f"yet; fix: use schedule='1f1b' or 'interleaved_1f1b' with ZeRO, or data_parallel() with "
                         f"{pipeline.schedule!r}")
-    _refuse_dropout(gm.graph)
+    _refuse_random_draws(gm.graph)
     degree = ctx.mesh.size(axis)
     count = degree * pipeline.virtual_stages
     blocks, node_block = repeated_blocks(gm)

@@ -1,7 +1,8 @@
 """autopar's sharding rules for attention: `scaled_dot_product_attention`, which DTensor has no
 rule for on the CPU kernel.
 
-Batch- or head-sharded attention keeps that sharding (`sdpa_rule`); attention on sequence shards
+Batch- or head-sharded attention keeps that sharding (`sdpa_rule`; with dropout_p > 0 it applies
+the rank's piece of one device's mask, `_attention_dropout`); attention on sequence shards
 over a context-parallel axis is lowered to ring / all-gather / all-to-all attention
 (`context_attention_rule`, `autopar/core/ops/context_attention.py`), its mask recognised at plan time as
 causal or absent (`static_mask_kind`) and its collectives declared for the ledger
@@ -18,10 +19,11 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement
 
+from autopar.compiler.rules.random_rules import cuts, draws, refuse_draw
 from autopar.compiler.rules.registry import InternalCollective, RuleContext, RuleResult, register, spec_like
 from autopar.core.errors import PlanError
-from autopar.core.ir import hint, local_numel, simplified
-from autopar.core.ops import context_attention
+from autopar.core.ir import describe, hint, local_numel, simplified
+from autopar.core.ops import context_attention, dropout
 
 aten = torch.ops.aten
 
@@ -52,7 +54,22 @@ def sdpa_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleCon
                                 for p in chosen_t)
         required.append(spec_like(mask, mask_placements))
     required += [None] * (len(specs) - len(required))
-    return RuleResult(output=spec_like(q, chosen_t, node.meta["val"]), required=required)
+    output = spec_like(q, chosen_t, node.meta["val"])
+    if not draws(node) or all(isinstance(p, Replicate) for p in chosen_t):
+        return RuleResult(output=output, required=required)
+    return RuleResult(output=output, required=required, **_attention_dropout(node, chosen_t, ctx))
+
+
+def _attention_dropout(node: torch.fx.Node, chosen: tuple[Placement, ...], ctx: RuleContext) -> dict[str, Any]:
+    """Attention dropout on batch / head shards: the local kernel applying the rank's piece of the
+    mask one device's CPU kernel draws (`autopar/core/ops/dropout.attention_dropout`). Another
+    device's kernel draws its mask in its own way (CUDA's Philox offsets): refused."""
+    device = node.args[0].meta["val"].device.type
+    if device not in ("cpu", "meta"):
+        raise refuse_draw(node, describe(chosen), f"the {device} attention kernel's dropout mask "
+                                                               f"cannot be drawn whole and cut")
+    cut, indices = cuts(chosen, ctx)
+    return {"local_kernel": dropout.attention_dropout, "kernel_kwargs": {"cuts": ("value", cut), **indices}}
 
 
 def context_attention_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext

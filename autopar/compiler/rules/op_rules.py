@@ -7,7 +7,7 @@ spec(s), the spec each tensor argument must have, optionally a local kernel to r
 aten op (`autopar.core.ops.local_ops`) and the collectives that kernel issues, for the ledger.
 A rule may return None to hand the op back to DTensor.
 
-Rules here: embedding (vocabulary-parallel), _log_softmax and nll_loss_forward (vocabulary- and
+Rules here (random ops' are `random_rules.py`'s): embedding (vocabulary-parallel), _log_softmax and nll_loss_forward (vocabulary- and
 batch-sharded cross-entropy that never gathers the logits), sum over all dimensions written as
 `sum.dim_IntList(x, [])` (DTensor keeps the input's Shard on the 0-d output), split_with_sizes of a block-sharded
 (`_StridedShard`) fused projection into its blocks (HF GPT-2's q|k|v) and slices of whole blocks
@@ -27,7 +27,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from autopar.compiler.rules.registry import InternalCollective, RuleContext, RuleResult, register, spec_like
 from autopar.core.errors import PlanError
 from autopar.core.ir import hint, shard_dim, sym_size
-from autopar.core.ops import dropout, local_ops
+from autopar.core.ops import local_ops
 
 aten = torch.ops.aten
 
@@ -37,28 +37,6 @@ def _numel(value: torch.Tensor) -> sympy.Expr:
     for size in value.shape:
         total *= sym_size(size)
     return total
-
-
-@register(aten.native_dropout.default)
-def dropout_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext) -> RuleResult | None:
-    """Dropout on a sharded tensor keeps its placement and draws the single-device mask
-    (`autopar/core/ops/dropout.py`): the whole mask on every rank, the rank's piece applied. Replicated
-    (every rank draws the same mask itself) and Partial inputs go to DTensor (which replicates)."""
-    x = specs[0]
-    if x is None or any(isinstance(p, Partial) for p in x.placements):
-        return None
-    cuts, kwargs = [], {}
-    for axis, parts, placement in zip(ctx.mesh_names, ctx.mesh_shape, x.placements):
-        if shard_dim(placement) is None:
-            continue
-        cuts.append(f"{axis}:{placement.dim}:{parts}:{ctx.layout(axis)}:{getattr(placement, 'split_factor', 1)}")
-        kwargs[f"index_{axis}"] = ("index", axis)
-    if not cuts:
-        return None
-    out_val, mask_val = node.meta["val"]
-    return RuleResult(output=(spec_like(x, x.placements, out_val), spec_like(x, x.placements, mask_val)),
-                      required=[x] + [None] * (len(specs) - 1), local_kernel=dropout.sharded_dropout,
-                      kernel_kwargs={"cuts": ("value", ";".join(cuts)), **kwargs})
 
 
 @register(aten.embedding.default)

@@ -6,7 +6,10 @@ placement), input rules (user input index -> placement) and module layouts (modu
 PrepareModuleOutput but applied to graph edges). Strategies for different axes compose;
 `resolve_strategies` binds deferred ones to the traced graph (`tensor_parallel()` without a
 layout finds it there), merges them into a `ResolvedStrategy` the planner queries, and refuses
-an axis the mesh does not have. Constructors live beside: `data_parallel.py`,
+an axis the mesh does not have. `check_axes` refuses, before tracing, a mesh axis of size > 1 that
+no strategy claims (every rank on it would compute the same thing; `replicated(axis)` says that is
+meant) and two strategies whose roles conflict on one axis (`strategy_role`). Constructors live
+beside: `data_parallel.py` (+ `replicated`),
 `tensor_parallel.py` (+ sequence parallel), `zero.py` (ZeRO-1/2/3, FSDP, HSDP: a data-parallel
 axis that also shards the training state), `pipeline.py` (pipeline stages, schedule and
 micro-batches on an axis), `recompute.py` (regions run again in backward; on no axis), `autopar/compiler/context.py` (sequence shards, attention lowered to ring / all-gather /
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Sequence
 
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import Placement
@@ -237,6 +240,91 @@ class ResolvedStrategy:
                 if reasons is not None:
                     reasons.append(f"{self.mesh.names[index]}: tokens sharded on dim {result[index].dim}")
         return tuple(result)
+
+
+# roles a strategy plays on its axis; two strategies on one axis conflict unless both are "tensor"
+# (tensor_parallel() with sequence_parallel() on tp) or a role is unknown (a user's own Strategy)
+ROLES = {"data": "shards the batch (data parallel)", "tensor": "splits the layers (tensor parallel)",
+         "pipeline": "holds pipeline stages", "context": "shards the sequence (context parallel)",
+         "replicated": "is declared replicated"}
+
+
+def strategy_role(strategy: Any) -> str | None:
+    """What `strategy` (a `Strategy` or a deferred one) does with its axis: a key of `ROLES`, or None
+    for a strategy autopar does not know (expert parallelism is checked in `resolve_strategies`)."""
+    name = getattr(strategy, "name", "")
+    declared = [(getattr(strategy, "pipeline", None), "pipeline"), (getattr(strategy, "context", None), "context"),
+                (getattr(strategy, "sharded_state", None), "data")]
+    found = next((role for value, role in declared if value is not None), None)
+    if found is not None:
+        return found
+    if getattr(strategy, "experts", None) is not None or name == "expert_parallel":
+        return None
+    if name == "data_parallel":
+        return "data"
+    if name == "replicated":
+        return "replicated"
+    return "tensor" if name.startswith("tensor_parallel") else None
+
+
+def _flatten(strategies: "Sequence[Any]") -> list[Any]:
+    """The strategies, hsdp()'s pair unpacked, without the declarations that belong to no axis."""
+    flat = [s for item in strategies for s in (item if isinstance(item, (tuple, list)) else (item,))]
+    return [s for s in flat if not isinstance(s, (RecomputeDeclaration, ScheduleDeclaration))]
+
+
+def check_axes(mesh: Mesh, strategies: "Sequence[Any]") -> None:
+    """Refuse, before anything is traced: a declaration that is not a strategy, a strategy on an
+    axis the mesh lacks, two strategies whose roles conflict on one axis, and a mesh axis of size > 1
+    that no strategy claims (the batch would be replicated on it: every rank on the axis computing
+    the same thing)."""
+    flat = _flatten(strategies)
+    for strategy in flat:
+        if not isinstance(getattr(strategy, "axis", None), str) or not hasattr(strategy, "name"):
+            raise PlanError(f"{strategy!r} is not a Strategy; build one with autopar.compiler.strategies "
+                            f"(data_parallel(), tensor_parallel(...)) or Strategy(...)")
+        mesh.require_axis(strategy.axis, wanted_by=f"strategy {strategy.name!r}")
+    for axis in mesh.names:
+        on_axis = [s for s in flat if s.axis == axis]
+        if mesh.size(axis) > 1:
+            _refuse_conflicts(axis, on_axis)
+        if mesh.size(axis) > 1 and not on_axis:
+            raise PlanError(_unused_axis_message(mesh, axis, flat))
+
+
+def _refuse_conflicts(axis: str, on_axis: list[Any]) -> None:
+    """Two strategies on `axis` conflict when their roles differ, or both shard the batch."""
+    known = [(s, strategy_role(s)) for s in on_axis if strategy_role(s) is not None]
+    for index, (first, first_role) in enumerate(known):
+        for second, second_role in known[index + 1:]:
+            if first_role == second_role == "tensor":
+                continue
+            if first_role == second_role:
+                why = f"both {ROLES[first_role]}"
+                sharded = next((s for s in (first, second) if getattr(s, "sharded_state", None) is not None), None)
+                fix = (f"keep one of them ({sharded.name} alone is data parallel with its training state sharded)"
+                       if sharded is not None else "keep one of them")
+            else:
+                why = f"{first.name} {ROLES[first_role]} and {second.name} {ROLES[second_role]}"
+                fix = "give each its own mesh axis (axis= on one of them, and that axis in the mesh)"
+            raise PlanError(f"strategies {first.name} and {second.name} both claim mesh axis {axis!r}: {why}, and "
+                            f"one axis does one thing\n  fix: {fix}")
+
+
+def _unused_axis_message(mesh: Mesh, axis: str, flat: list[Any]) -> str:
+    others = [a for a in mesh.names if a != axis]
+    smaller = ",".join(f"{a}={mesh.size(a)}" for a in others) or f"{axis}=1"
+    claimed = ", ".join(f"{s.name} on {s.axis!r}" for s in flat) or "no strategies"
+    return (f"mesh axis {axis!r} (size {mesh.size(axis)}) is used by no strategy ({claimed}): every rank along it "
+            f"would get the same batch and compute the same thing, {mesh.size(axis)} times over\n"
+            f"  fix: add a strategy on {axis!r} (e.g. {_suggestion(axis)}), use the mesh {smaller!r} without it, or "
+            f"declare it replicated on purpose with autopar.replicated({axis!r})")
+
+
+def _suggestion(axis: str) -> str:
+    known = {"dp": "autopar.data_parallel()", "tp": "autopar.tensor_parallel()",
+             "pp": "autopar.pipeline_parallel()", "cp": "autopar.context_parallel()", "ep": "autopar.expert_parallel()"}
+    return known.get(axis, f"autopar.data_parallel(axis={axis!r})")
 
 
 def resolve_strategies(mesh: Mesh, strategies: "list[Strategy] | tuple[Strategy, ...]",

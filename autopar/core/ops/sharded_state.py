@@ -143,6 +143,7 @@ class ShardedState(UnitCalls):
         self._callback_queued = False
         self.accumulating = False  # no_sync: add full gradients into _accumulated, reduce nothing
         self.holding = False  # no_sync and the backward after it: gathered units are not released
+        self._saved_whole: set[int] = set()  # stage-3 units autograd saved as they are (`pack`), not as handles
         self._accumulated: dict[int, torch.Tensor] = {}
         self._shard_ids = {id(p) for params in shards.values() for p in params}
         self_ref = weakref.ref(self)
@@ -209,14 +210,17 @@ class ShardedState(UnitCalls):
             storage = full.untyped_storage()
             self._owner.pop(storage.data_ptr(), None)
             storages[storage.data_ptr()] = storage
-        if self.units[index].stage == 3:
+        if self.units[index].stage == 3 and index not in self._saved_whole:
             # free the gathered bytes now, whoever still refers to them: under compile=True the
             # gathered tuple is the result of a graph break, which dynamo's resume frame keeps
             # until the forward returns — every block's gathered weights were alive at once
             # (FSDP2 frees its unsharded parameters the same way). A use after release fails
-            # loudly (an empty storage), it cannot read stale values.
+            # loudly (an empty storage), it cannot read stale values. Parameters autograd saved
+            # as they are stay with autograd, which lets them go after the backward, or keeps them
+            # for another one (retain_graph=True) as it keeps anything a retained graph saved.
             for storage in storages.values():
                 storage.resize_(0)
+        self._saved_whole.discard(index)
 
     def release_all(self) -> None:
         for index in [i for i in self.full if self.units[i].stage == 3]:
@@ -240,6 +244,8 @@ class ShardedState(UnitCalls):
     def pack(self, tensor: torch.Tensor, owner: tuple[int, int]) -> Any:
         """A saved gathered parameter: a handle when its unit is freed after forward, else itself."""
         if not self.units[owner[0]].reshard or self.holding:
+            if self.units[owner[0]].stage == 3:
+                self._saved_whole.add(owner[0])
             return tensor
         return _Saved(owner[0], owner[1], tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset())
 
