@@ -21,8 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import warnings
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -123,23 +122,36 @@ def zoo_rank(rank: int, world_size: int, archs: list[str], data: list[tuple], me
     return results
 
 
+class LaunchFailed(AssertionError):
+    """The launch of a config failed as a whole (a rank killed by a signal, a rank's exception, the
+    deadline): every test of the config fails with its message, and nothing is launched again."""
+
+
 @functools.lru_cache(maxsize=None)
-def run_config(config: str, archs: tuple[str, ...], steps: int) -> dict[str, list[dict]]:
-    """arch -> per-rank results of one launch that runs every architecture under `config`."""
+def _launch_config(config: str, archs: tuple[str, ...], steps: int, rank: Callable = zoo_rank
+                   ) -> tuple[list | None, str]:
+    """(per-rank results, "") of one launch that runs every architecture under `config` (each rank
+    running `rank`), or (None, what failed) where the launch failed: the failure is kept, as a result
+    is, so that each architecture's test reports it instead of launching the whole job again."""
     mesh, strategies = CONFIGS[config]
     world = autopar.Mesh.parse(mesh).world_size
-    job = (zoo_rank, world, list(archs), batches(steps), mesh, strategies)
     try:
-        per_rank = launch(*job, timeout_s=120 + 60 * len(archs))
+        return launch(rank, world, list(archs), batches(steps), mesh, strategies,
+                      timeout_s=120 + 60 * len(archs)), ""
     except RankKilled as crash:
-        # This launch is the suite's longest-lived job (every architecture, minutes in the same two
-        # processes). Once in CI (stop 22) rank 0 died of SIGABRT in it with no Python error and no
-        # stderr kept; the cause is not known. A rank killed by a signal (never an exception, a
-        # numerics mismatch or a timeout) gets one more launch, and the crash, with every rank's
-        # stderr and faulthandler's stacks (autopar/runtime/launch.py), is reported as a warning
-        # in the test summary; a second crash fails the test.
-        warnings.warn(f"zoo launch under {config}: a rank crashed; launched once more. {crash}")
-        per_rank = launch(*job, timeout_s=120 + 60 * len(archs))
+        # a crash in native code (an abort, a segmentation fault) is a failure like any other, never
+        # retried: the message holds every rank's stderr with faulthandler's stacks (runtime/launch.py)
+        return None, f"zoo launch under {config}: a rank was killed ({crash})"
+    except Exception as error:  # noqa: BLE001 - a rank's exception or the deadline: kept and reported the same
+        return None, f"zoo launch under {config} failed: {type(error).__name__}: {error}"
+
+
+def run_config(config: str, archs: tuple[str, ...], steps: int, rank: Callable = zoo_rank) -> dict[str, list[dict]]:
+    """arch -> per-rank results of one launch that runs every architecture under `config` (launched
+    once per session; `LaunchFailed` if that launch failed)."""
+    per_rank, failure = _launch_config(config, archs, steps, rank)
+    if per_rank is None:
+        raise LaunchFailed(failure)
     return {arch: [ranks[arch] for ranks in per_rank] for arch in archs}
 
 
@@ -189,6 +201,31 @@ def test_zoo_trains_like_one_device_or_is_refused_at_plan_time(arch, config):
         check_refusal(arch, config, results)
     else:
         check_trained(arch, config, results, STEPS)
+
+
+def aborted_rank(rank: int, world_size: int, archs: list[str], data: list[tuple], mesh: str, strategies: list) -> dict:
+    """A zoo rank whose process dies of SIGABRT (native code aborting, as rank 0 did once in CI);
+    the other one returns at once and waits at the launch's closing barrier until it is killed."""
+    if rank == 1:
+        os.abort()
+    return {}
+
+
+def test_a_rank_killed_by_a_signal_fails_every_architecture_with_its_stacks_and_is_not_relaunched(monkeypatch):
+    launched, real_launch = [], launch
+
+    def counted(*args: Any, **kwargs: Any) -> list:
+        launched.append(args[0])
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(sys.modules[__name__], "launch", counted)
+    for _arch in ("gpt2", "llama"):  # each architecture's test of the config asks for the launch's results
+        with pytest.raises(LaunchFailed) as failure:
+            run_config(CI_CONFIG, ("gpt2", "llama"), 1, aborted_rank)
+        message = str(failure.value)
+        assert "SIGABRT" in message and "rank 1 stderr" in message and "rank 0 stderr" in message, message
+        assert "Fatal Python error: Aborted" in message and "aborted_rank" in message, message  # faulthandler's stack
+    assert launched == [aborted_rank]
 
 
 def test_key_value_heads_fewer_than_the_axis_train_like_one_device():
