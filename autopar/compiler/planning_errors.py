@@ -47,7 +47,7 @@ def _has_unbacked(node: torch.fx.Node | None) -> bool:
     return any(free_unbacked_symbols(v) for v in leaves)
 
 
-def _data_dependent(error: BaseException, node: torch.fx.Node | None) -> bool:
+def data_dependent(error: BaseException, node: torch.fx.Node | None) -> bool:
     text = str(error)
     return (type(error).__name__ in DATA_DEPENDENT_ERRORS and ("data-dependent" in text or "unbacked" in text)) or \
         type(error).__name__.startswith("GuardOnDataDependent") or _has_unbacked(node)
@@ -56,7 +56,7 @@ def _data_dependent(error: BaseException, node: torch.fx.Node | None) -> bool:
 def _unsupported(error: BaseException, node: torch.fx.Node | None, strategies: str) -> tuple[str, str]:
     """(what autopar does not support, the fix)."""
     op = f"{node.target}" if node is not None and node.op == "call_function" else "this model"
-    if _data_dependent(error, node):
+    if data_dependent(error, node):
         return (f"{op} has a shape that depends on tensor values (data-dependent, e.g. the rows routed to an "
                 f"expert found with nonzero / where / a boolean mask), which autopar cannot plan",
                 "compute such shapes from sizes, not from values (a fixed expert capacity, or every expert run "

@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 from autopar.compiler import rules
 from autopar.compiler.context import CompileContext
 from autopar.compiler.explain import dtensor_alternatives
+from autopar.compiler.planning_errors import data_dependent, planning_error
 from autopar.core.errors import PlanError
 from autopar.core.ir import (
     ARG_SPECS,
@@ -185,6 +186,8 @@ def _propagate_with_dtensor_decided(node: torch.fx.Node, args: tuple, kwargs: di
                            fix="register one with @autopar.compiler.rules.registry.register(<op>) returning a RuleResult, "
                                "or declare a layout that keeps this op's inputs replicated") from None
     except Exception as error:  # DTensor raises assorted types for impossible shardings
+        if data_dependent(error, node):  # nonzero, masked_select: said in autopar's words, the text below
+            raise planning_error(error, phase="placement propagation", node=node) from error
         uneven = "uneven" in str(error)
         message = "a sharded dimension does not split evenly over its mesh axis" if uneven else "DTensor could not shard"
         fix = ("make the sharded size divisible by the axis size (e.g. heads % tp == 0, hidden % tp == 0)" if uneven
