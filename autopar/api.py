@@ -34,6 +34,7 @@ from autopar.cost.cluster import Cluster
 from autopar.planner.search import search, winner_plan
 from autopar.runtime.compiled import compile_options as _compile_options
 from autopar.runtime.compiled import refuse_uncompilable
+from autopar.runtime.device import group_device
 from autopar.runtime.job_hosts import job_node_size
 from autopar.runtime.launch import launch
 from autopar.runtime.module import ParallelModule
@@ -183,10 +184,11 @@ def _module(the_plan: Plan, timing: Any, model: torch.nn.Module, dynamic_dims: d
                         "out (every batch then has the example's shape)")
     if compile_options is not None:
         refuse_uncompilable(the_plan)
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    device_mesh = the_plan.mesh.device_mesh(device_type=device_type)
+    device = group_device()  # the rank's accelerator (LOCAL_RANK) under NCCL, the CPU under gloo
+    device_mesh = the_plan.mesh.device_mesh(device_type=device.type)
     groups = {axis: device_mesh.get_group(axis).group_name for axis in the_plan.mesh.names}
     state = the_plan.traced.state if timing.source in ("planned", "local") else state_from_model(the_plan, model)
+    state = {name: tensor.to(device) for name, tensor in state.items()}  # no copy where already there (gloo: CPU)
     module = ParallelModule(the_plan, rank=dist.get_rank(), groups=groups, state=state, compile_options=compile_options)
     module.plan_timing = timing
     log_strategy_summary(the_plan, rank=dist.get_rank())

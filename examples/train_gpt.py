@@ -76,10 +76,11 @@ def train_rank(rank: int, world_size: int, mesh_text: str, sequence_parallel: bo
         print(module.plan.report(activations=False), flush=True)
     print_plan_timing(module)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    device = next(module.parameters()).device  # the rank's (an accelerator under torchrun on GPUs)
     losses = []
     for batch in data:
         optimizer.zero_grad()
-        losses.append(module.train_step(*module.local_batch(*batch)).item())
+        losses.append(module.train_step(*(t.to(device) for t in module.local_batch(*batch))).item())
         optimizer.step()
     if timeline and module.pipeline is not None:
         write_timeline(module, timeline)

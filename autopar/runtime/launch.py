@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopar.runtime.device import backend_for, rank_device
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -42,11 +44,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_from_env(*, timeout_s: float = 120.0, backend: str | None = None) -> None:
-    """Initialise the default process group from torchrun's environment variables."""
+def init_from_env(*, timeout_s: float = 120.0, backend: str | None = None) -> torch.device:
+    """Initialise the default process group from torchrun's environment variables; returns the
+    rank's device (`runtime/device.py`: accelerator `LOCAL_RANK`, made current, or the CPU). The
+    backend defaults to the device's (NCCL on CUDA, gloo on CPU); `backend="gloo"` keeps a job on
+    the CPU on a host with GPUs."""
     torch.set_num_threads(int(os.environ.get("AUTOPAR_THREADS", "1")))
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    device = torch.device("cpu") if backend == "gloo" else rank_device()
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
+    dist.init_process_group(backend or backend_for(device), timeout=timedelta(seconds=timeout_s))
+    return device
 
 
 # imported once by the fork server; every rank forks from it with these already loaded

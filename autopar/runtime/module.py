@@ -213,7 +213,8 @@ class ParallelModule(torch.nn.Module):
                 by_axes.setdefault(axes, []).append(param.grad)
                 if self._counts_here(fqn):
                     counted.setdefault(axes, []).append(param.grad)
-        total = torch.zeros((), dtype=torch.float32)
+        device = next(p.device for p in self.parameters())  # the rank's: all-reduced over its process groups
+        total = torch.zeros((), dtype=torch.float32, device=device)
         for axes in self._norm_groups():  # the same list on every rank: the all-reduces line up
             grads = counted.get(axes, [])
             if norm_type == float("inf"):

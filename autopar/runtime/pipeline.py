@@ -67,6 +67,8 @@ class PipelineExecutor:
         closing = "W" if self.split else "B"
         self.last_backward = {a.stage: i for i, a in enumerate(self.actions) if a.kind == closing}
         self.group = groups[layout.axis]
+        # the rank's device (its stages' parameters): receive buffers, tokens and the shared loss live there
+        self.device = next((param.device for runner in runners for param in runner.parameters.values()), None)
         self.loss_source = plan.mesh.neighbour(rank, layout.axis, layout.coordinate(layout.stages - 1) - coordinate)
         self.timeline: list[TimedAction] = []
 
@@ -96,7 +98,7 @@ class PipelineExecutor:
 
     def step(self, inputs: list[Any]) -> torch.Tensor:
         micro = self._microbatches(inputs)
-        exchange = p2p.Exchange(self.rank)
+        exchange = p2p.Exchange(self.rank, device=self.device)
         for runner in self.runners.values():
             runner.hold()
         live: dict[tuple[int, int], Any] = {}
@@ -108,7 +110,7 @@ class PipelineExecutor:
             start, waited_before = time.perf_counter(), exchange.waited
             with p2p.active(exchange, action.microbatch):
                 if action.kind == "F":
-                    token = torch.zeros((), requires_grad=True) if runner.receives else None
+                    token = torch.zeros((), requires_grad=True, device=self.device) if runner.receives else None
                     outputs = runner.run(micro[action.microbatch], token)
                     live[key] = (outputs, token)
                     if runner.is_last:
@@ -139,7 +141,7 @@ class PipelineExecutor:
             live[key] = []  # the first stage receives nothing: its whole backward ran here, W has nothing left
 
     def _shared_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=self._loss_dtype())
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=self._loss_dtype(), device=self.device)
         dist.broadcast(loss, src=self.loss_source, group=p2p._group(self.group))
         return loss
 
@@ -168,7 +170,7 @@ class PipelineExecutor:
                 node = next(n for n in self.plan.graph_module.graph.nodes if n.op == "placeholder"
                             and self.plan.context.placeholders[n.name].target == fqn)
                 meta = node.meta["val"]
-                tensor = torch.empty(tuple(int(d) for d in meta.shape), dtype=meta.dtype)
+                tensor = torch.empty(tuple(int(d) for d in meta.shape), dtype=meta.dtype, device=self.device)
             source = self.plan.mesh.neighbour(self.rank, self.layout.axis,
                                               holder - self.plan.mesh.coordinate(self.rank, self.layout.axis))
             dist.broadcast(tensor, src=source, group=p2p._group(self.group))

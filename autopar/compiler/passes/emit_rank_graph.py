@@ -18,6 +18,12 @@ divides the global size by the same ratio (`g // (g_example / l_example)`, the s
 ratio that is not a whole number cannot be a shard degree and is refused naming the node. The
 result is an ordinary `torch.fx.GraphModule` over local tensors, whose code (`gm.code`,
 generated when first read or run) reads like the hand-written per-rank program.
+
+A rank graph holds no device: the trace ran on CPU (or meta), and its factory ops (`arange`,
+`full`, `scalar_tensor`, ...) and metadata asserts carry that device as a constant.
+`_devices_from_inputs` makes each take the device of the graph's first parameter (else buffer,
+constant or input), on the rank's device at run time (CUDA under NCCL, CPU under gloo); a copy
+(`_to_copy`) to a device other than its tensor's traced one is a host transfer and is refused.
 """
 from __future__ import annotations
 
@@ -102,6 +108,48 @@ def _globalize_sizes(graph: torch.fx.Graph, ctx: CompileContext) -> None:
         node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
 
 
+_COPIES = (torch.ops.aten._to_copy.default,)
+
+
+def _traced_device(node: torch.fx.Node) -> "torch.device | None":
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return value.device if isinstance(value, torch.Tensor) else None
+
+
+_SOURCE_KINDS = ("parameter", "buffer", "constant", "input")  # preferred first: the module's own state
+
+
+def _device_source(graph: torch.fx.Graph, ctx: CompileContext) -> "torch.fx.Node | None":
+    """A `rank_device = placeholder.device` node after the placeholders: the device of the rank
+    graph's first parameter (else buffer, constant, input); None where it is given no tensor."""
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    kinds = {node.name: getattr(ctx.placeholders.get(node.name), "kind", None) for node in placeholders}
+    tensors = [node for node in placeholders if _traced_device(node) is not None and kinds[node.name] in _SOURCE_KINDS]
+    if not tensors:
+        return None
+    source = min(tensors, key=lambda node: _SOURCE_KINDS.index(kinds[node.name]))
+    with graph.inserting_after(placeholders[-1]):
+        device = graph.create_node("call_function", getattr, (source, "device"), name="rank_device")
+    device.meta["val"] = _traced_device(source)
+    return device
+
+
+def _devices_from_inputs(graph: torch.fx.Graph, ctx: CompileContext) -> None:
+    """No device constant left in the rank graph (see the module docstring)."""
+    device = None
+    for node in list(graph.nodes):
+        constant = node.kwargs.get("device") if node.op == "call_function" else None
+        if not isinstance(constant, torch.device):
+            continue
+        if node.target in _COPIES and _traced_device(node.args[0]) not in (None, constant):
+            raise PlanError.at(node, f"the model copies a tensor to the constant device {constant}, a host "
+                                     "transfer no rank graph may hold",
+                               fix="keep the tensor where it is, or move it with .to(other_tensor.device)")
+        device = device or _device_source(graph, ctx)
+        if device is not None:
+            node.kwargs = {**node.kwargs, "device": device}
+
+
 def emit_rank_graph(gm: torch.fx.GraphModule, ctx: CompileContext, *, rank: int,
                     groups: dict[str, str] | None = None, recompute: bool = True) -> torch.fx.GraphModule:
     """The graph rank `rank` runs. `groups` maps axis -> process-group name (axis names when planning).
@@ -112,6 +160,7 @@ def emit_rank_graph(gm: torch.fx.GraphModule, ctx: CompileContext, *, rank: int,
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
     _globalize_sizes(graph, ctx)
+    _devices_from_inputs(graph, ctx)
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue

@@ -129,7 +129,8 @@ class _RingExchange:
         """Calls accumulate(source, k, v, dk, dv) per block; dK/dV travel with their K/V and the last
         send brings each rank's own accumulators home. Returns this rank's (dk, dv)."""
         current = [k.contiguous(), v.contiguous()]
-        grads = [torch.zeros(k.shape, dtype=torch.float32), torch.zeros(v.shape, dtype=torch.float32)]
+        grads = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+                 torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
         tag = 4 * self.size
         for step in range(self.size):
             ahead = self._shift(current, tag + 8 * step) if step < self.size - 1 else ([], [])
@@ -164,7 +165,7 @@ class _GatheredExchange:
     def backward_blocks(self, k: torch.Tensor, v: torch.Tensor, accumulate: Callable[..., None]
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         whole = [self._gathered(t) for t in (k, v)]
-        grads = [torch.zeros(t.shape, dtype=torch.float32) for t in whole]
+        grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in whole]
         for rank in range(self.size):
             accumulate(rank, whole[0][rank], whole[1][rank], grads[0][rank], grads[1][rank])
         return tuple(collective_calls.raw_reduce_scatter(g.flatten(0, 1), self.group, self.size, 0) for g in grads)
@@ -215,7 +216,7 @@ class _ContextAttention(torch.autograd.Function):
         count = len(q_ids)
         q_chunks, out_chunks = q.chunk(count, dim=2), out.chunk(count, dim=2)
         dout_chunks, lse_chunks = dout.contiguous().chunk(count, dim=2), lse.chunk(count, dim=2)
-        dq = torch.zeros(q.shape, dtype=torch.float32)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dq_chunks = dq.chunk(count, dim=2)
 
         def accumulate(source, k_blk, v_blk, dk_acc, dv_acc):

@@ -143,7 +143,7 @@ def moe_combine(y_local: torch.Tensor, received: torch.Tensor, offsets: torch.Te
         return y_local * 1
     order = _source_major_to_expert_major(received)
     source_major = torch.empty_like(order)
-    source_major[order] = torch.arange(order.numel())
+    source_major[order] = torch.arange(order.numel(), device=order.device)
     rows = int(offsets[-1])
     counts, kept_rows = _kept_rows(offsets, rows, capacity_factor)
     back = _RowsAllToAll.apply(y_local[source_major], received.sum(1).tolist(), counts.view(size, -1).sum(1).tolist(),

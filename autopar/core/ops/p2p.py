@@ -49,6 +49,7 @@ class Exchange:
     pending: dict[int, tuple[Any, torch.Tensor]] = field(default_factory=dict)  # tag -> send in flight
     mailbox: dict[int, torch.Tensor] = field(default_factory=dict)
     waited: float = 0.0  # seconds blocked in receives (the measured timeline subtracts them)
+    device: "torch.device | None" = None  # where receive buffers live: the rank's (None: torch's default)
 
     def send(self, tensor: torch.Tensor, peer: int, group: str, tag: int) -> None:
         if peer == self.rank:
@@ -61,7 +62,7 @@ class Exchange:
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, peer: int, group: str, tag: int) -> torch.Tensor:
         if peer == self.rank:
             return self.mailbox.pop(tag)
-        buffer = torch.empty(shape, dtype=dtype)
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
         start = time.perf_counter()
         dist.irecv(buffer, src=peer, group=_group(group), tag=tag).wait()
         self.waited += time.perf_counter() - start
