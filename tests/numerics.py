@@ -247,7 +247,8 @@ def memory_ledger(module: Any, rank: int) -> dict[str, Any]:
     routed = any(getattr(node.target, "__module__", "") == moe_ops.__name__ for node in graph.nodes)
     recomputed = any(RECOMPUTE in node.meta for stage in module.plan.stages for node in stage.graph_module.graph.nodes)
     return {"by_category": ledger.by_category(), "entries": entries, "moments": moments(terms),
-            "peak_at_its_moment": module.plan.pipeline is None and not routed and not recomputed}
+            "peak_at_its_moment": module.plan.pipeline is None and not routed and not recomputed
+            and not module.plan.units}
 
 
 def unit_bytes(plan: Any, *, keep: Callable[[Any], bool], padded: bool) -> int:

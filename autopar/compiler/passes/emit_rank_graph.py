@@ -124,7 +124,9 @@ def _device_source(graph: torch.fx.Graph, ctx: CompileContext) -> "torch.fx.Node
     graph's first parameter (else buffer, constant, input); None where it is given no tensor."""
     placeholders = [node for node in graph.nodes if node.op == "placeholder"]
     kinds = {node.name: getattr(ctx.placeholders.get(node.name), "kind", None) for node in placeholders}
-    tensors = [node for node in placeholders if _traced_device(node) is not None and kinds[node.name] in _SOURCE_KINDS]
+    # read by the graph: an unread placeholder (a tied weight's second name) is given None at run time
+    tensors = [node for node in placeholders if node.users and _traced_device(node) is not None
+               and kinds[node.name] in _SOURCE_KINDS]
     if not tensors:
         return None
     source = min(tensors, key=lambda node: _SOURCE_KINDS.index(kinds[node.name]))
