@@ -1,12 +1,6 @@
 """Sharded checkpoints (`autopar/artifacts/checkpoint.py`, DCP format) on real gloo processes.
 
-- Resharding, then training: a checkpoint written under dp=2×tp=2 FSDP+TP after 3 AdamW steps is
-  loaded under dp=4 ZeRO-1, dp=4 FSDP, tp=4 and dp=2×tp=2 ZeRO-1+TP and written again; each
-  checkpoint, read into a plain single-device GPT and AdamW without a process group
-  (`load_into_model`: DCP assembles the whole tensors from the saved boxes), holds bit-identical
-  parameters and optimizer state, equal to the writing job's `full_state_dict()` (all-gather,
-  another path); each layout then takes 2 steps whose losses and parameters equal the
-  uninterrupted run's (rel <= 1e-5).
+- Resharding, then training: tests/test_checkpoint_resharding.py.
 - Exact resume: 3 steps, save, new processes load, 2 more steps: every loss equals the
   uninterrupted 5-step run's bit for bit, with dropout 0.1 (the generator's state and a StepLR
   scheduler's saved as `extra`).
@@ -59,14 +53,16 @@ def _trainer(layout: str):
     return module, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
 
 
-def _train(module, optimizer, scheduler, batches) -> list[torch.Tensor]:
+def train(module, optimizer, batches, scheduler=None) -> list[torch.Tensor]:
+    """One AdamW step per batch (and the scheduler's, if any); the losses."""
     losses = []
     for batch in batches:
         optimizer.zero_grad()
         loss = module(*module.local_batch(*batch))
         loss.backward()
         optimizer.step()
-        scheduler.step()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(loss.detach().clone())
     return losses
 
@@ -77,7 +73,7 @@ def _extra(scheduler) -> dict:
 
 def _write(rank: int, world: int, layout: str, path: str, steps: int) -> dict:
     module, optimizer, scheduler = _trainer(layout)
-    losses = _train(module, optimizer, scheduler, BATCHES[:steps])
+    losses = train(module, optimizer, BATCHES[:steps], scheduler)
     save(path, module, optimizer, extra=_extra(scheduler))
     return {"losses": losses, "full": module.full_state_dict()}
 
@@ -87,7 +83,7 @@ def _resume(rank: int, world: int, layout: str, source: str, first: int) -> dict
     extra = load(source, module, optimizer, extra=_extra(scheduler))
     scheduler.load_state_dict(extra["scheduler"])
     torch.set_rng_state(extra["rng"])
-    return {"losses": _train(module, optimizer, scheduler, BATCHES[first:]), "lr": optimizer.param_groups[0]["lr"]}
+    return {"losses": train(module, optimizer, BATCHES[first:], scheduler), "lr": optimizer.param_groups[0]["lr"]}
 
 
 def _whole(path, config: GPTConfig = CONFIG) -> tuple[dict, dict]:
@@ -442,91 +438,3 @@ def test_without_verification_a_corrupt_header_still_names_the_file(tiny, tmp_pa
         load_into_model(a, GPT(TINY), verify=False)
     assert str(error.value).startswith(f"checkpoint {shard} is corrupt: "), str(error.value)
     assert "CheckpointException" not in str(error.value)
-
-
-# ---- resharding, then training: every target layout resumes the uninterrupted run
-
-DENSE = GPTConfig(vocab_size=128, seq_len=16, n_layer=2, n_head=4, d_model=32, d_ff=64, dropout=0.0)
-DENSE_BATCHES = [example_batch(DENSE, batch=8, seed=step) for step in range(5)]
-RESUMED_LAYOUTS = {
-    "dp4_zero1": ("dp=4", lambda: [autopar.zero(stage=1)]),
-    "dp4_fsdp": ("dp=4", lambda: [autopar.fsdp()]),
-    "tp4": ("tp=4", lambda: [autopar.tensor_parallel()]),
-    "dp2_tp2_zero1": ("dp=2,tp=2", lambda: [autopar.zero(stage=1), autopar.tensor_parallel()]),
-}
-
-
-def max_relative_error(actual: torch.Tensor, expected: torch.Tensor, noise_floor: float = 1e-4) -> float:
-    """As tests/numerics_checks.py: relative to max(|expected|, noise_floor), entries that are rounding noise
-    (the key projection's bias gradient, which softmax cancels) do not dominate."""
-    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(noise_floor))
-
-
-def _dense_trainer(mesh: str, strategies: list, seed: int):
-    torch.manual_seed(seed)
-    module = autopar.parallelize(GPT(DENSE), mesh, strategies=strategies, example_inputs=DENSE_BATCHES[0])
-    # eps=1e-3 as in tests/numerics.py: AdamW's first steps would otherwise amplify summation-order noise
-    return module, torch.optim.AdamW(module.parameters(), lr=1e-2, eps=1e-3)
-
-
-def _dense_steps(module, optimizer, batches) -> list[torch.Tensor]:
-    losses = []
-    for batch in batches:
-        optimizer.zero_grad()
-        loss = module(*module.local_batch(*batch))
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.detach().clone())
-    return losses
-
-
-def _full(module) -> dict[str, torch.Tensor]:
-    """`full_state_dict()`, copied: its unsharded entries are the live parameters, which training moves."""
-    return {name: tensor.clone() for name, tensor in module.full_state_dict().items()}
-
-
-def _reshard_and_train(rank: int, world: int, root: str) -> dict:
-    """dp=2×tp=2 FSDP+TP: 3 steps, save, 2 more (the uninterrupted run); then, per layout, a model
-    of another seed loads the checkpoint, saves it again (`<root>/<layout>`) and takes the same 2 steps."""
-    module, optimizer = _dense_trainer("dp=2,tp=2", [autopar.fsdp(), autopar.tensor_parallel()], seed=0)
-    _dense_steps(module, optimizer, DENSE_BATCHES[:3])
-    save(f"{root}/step3", module, optimizer)
-    runs = {"uninterrupted": {"loaded": _full(module)}}
-    runs["uninterrupted"].update(losses=_dense_steps(module, optimizer, DENSE_BATCHES[3:]), params=_full(module))
-    for name, (mesh, strategies) in RESUMED_LAYOUTS.items():
-        module, optimizer = _dense_trainer(mesh, strategies(), seed=1)
-        load(f"{root}/step3", module, optimizer)
-        save(f"{root}/{name}", module, optimizer)
-        runs[name] = {"loaded": _full(module)}
-        runs[name].update(losses=_dense_steps(module, optimizer, DENSE_BATCHES[3:]), params=_full(module))
-    return {name: run if rank == 0 else {"losses": run["losses"]} for name, run in runs.items()}
-
-
-def test_a_checkpoint_reshards_into_every_layout_and_trains_on_like_the_uninterrupted_run(tmp_path):
-    """Written under dp=2×tp=2 FSDP+TP after 3 AdamW steps, loaded under ZeRO-1 (dp=4 and dp=2×tp=2),
-    FSDP (dp=4) and tp=4. Each layout's checkpoint written again right after loading, read whole
-    into one process (DCP assembles the whole tensors from the saved boxes), holds parameters and
-    AdamW state bit-identical to the original's, which equal the writing job's gathered
-    `full_state_dict()` (all-gather, another path), as does each layout's right after loading.
-    Loading must also leave each layout ready to train: ZeRO-1's replicated compute copies refreshed
-    from the loaded shards, FSDP's and tensor-parallel shards cut right, AdamW's state in place. The
-    losses of 2 resumed steps on every rank, and the parameters after them, equal the uninterrupted
-    run's (fp32, relative error <= 1e-5: other layouts sum in other orders)."""
-    results = launch(_reshard_and_train, 4, str(tmp_path), timeout_s=150)
-    reference = results[0]["uninterrupted"]
-    params, state = _whole(tmp_path / "step3", DENSE)
-    assert len(state) == 3 * len(params)  # step, exp_avg, exp_avg_sq per parameter
-    _assert_identical(params, {k: v for k, v in reference["loaded"].items() if k in params}, "written vs gathered")
-    for name in RESUMED_LAYOUTS:
-        again, again_state = _whole(tmp_path / name, DENSE)
-        _assert_identical(params, again, f"parameters via {name}")
-        _assert_identical(state, again_state, f"optimizer state via {name}")
-        _assert_identical(params, {k: v for k, v in results[0][name]["loaded"].items() if k in params},
-                          f"{name}'s gathered parameters after loading")
-        for rank, result in enumerate(results):
-            for step, (got, expected) in enumerate(zip(result[name]["losses"], result["uninterrupted"]["losses"]), 3):
-                error = max_relative_error(got, expected)
-                assert error <= 1e-5, f"{name}, rank {rank}, step {step}: loss {got} vs {expected} (rel {error:.1e})"
-        for param, expected in reference["params"].items():
-            error = max_relative_error(results[0][name]["params"][param], expected)
-            assert error <= 1e-5, f"{name}: {param} after 2 resumed steps, rel err {error:.1e}"

@@ -44,6 +44,8 @@ CASES = {
     "dp2_tp2_sp_chunks": ("dp=2,tp=2", [autopar.data_parallel(), autopar.sequence_parallel(),
                                         autopar.schedule(chunks=2)]),
     "tp4_sp_on_sequence_chunks": ("tp=4", [autopar.sequence_parallel(sequence_dim=1), autopar.schedule(chunks=2)]),
+    # an axis declared replicated on purpose: both dp replicas compute the whole batch, nothing moves on dp
+    "tp2_replicated_dp2": ("dp=2,tp=2", [autopar.tensor_parallel(), autopar.replicated("dp")]),
 }
 
 
