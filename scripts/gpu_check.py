@@ -1,5 +1,6 @@
-"""GPU check (issue 46): the example GPT trained at world 1 under each strategy at degree 1,
-eager and compiled, against the plain model on the same device.
+"""GPU check (issue 46), part (a): the example GPT, the example MoE and a small Hugging Face Llama
+trained at world 1 under each strategy at degree 1, eager and compiled, against the plain model on
+the same device (parts (b) to (d): `scripts/gpu_figures.py`).
 
 Run by `scripts/gpu_check.sh` under `torchrun --standalone --nproc-per-node=1`, which makes the
 process group NCCL on the rank's GPU (`autopar.runtime.launch.init_from_env`). `--cpu` runs the
@@ -23,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import autopar  # noqa: E402
 from autopar.runtime.launch import init_from_env  # noqa: E402
 from examples.gpt import GPT, GPTConfig, example_batch  # noqa: E402
+from examples.hf_models import tiny_llama, token_batch  # noqa: E402
 from examples.moe import MoEConfig, MoEGPT  # noqa: E402
 
 TOLERANCE = 1e-5
@@ -33,8 +35,8 @@ MOE_CONFIG = MoEConfig(vocab_size=128, seq_len=16, n_layer=2, n_head=4, d_model=
 
 
 def cases() -> dict[str, tuple]:
-    """name -> (config, mesh, strategies), every strategy at degree 1. `cp_ring` is expected to
-    fail on a GPU until a GPU block kernel is registered (docs/known-limits.md)."""
+    """name -> (config, mesh, strategies), every strategy at degree 1; config "llama": Hugging
+    Face's LlamaForCausalLM at small sizes (`examples/hf_models.tiny_llama`)."""
     return {
         "dp": (GPT_CONFIG, "dp=1", [autopar.data_parallel()]),
         "zero1": (GPT_CONFIG, "dp=1", [autopar.zero(stage=1)]),
@@ -45,12 +47,23 @@ def cases() -> dict[str, tuple]:
         "cp_alltoall": (GPT_CONFIG, "cp=1", [autopar.context_parallel(method="alltoall")]),
         "pp": (GPT_CONFIG, "pp=1", [autopar.pipeline_parallel(microbatches=2)]),
         "ep": (MOE_CONFIG, "ep=1", [autopar.expert_parallel()]),
+        "llama_fsdp": ("llama", "dp=1", [autopar.fsdp()]),
+        "llama_tp_sp": ("llama", "tp=1", [autopar.sequence_parallel()]),
+        "llama_cp_ring": ("llama", "cp=1", [autopar.context_parallel()]),
     }
 
 
-def _model(config: GPTConfig) -> torch.nn.Module:
+def _model(config: GPTConfig | str) -> torch.nn.Module:
     torch.manual_seed(0)
+    if config == "llama":
+        return tiny_llama()
     return MoEGPT(config) if isinstance(config, MoEConfig) else GPT(config)
+
+
+def _batches(config: GPTConfig | str) -> list:
+    if config == "llama":
+        return [token_batch(batch=4, seq=16, seed=step) for step in range(STEPS)]
+    return [example_batch(config, batch=4, seed=step) for step in range(STEPS)]
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -73,7 +86,7 @@ def _train_plain(model: torch.nn.Module, batches: list, device: torch.device) ->
 def run_case(name: str, config: GPTConfig, mesh: str, strategies: list, compiled: bool,
              device: torch.device) -> str:
     """One case; returns the failure ("" when it passed)."""
-    batches = [example_batch(config, batch=4, seed=step) for step in range(STEPS)]
+    batches = _batches(config)
     reference = _model(config)
     model = copy.deepcopy(reference)
     module = autopar.parallelize(model, mesh, strategies=strategies, example_inputs=batches[0], compile=compiled)

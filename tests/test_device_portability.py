@@ -24,7 +24,9 @@ from torch.utils import _pytree as pytree
 
 import autopar
 from autopar.compiler.passes.recompute import is_region_call
+from autopar.compiler.rules.expert_rules import is_grouped_mm
 from autopar.core.errors import PlanError
+from autopar.core.ops.grouped_matmul import fused_applies, grouped_matmul
 from autopar.runtime.device import backend_for, rank_device
 from examples.gpt import GPT, GPTConfig, example_batch
 from examples.moe import MoEConfig, MoEGPT
@@ -46,6 +48,20 @@ CASES = {
     "pp2": (CONFIG, "pp=2", [autopar.pipeline_parallel(microbatches=2)]),
     "ep2": (MOE, "ep=2", [autopar.expert_parallel()]),
     "tp2_explicit_recompute": (EXPLICIT, "tp=2", [autopar.tensor_parallel(), autopar.recompute("full")]),
+    # compositions: every rank graph of each (first and last rank, every stage)
+    "dp2_tp2_sp": (CONFIG, "dp=2,tp=2", [autopar.data_parallel(), autopar.sequence_parallel()]),
+    "fsdp_dp2_tp2_sp": (CONFIG, "dp=2,tp=2", [autopar.fsdp(), autopar.sequence_parallel()]),
+    "zero2_dp2_cp2": (CONFIG, "dp=2,cp=2", [autopar.zero(stage=2), autopar.context_parallel()]),
+    "cp2_tp2_sp": (CONFIG, "cp=2,tp=2", [autopar.context_parallel(), autopar.sequence_parallel()]),
+    "pp2_dp2": (CONFIG, "pp=2,dp=2", [autopar.pipeline_parallel(microbatches=2), autopar.data_parallel()]),
+    "pp2_tp2_sp": (CONFIG, "pp=2,tp=2", [autopar.pipeline_parallel(microbatches=2), autopar.sequence_parallel()]),
+    "dp2_cp2_tp2_sp": (CONFIG, "dp=2,cp=2,tp=2", [autopar.data_parallel(), autopar.context_parallel(),
+                                                  autopar.sequence_parallel()]),
+    "ep2_dp2": (MOE, "dp=2,ep=2", [autopar.data_parallel(), autopar.expert_parallel()]),
+    "fsdp_dp2_ep2": (MOE, "dp=2,ep=2", [autopar.fsdp(), autopar.expert_parallel()]),
+    "ep2_tp2": (MOE, "ep=2,tp=2", [autopar.expert_parallel(), autopar.tensor_parallel()]),
+    "pp2_ep2": (MOE, "pp=2,ep=2", [autopar.pipeline_parallel(schedule="1f1b", microbatches=2),
+                                   autopar.expert_parallel()]),
 }
 # ops that move data to the host or synchronise with it: none belongs in a rank graph
 HOST_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten._pin_memory.default,
@@ -69,6 +85,8 @@ def _device_bound(node: torch.fx.Node) -> list[str]:
         found.append("host-only op")
     if node.kwargs.get("pin_memory"):
         found.append("pin_memory=True")
+    if is_grouped_mm(node.target) and node.target is not torch.ops.aten._grouped_mm.default:
+        found.append("a grouped matmul called as traced, not through grouped_matmul (torch._grouped_mm on CUDA)")
     return found
 
 
@@ -108,6 +126,44 @@ def test_a_copy_to_a_constant_device_is_refused():
     assert "test_device_portability.py" in str(caught.value) and "fix:" in str(caught.value)
 
 
+# --- grouped expert matmuls ------------------------------------------------------------------------
+
+def test_grouped_matmuls_reach_the_dispatcher():
+    torch.manual_seed(0)
+    plan = autopar.plan(MoEGPT(MOE), "ep=2", strategies=[autopar.expert_parallel()], example_inputs=example_batch(MOE))
+    calls = [node for node in plan.rank_graph(0).graph.nodes if node.target is grouped_matmul]
+    assert calls and {str(node.kwargs["traced"]) for node in calls} == {"examples.grouped_mm.default"}
+
+
+def _transformers_fallback():
+    pytest.importorskip("transformers")
+    import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
+    return torch.ops.transformers.grouped_mm_fallback.default
+
+
+@pytest.mark.parametrize("traced", ["examples", "transformers"])
+def test_torch_grouped_mm_computes_what_the_traced_op_does(traced):
+    """What the dispatcher runs on CUDA against what it replaces, here on the CPU in bf16: small
+    integers, so both sums are exact; int64 offsets (as routing makes them) and an empty expert."""
+    op = torch.ops.examples.grouped_mm.default if traced == "examples" else _transformers_fallback()
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randint(-3, 4, (10, 16), generator=generator).to(torch.bfloat16)
+    weight = torch.randint(-3, 4, (4, 16, 8), generator=generator).to(torch.bfloat16)
+    offsets = torch.tensor([3, 3, 7, 10])
+    fused = torch._grouped_mm(rows, weight, offs=offsets.to(torch.int32))
+    assert torch.equal(fused, op(rows, weight, offsets))
+    assert torch.equal(grouped_matmul(rows, weight, offsets, traced=op), op(rows, weight, offsets))
+
+
+@pytest.mark.parametrize("device, dtype, inner, outer, fused", [
+    ("cuda", torch.bfloat16, 64, 32, True), ("cpu", torch.bfloat16, 64, 32, False),
+    ("cuda", torch.float32, 64, 32, False), ("cuda", torch.bfloat16, 60, 32, False),
+    ("cuda", torch.bfloat16, 64, 36, False),
+])
+def test_the_fused_grouped_matmul_is_chosen_where_it_runs(device, dtype, inner, outer, fused):
+    assert fused_applies(device, dtype, inner, outer) is fused
+
+
 # --- lint: no host round trip in the runtime ---------------------------------------------------
 
 HOST_METHODS = {"cpu", "numpy", "tolist", "pin_memory"}
@@ -115,15 +171,7 @@ FACTORIES = {"zeros", "ones", "empty", "full", "arange", "tensor", "as_tensor", 
              "randint", "linspace", "eye"}
 # (file, stripped source line) -> what it is; fix each by allocating on the device of a tensor at
 # hand (device=x.device), or say why on the line
-KNOWN_HOST_CALLS = {
-    ("autopar/core/ops/moe.py", "send, receive = sending.sum(1).tolist(), received.sum(1).tolist()"):
-        "all_to_all's split sizes are host integers (a sync inherent to dropless MoE)",
-    ("autopar/core/ops/moe.py", "ROUTING.append((block, tuple(send), tuple(receive), tuple(demand.tolist())))"):
-        "the routing record (host integers)",
-    ("autopar/core/ops/moe.py",
-     "back = _RowsAllToAll.apply(y_local[source_major], received.sum(1).tolist(), counts.view(size, -1).sum(1).tolist(),"):
-        "all_to_all's split sizes are host integers",
-}
+KNOWN_HOST_CALLS: dict[tuple[str, str], str] = {}
 
 
 def _is_torch_factory(call: ast.Call) -> bool:

@@ -60,9 +60,29 @@ def test_gate_fails_when_communication_shrinks_unexplained(tmp_path):
     assert "all_reduce on tp (SHRANK)" in str(failure.value)
     before = comm_summary(plan_example("tp=2", [autopar.tensor_parallel()]))
     gone = dict(before, volumes=before["volumes"] + [{"axis": "tp", "link": "intra", "kind": "all_to_all",
+                                                      "dtype": "float32",
                                                       "calls": 1, "bytes": 8}])
     result = compare(gone, before)
     assert not result.passed and [row[-1] for row in result.shrank] == ["GONE"]
+
+
+def test_gate_fails_when_a_collective_widens_even_within_tolerance():
+    """FSDP planned to gather bf16 parameters (and reduce bf16 gradients) against the same plan
+    gathering fp32: the bytes double, inside a 150% tolerance, and the gate still fails on the
+    dtype (torchtitan's issue 3123: bf16 gathered where fp8 was configured, no warning)."""
+    import torch
+
+    narrow = comm_summary(plan_example("dp=2", [autopar.fsdp(param_dtype=torch.bfloat16)]))
+    wide = comm_summary(plan_example("dp=2", [autopar.fsdp()]))
+    assert {v["dtype"] for v in narrow["volumes"]} == {"bfloat16"}
+    result = compare(narrow, wide, tolerance_pct=150)
+    assert not result.passed
+    assert {(row[2], row[3], row[-1]) for row in result.grew} == {
+        ("all_gather", "float32", "WIDENED"), ("reduce_scatter", "float32", "WIDENED"),
+        ("all_reduce", "float32", "WIDENED")}
+    assert "all_gather on dp (WIDENED)" in result.failures()
+    back = compare(wide, narrow, tolerance_pct=150)
+    assert not back.passed and {row[-1] for row in back.shrank} == {"NARROWED", "GONE"}
 
 
 def test_update_modes_print_the_change_and_fail_unless_accepted(tmp_path, monkeypatch, capsys):

@@ -53,8 +53,13 @@ CASES = {
     "ep2_capacity": ("ep=2", [autopar.expert_parallel(capacity_factor=4.0)]),
     "fsdp_dp2_ep2": ("dp=2,ep=2", [autopar.fsdp(), autopar.expert_parallel()]),
     "pp2_ep2": ("pp=2,ep=2", [autopar.pipeline_parallel(schedule="1f1b", microbatches=2), autopar.expert_parallel()]),
+    # recomputed MoE blocks: the dispatch and combine run again in backward, with the forward's routing
+    "ep2_recompute_full": ("ep=2", [autopar.expert_parallel(), autopar.recompute("full")]),
+    "dp2_recompute_full": ("dp=2", [autopar.data_parallel(), autopar.recompute("full")]),
+    "ep2_dp2_recompute_experts": ("dp=2,ep=2", [autopar.data_parallel(), autopar.expert_parallel(),
+                                                autopar.recompute(["layers.*.moe"])]),
 }
-EXAMPLE_ONLY = {"ep2_capacity", "fsdp_dp2_ep2", "pp2_ep2"}  # compositions, run on the example model
+EXAMPLE_ONLY = {"ep2_capacity", "fsdp_dp2_ep2", "pp2_ep2", "dp2_recompute_full", "ep2_dp2_recompute_experts"}  # compositions, run on the example model
 PIPELINED = {"pp2_ep2": (2, 2)}  # case -> (micro-batches, data ranks): one device's micro-batches cut the same way
 
 
@@ -152,7 +157,7 @@ def assert_comm_equals_ledger_and_routing(results: list[dict], model: str, name:
             routing = result["routing"][step]
             implied = moe.routing_bytes(routing, row_bytes={b: hidden * 4 for b, *_ in routing},
                                         count_bytes={b: experts * 8 for b, *_ in routing})
-            extra_rows = sum(sum(receive) - sum(send) for _, send, receive, _ in routing)
+            extra_rows = sum(sum(receive) - sum(send) for _, send, receive, _, again in routing if not again)
             where = f"rank {result['rank']} step {step}"
             phases = {phase: (expected.get(phase, {}), implied[phase]) for phase in ("forward", "backward")}
             if "step" in measured:  # a pipeline schedule runs forward and backward in one call
@@ -176,7 +181,7 @@ def assert_memory(results: list[dict], model: str, name: str) -> None:
     too when every rank's experts received as many rows as it routed (the ledger's uniform
     routing); the peak within the ledger's bounds."""
     for result in results:
-        balanced = all(sum(send) == sum(receive) for routing in result["routing"] for _, send, receive, _ in routing)
+        balanced = all(sum(send) == sum(receive) for routing in result["routing"] for _, send, receive, *_ in routing)
         kept = _hf_offsets(model, name)
         result = dict(result, device_mesh_bytes=[b + kept for b in result["device_mesh_bytes"]])
         assert_held_equals_ledger(result)
@@ -201,9 +206,14 @@ def _world(name: str) -> int:
     return autopar.Mesh.parse(CASES[name][0]).world_size
 
 
+RECOMPUTED = {name for name in CASES if "recompute" in name}
+
+
+@pytest.mark.parametrize("recomputed", [False, True], ids=["", "recomputed"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_moe_matches_single_device(world, transformers):
-    chosen = [run for run in RUNS if _world(run[1]) == world]
+def test_moe_matches_single_device(world, recomputed, transformers):
+    """Every case of one world size in one launch (recomputed MoE blocks in a launch of their own)."""
+    chosen = [run for run in RUNS if _world(run[1]) == world and (run[1] in RECOMPUTED) == recomputed]
     per_rank = launch(run_cases, world, chosen, timeout_s=120 * len(chosen))
     for index, (model, name) in enumerate(chosen):
         results = [rank_results[index] for rank_results in per_rank]
@@ -359,7 +369,7 @@ def test_a_capacity_factor_drops_the_rows_beyond_it_when_asked():
     for result in results:
         assert result["finite"] and result["loss"] == result["loss"]
         dropped = 0
-        for block, send, receive, demand in result["routing"]:
+        for block, send, receive, demand, _ in result["routing"]:
             rows = sum(demand)
             capacity = -(-rows // (2 * experts))  # ceil(0.5 * rows / E)
             kept = [min(d, capacity) for d in demand]

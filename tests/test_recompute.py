@@ -155,16 +155,6 @@ def test_bad_recompute_declarations_are_refused():
               config=deep)
     with pytest.raises(autopar.PlanError, match="context parallelism is not supported yet"):
         _plan("full", mesh="cp=2", strategies=[autopar.context_parallel()])
-    from examples.moe import MoEConfig, MoEGPT
-
-    moe = MoEConfig(vocab_size=128, seq_len=16, n_layer=2, n_head=4, d_model=32, n_experts=4, top_k=2, d_expert=32)
-    with pytest.raises(autopar.PlanError, match="mixture-of-experts block") as error:
-        autopar.plan(MoEGPT(moe), "dp=2", strategies=[autopar.data_parallel(), autopar.recompute("full")],
-                     example_inputs=example_batch(moe, batch=8, seed=0))
-    assert "examples/moe.py" in str(error.value) and "fix:" in str(error.value)
-    # attention of the same model recomputes: the experts are outside its regions
-    autopar.plan(MoEGPT(moe), "dp=2", strategies=[autopar.data_parallel(), autopar.recompute("selective")],
-                 example_inputs=example_batch(moe, batch=8, seed=0))
 
 
 def test_the_cli_plans_with_recomputation(capsys):

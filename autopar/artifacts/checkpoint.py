@@ -29,6 +29,10 @@ rank's files, the metadata and a manifest (save id, size and CRC-32 of every fil
 and pass their CRC-32, and, strict by default, only into a model whose parameters (names and whole
 shapes; for `load`, the plan's) are the checkpoint's. Every failure is a `CheckpointError` naming
 the file or directory and the cause.
+
+`async_save` is `save` in the background (`checkpoint_async.py`): it returns once the state is
+copied to host memory; the write and the same commit run on a thread and a process group of
+their own, and `.result()` on the handle it returns waits for the commit.
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from autopar.artifacts import checkpoint_async as background
 from autopar.artifacts import checkpoint_files as files
 from autopar.core.errors import CheckpointError
 from autopar.core.ir import shard_dim
@@ -107,6 +112,10 @@ class Boxes:
 
     def __init__(self, local: torch.Tensor, shape: tuple[int, ...], boxes: list) -> None:
         self.local, self.shape, self.boxes = local, torch.Size(shape), boxes
+
+    def host_copy(self) -> "Boxes":
+        """The same boxes over a copy of the local tensor in host memory (an async save's snapshot)."""
+        return Boxes(background.host_tensor(self.local), self.shape, self.boxes)
 
     def _piece(self, sizes: tuple[int, ...], local_offsets: tuple[int, ...]) -> torch.Tensor:
         piece = self.local
@@ -215,11 +224,12 @@ def _rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def _from_rank0(make: Callable[[], Any]) -> Any:
-    """Rank 0's `make()`, on every rank."""
+def _from_rank0(make: Callable[[], Any], group: Any = None) -> Any:
+    """Rank 0's `make()`, on every rank (of `group`: every rank, the default group or the
+    checkpoint group of background saves)."""
     value = [make() if _rank_and_world()[0] == 0 else None]
     if dist.is_initialized():
-        dist.broadcast_object_list(value, src=0)
+        dist.broadcast_object_list(value, src=0, group=group)
     return value[0]
 
 
@@ -234,27 +244,65 @@ def _raise_any(problem: str | None, collective: bool) -> None:
         raise CheckpointError(first)
 
 
+def _new_save(path: Path) -> str:
+    """A save id drawn by rank 0, on every rank; CheckpointError on every rank if `path` must not
+    be replaced. Collective (default group)."""
+    save_id, problem = _from_rank0(lambda: (files.new_save_id(), files.replace_problem(path)))
+    _raise_any(problem, collective=False)
+    return save_id
+
+
 def save(path: "str | Path", module: Any, optimizer: torch.optim.Optimizer | None = None,
          extra: dict | None = None, *, on_phase: Callable[[str], None] | None = None) -> None:
     """Write the module's (and optimizer's) state as a sharded DCP checkpoint at `path`, atomically
     (`checkpoint_files.py`): a crash at any point leaves the checkpoint that was at `path`, if any,
     loadable. Collective. `on_phase(phase)` is called on each rank as it reaches a phase of the save
     ("write", "shards", "metadata", "manifest"; rank 0 also "commit", "swap", "cleanup"): the fault
-    tests stop a rank there."""
+    tests stop a rank there. A background save still in flight (`async_save`) is waited for first."""
     path, hook = Path(path), on_phase or (lambda phase: None)
-    save_id, problem = _from_rank0(lambda: (files.new_save_id(), files.replace_problem(path)))
-    _raise_any(problem, collective=False)
+    background.wait_for_pending()
+    _write_and_commit(path, _new_save(path), state_dict(module, optimizer, extra), hook, group=None)
+
+
+def async_save(path: "str | Path", module: Any, optimizer: torch.optim.Optimizer | None = None,
+               extra: dict | None = None, *, on_phase: Callable[[str], None] | None = None
+               ) -> background.AsyncSave:
+    """`save` in the background (`checkpoint_async.py`): returns once the state is copied to host
+    memory, so the training steps that follow may change parameters and optimizer state in place
+    without changing what is saved; the write and the commit (the same as `save`'s: only when every
+    rank's files are written) run on a thread of their own, their collectives on a process group of
+    their own. Collective: every rank calls it, in the same order as its other collectives.
+
+    What the caller must do: call `.result()` on the returned handle, on every rank, before
+    destroying the process group or exiting. Until the save commits, `path` holds the previous
+    checkpoint (or nothing); a process that ends first leaves it so, with the partial save beside
+    it, refused by name. `.result()` raises the save's `CheckpointError`; the next `save`,
+    `async_save`, `load` or `load_into_model` in the process waits for the save first and raises
+    its failure if `.result()` was not called. The snapshot holds a second copy of the rank's
+    state in host memory until the save ends. `on_phase` as in `save`, called from the save's
+    thread."""
+    path, hook = Path(path), on_phase or (lambda phase: None)
+    background.wait_for_pending()
+    save_id = _new_save(path)
+    group = background.checkpoint_group()
+    snapshot = background.host_snapshot(state_dict(module, optimizer, extra))
+    return background.start(path, save_id, lambda: _write_and_commit(path, save_id, snapshot, hook, group))
+
+
+def _write_and_commit(path: Path, save_id: str, state: dict, hook: Callable[[str], None], group: Any) -> None:
+    """Every rank's files into the staging directory, then rank 0's manifest and commit; collective
+    over `group` (None: the default group)."""
     staging = files.staging_path(path, save_id)
     hook("write")
     writer = files.Writer(staging, save_id, hook)
     with files.as_checkpoint_error(f"saving checkpoint {path} failed (in {staging})"):
-        dcp.save(state_dict(module, optimizer, extra), storage_writer=writer, planner=_SavePlanner())
+        dcp.save(state, storage_writer=writer, planner=_SavePlanner(), process_group=group)
     hook("manifest")
-    gathered = _gather_digests(path, staging, writer.written)
-    _raise_any(_from_rank0(lambda: _commit(path, staging, save_id, gathered, hook)), collective=False)
+    gathered = _gather_digests(path, staging, writer.written, group)
+    _raise_any(_from_rank0(lambda: _commit(path, staging, save_id, gathered, hook), group), collective=False)
 
 
-def _gather_digests(path: Path, staging: Path, written: list[str]) -> list[dict | str] | None:
+def _gather_digests(path: Path, staging: Path, written: list[str], group: Any) -> list[dict | str] | None:
     """On rank 0, every rank's {file: size and CRC-32} of the files it wrote (or why it could not
     read them back: sent like the digests, so that no rank is left waiting)."""
     try:
@@ -264,7 +312,7 @@ def _gather_digests(path: Path, staging: Path, written: list[str]) -> list[dict 
     if not dist.is_initialized():
         return [digests]
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(digests, gathered, dst=0)
+    dist.gather_object(digests, gathered, dst=0, group=group)
     return gathered
 
 
@@ -380,7 +428,9 @@ def load(path: "str | Path", module: Any, optimizer: torch.optim.Optimizer | Non
 
     Refuses (CheckpointError, on every rank) an incomplete checkpoint, one whose files are not all
     of one save or fail their CRC-32 (`verify=False`: sizes only), and one whose parameters do not
-    match the plan's (`strict=False`: load the entries that match)."""
+    match the plan's (`strict=False`: load the entries that match). A background save still in
+    flight (`async_save`) is waited for first."""
+    background.wait_for_pending()
     directory, metadata = _open(path, verify=verify, collective=True)
     saved = metadata.state_dict_metadata
     _check_optimizer(directory, saved, optimizer)
@@ -418,6 +468,7 @@ def load_into_model(path: "str | Path", model: torch.nn.Module, optimizer: torch
     alone, whether or not a process group is initialised: every tensor whole. Names are the traced
     parameter names (a tied weight under the name the trace kept). Refuses what `load` refuses;
     `strict` compares the model's parameters and persistent buffers with the checkpoint's."""
+    background.wait_for_pending()
     directory, metadata = _open(path, verify=verify, collective=False)
     saved = metadata.state_dict_metadata
     _check_optimizer(directory, saved, optimizer)

@@ -21,14 +21,16 @@ measures the first pass's layouts at once, on two processes where that is safe
 (`BlockPricer.prefetch`, `autopar/planner/layout_workers.py`).
 
 `SearchResult.best` is the winner (its plan kept; the others' dropped as they are priced, so a
-search holds one plan at a time besides the best), `table(top=)` the ranking with each
-candidate's memory, bytes, predicted time and why it lost to the winner, `explain()` the
-winner's binding constraint and the runner-up's margin. Nothing fits: `PlanError` naming the
-smallest peak any candidate needs; nothing plans: `PlanError` with each refusal.
+search holds one plan at a time besides the best), `why_lost(outcome)` what a candidate lost to
+the winner by; `table(top=)` the ranking with each candidate's memory, bytes, predicted time and
+its parts, and why it lost, `explain()` the winner's binding constraint and the runner-up's
+margin — both rendered from the result as data (`autopar/planner/search_report.py`), as a search
+file (`autopar/planner/search_file.py`) renders them without searching again. Nothing fits:
+`PlanError` naming the smallest peak any candidate needs; nothing plans: `PlanError` with each refusal.
 
 `autopar.plan(model, cluster=..., example_inputs=...)` with no mesh and no strategies is a
 search that returns the winner's plan (`Plan.search` holds the result); the CLI's
-`autopar plan TARGET --cluster NAME --auto` prints the table.
+`autopar plan TARGET --cluster NAME --auto` prints the answer and the table.
 """
 from __future__ import annotations
 
@@ -39,7 +41,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from tabulate import tabulate
 
 from autopar.compiler.plan import plan
 from autopar.compiler.trace import reusing_traces
@@ -47,6 +48,7 @@ from autopar.core.errors import PlanError
 from autopar.cost.cluster import GB, Cluster
 from autopar.cost.step_cost import estimate
 from autopar.planner.layout_pricer import BlockPricer, first_line, input_dim
+from autopar.planner.search_report import answer, ranking_table, search_data
 from autopar.planner.search_space import Candidate, Enumeration, ModelFacts, Outcome, Pruned, SearchSpace, candidates
 
 
@@ -56,6 +58,9 @@ class SearchResult:
     outcomes: list[Outcome]  # ranked: fitting by predicted time, then not fitting by peak, then refused
     pruned: list[Pruned]
     seconds: float
+    facts: ModelFacts | None = None  # what the search knew of the model (batch, sequence), for its report
+    space: SearchSpace | None = None
+    method: str = ""  # "plans" or "blocks": how the candidates were priced
 
     @property
     def best(self) -> Outcome:
@@ -75,43 +80,12 @@ class SearchResult:
         return f"{slower:+.0%} step: {part} {gap * 1e3:+.2f} ms"
 
     def table(self, *, top: int | None = None) -> str:
-        rows = []
-        for rank, outcome in enumerate(self.outcomes[:top] if top else self.outcomes, start=1):
-            e = outcome.estimate
-            rows.append([rank, outcome.candidate.label, outcome.candidate.mesh_spec,
-                         "-" if e is None else f"{e.peak_bytes / 2**20:,.1f}",
-                         "-" if e is None else f"{e.wire_bytes / 2**20:,.2f}",
-                         "-" if e is None else f"{e.seconds * 1e3:,.2f}",
-                         "-" if e is None else " ".join(f"{k[0]}{v * 1e3:.1f}" for k, v in e.parts.items() if v),
-                         self.why_lost(outcome)])
-        return tabulate(rows, headers=["#", "candidate", "mesh", "peak MiB/rank", "wire MiB/step", "step ms",
-                                       "parts ms (compute, comm, bubble, optimizer)", "why not chosen"],
-                        disable_numparse=True)
+        """The ranking (`autopar/planner/search_report.py`: `ranking_table`)."""
+        return ranking_table(search_data(self), top=top)
 
     def explain(self) -> str:
-        best = self.best
-        lines = [f"chosen: {best.candidate.label} (mesh {best.candidate.mesh_spec}) on {self.cluster.label}: "
-                 f"{best.estimate.seconds * 1e3:.2f} ms per step predicted, peak {best.estimate.peak_bytes / GB:.3g} GB "
-                 f"of {self.cluster.memory_gb:g} GB per rank",
-                 f"binding constraint: {best.estimate.binding}"]
-        runner = next((o for o in self.outcomes[1:] if o.fits), None)
-        if runner is not None:
-            lines.append(f"runner-up: {runner.candidate.label}, {self.why_lost(runner)}")
-        unfit = [o for o in self.outcomes if o.estimate is not None and not o.fits]
-        if unfit:
-            lines.append(f"{len(unfit)} candidate(s) do not fit in memory, e.g. {unfit[0].candidate.label}: "
-                         f"{unfit[0].estimate.binding}")
-        refused = [o for o in self.outcomes if o.refused is not None]
-        by_rules = [p for p in self.pruned if p.candidate.recompute is None]
-        if refused or by_rules:
-            lines.append(f"{len(refused)} refused by the compiler, {len(by_rules)} pruned by the rules "
-                         f"(e.g. {(by_rules or refused)[0].candidate.label}: "
-                         f"{by_rules[0].reason if by_rules else refused[0].refused})")
-        bounded = [p for p in self.pruned if p.candidate.recompute is not None]
-        if bounded:
-            lines.append(f"{len(bounded)} with recomputation not priced: slower than the winner already without it")
-        lines.append(f"searched {len(self.outcomes)} candidates in {self.seconds:.1f} s")
-        return "\n".join(lines)
+        """The winner, its binding constraint and why (`autopar/planner/search_report.py`: `answer`)."""
+        return answer(search_data(self))
 
 
 def _price(model: torch.nn.Module, cluster: Cluster, candidate: Candidate, args: Sequence[Any],
@@ -183,7 +157,8 @@ def search(model: torch.nn.Module, cluster: Cluster, *, example_inputs: Sequence
                     break
     _fail_if_nothing_fits(outcomes, cluster, pruned)
     ranked = sorted(outcomes, key=_rank_key)
-    return SearchResult(cluster, ranked, pruned, time.perf_counter() - start)
+    return SearchResult(cluster, ranked, pruned, time.perf_counter() - start, facts=facts, space=space,
+                        method="blocks" if composed else "plans")
 
 
 @contextlib.contextmanager

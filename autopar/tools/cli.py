@@ -1,6 +1,6 @@
 """The `autopar` command line.
 
-    autopar plan    TARGET --cluster h100x8 --auto [--top N] [--save plan.json]
+    autopar plan    TARGET --cluster h100x8 --auto [--top N] [--axes dp,tp] [--save search.json]
     autopar plan    TARGET --mesh dp=2,tp=2 [--strategy dp,sp] [--node 8] [--symbolic b=0,s=1]
                     [--params-only] [--save plan.json] [--compare-stages] [--compare-cp] [--timeline out.svg]
                     [--schedule 1f1b --microbatches 8 --virtual-stages 1 --stages layers.4]
@@ -10,7 +10,8 @@
     autopar check   TARGET --mesh ... --baseline comm.json [--tolerance PCT] [--update [--accept]]
     autopar diff    a.json b.json
     autopar explain plan.json NODE_OR_MODULE
-    autopar explain TARGET --cluster h100x8
+    autopar explain search.json [NODE_OR_MODULE] [--top N]
+    autopar explain TARGET --cluster h100x8 [--axes dp,tp] [--top N]
 
 TARGET is `module:function` or `file.py[:function]` (default `example`): a function with no
 arguments returning `(model, example_inputs)` (a global batch). `--strategy` lists strategy
@@ -24,9 +25,14 @@ for a `dp` axis, tp for a `tp` axis, pp for a `pp` axis, cp for a `cp` axis and 
 `--no-overlap` adds `autopar.schedule(overlap=False)`, `--chunks K` `autopar.schedule(chunks=K)`
 (async TP: each TP/SP linear and its forward collective in K pieces of rows).
 `--auto` lets the planner choose mesh and strategies for `--cluster` (a preset: h100x8, a100x64,
-cpu2x4, ...; `autopar/planner/search.py`) and prints its ranking: each candidate's peak memory, bytes,
-predicted step time and why it lost; `explain TARGET --cluster NAME` names the winner's binding
-constraint.
+cpu2x4, ...; `autopar/planner/search.py`) and prints its answer — the chosen layout, its peak memory
+and predicted step, the binding constraint and why — then its ranking: each candidate's peak memory,
+bytes, predicted step time and its parts, and why it lost (`autopar/planner/search_report.py`);
+`--save search.json` keeps all of it, with the winner's plan, in a search file
+(`autopar/planner/search_file.py`). `explain search.json` prints it again without tracing or
+searching, `explain search.json NODE` explains a node of the winner's plan, and `explain TARGET
+--cluster NAME` searches and prints the same. `explain` and `diff` tell a search file from a plan
+file by its content (its "schema"), not its name.
 `--compare-stages` prints DDP and ZeRO-1/2/3 side by side on the dp axis (memory per category per
 rank, bytes per step); `--compare-cp` the ring, all-gather and all-to-all lowerings of attention
 on the cp axis. Exit codes: 0 fine, 1 communication grew
@@ -58,6 +64,7 @@ from autopar.core.errors import PlanError
 from autopar.core.mesh import Mesh
 from autopar.cost.cluster import Cluster
 from autopar.planner.search import search, winner_plan
+from autopar.planner.search_file import file_kind, load_search, save_search, search_document
 from autopar.planner.search_space import SearchSpace
 from autopar.tools.comm_gate import baseline_change, comm_summary, compare, load_baseline, update_baseline
 from autopar.tools.context_compare import compare_context_methods, context_table
@@ -171,13 +178,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             raise PlanError("--auto lets the planner choose the strategies; it does not take --chunks or "
                             "--no-overlap (plan the chosen mesh with --mesh and --strategy to add them)")
         result, model, inputs = _search(args)
-        print(result.table(top=args.top))
-        print()
-        print(result.explain())
+        winner = winner_plan(result, model, example_inputs=inputs) if args.save else None
+        document = search_document(result, target=args.target, winner=winner)
+        print(document.report(top=args.top))
         if args.save:
-
-            save_plan(winner_plan(result, model, example_inputs=inputs), args.save)
-            print(f"\nthe chosen plan saved to {args.save}")
+            save_search(document, args.save)
+            print(f"\nthe search saved to {args.save}, with the chosen plan: `autopar explain {args.save}` prints "
+                  f"this again, `autopar explain {args.save} NODE` explains a node of the chosen plan")
         return 0
     _require_mesh(args)
     if args.compare_stages:
@@ -257,23 +264,54 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 1
 
 
+def _plan_file(path: str):
+    """A plan file, or the chosen plan a search file holds (told apart by content, `file_kind`)."""
+    return load_search(path).winner_plan(path=path) if file_kind(path) == "search" else load_plan(path)
+
+
 def _cmd_diff(args: argparse.Namespace) -> int:
-    result = diff_plans(load_plan(args.before), load_plan(args.after))
+    result = diff_plans(_plan_file(args.before), _plan_file(args.after))
     print(result.report())
     return 1 if result.grew else 0
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    if not args.plan.endswith(".json"):  # a target: the planner's choice for --cluster, and why
-        args.target = args.plan
-        print(_search(args)[0].explain())
-        return 0
-    if not args.name:
-        raise PlanError("explain plan.json needs a node name, parameter FQN or module path")
+    """A search file (its answer and ranking, or a node of its chosen plan), a plan file (a node), or
+    a TARGET with --cluster (searched now): a file is told apart by its content (`file_kind`)."""
+    kind = file_kind(args.plan) if os.path.isfile(args.plan) else None
+    if kind is None:
+        return _explain_search(args)
+    if args.cluster or args.axes:
+        raise PlanError(f"{args.plan} is a file, read as it is; --cluster and --axes are for a TARGET to search")
+    if kind == "plan":
+        if not args.name:
+            raise PlanError("explain plan.json needs a node name, parameter FQN or module path")
+        document = load_plan(args.plan)
+    else:
+        search_file = load_search(args.plan)  # refuses another version and JSON that is not a search file
+        if not args.name:
+            print(search_file.report(top=args.top))
+            return 0
+        document = search_file.winner_plan(path=args.plan)
     try:
-        print(explain(load_plan(args.plan), args.name))
+        print(explain(document, args.name))
     except KeyError as error:
         raise PlanError(str(error.args[0])) from None
+    return 0
+
+
+def _explain_search(args: argparse.Namespace) -> int:
+    """`explain TARGET --cluster NAME`: search now, print what `plan --auto` prints."""
+    if not os.path.exists(args.plan) and args.plan.endswith(".json"):  # the name only words the error: no file
+        raise PlanError(f"no such file: {args.plan} (explain takes a plan file, a search file, or a TARGET "
+                        f"with --cluster NAME)")
+    if args.name:
+        raise PlanError(f"explain TARGET --cluster NAME takes no node name; save the search (`autopar plan "
+                        f"{args.plan} --cluster NAME --auto --save search.json`) and run "
+                        f"`autopar explain search.json {args.name}`")
+    args.target = args.plan
+    result, _, _ = _search(args)
+    print(search_document(result, target=args.target).report(top=args.top))
     return 0
 
 
@@ -312,10 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
     _planning_arguments(plan_cmd)
     plan_cmd.add_argument("--cluster", help="a cluster preset (h100x8, a100x64, cpu2x4, ...) for --auto")
     plan_cmd.add_argument("--auto", action="store_true", help="let the planner choose mesh and strategies")
-    plan_cmd.add_argument("--top", type=int, default=10, help="--auto: candidates printed (default 10)")
+    plan_cmd.add_argument("--top", type=int, default=10, help="--auto: candidates printed (default 10; 0: all)")
     plan_cmd.add_argument("--axes", help="--auto: the axes to search, e.g. dp,tp (default dp,tp,pp,cp,ep)")
     plan_cmd.add_argument("--params-only", action="store_true", help="placement table of parameters only")
-    plan_cmd.add_argument("--save", help="also write the plan file (JSON) here")
+    plan_cmd.add_argument("--save", help="also write the plan file (JSON) here; with --auto the search file (the "
+                                         "answer, the ranking and the chosen plan)")
     plan_cmd.add_argument("--timeline", help="pipeline: write the predicted timeline of one step as SVG here")
     plan_cmd.add_argument("--compare-stages", action="store_true",
                           help="DDP and ZeRO-1/2/3 on the dp axis side by side: memory and communication")
@@ -336,11 +375,15 @@ def build_parser() -> argparse.ArgumentParser:
     diff_cmd = commands.add_parser("diff", help="compare two plan files")
     diff_cmd.add_argument("before")
     diff_cmd.add_argument("after")
-    explain_cmd = commands.add_parser("explain", help="why a node or module got its placement")
-    explain_cmd.add_argument("plan", help="a plan file from `autopar plan --save`, or a TARGET with --cluster")
-    explain_cmd.add_argument("name", nargs="?", help="node name, parameter FQN or module path")
+    explain_cmd = commands.add_parser("explain", help="why a node or module got its placement; why the planner "
+                                                      "chose its layout")
+    explain_cmd.add_argument("plan", help="a plan file from `autopar plan --save`, a search file from "
+                                          "`autopar plan --auto --save`, or a TARGET with --cluster")
+    explain_cmd.add_argument("name", nargs="?", help="node name, parameter FQN or module path (of a plan file, or "
+                                                     "of a search file's chosen plan)")
     explain_cmd.add_argument("--cluster", help="with a TARGET: the cluster preset the planner chooses for")
     explain_cmd.add_argument("--axes", help="with a TARGET: the axes to search, e.g. dp,tp")
+    explain_cmd.add_argument("--top", type=int, default=10, help="a search's candidates printed (default 10; 0: all)")
     return parser
 
 

@@ -1,12 +1,14 @@
 """The CI gate on communication volume: summaries, baseline files, and the comparison.
 
-`comm_summary(plan)` sums a plan's ledger per (axis, link, collective kind): calls and logical
-bytes per step for the traced shapes (per rank; under a pipeline summed over the stages, so a
-change in any stage shows). A baseline file (`autopar.comm/1`) stores that
-summary with the mesh and strategies it came from. `compare(baseline, current, tolerance_pct)`
-lists every row before and after and marks what changed: more bytes than the baseline allows or a
-(axis, kind) the baseline did not have (GREW, NEW), fewer bytes than it allows or a row gone
-(SHRANK, GONE). Either fails the gate: a shrink nobody explained is as likely a bytes-dropping bug
+`comm_summary(plan)` sums a plan's ledger per (axis, link, collective kind, dtype): calls and
+logical bytes per step for the traced shapes (per rank; under a pipeline summed over the stages,
+so a change in any stage shows). A baseline file (`autopar.comm/2`) stores that summary with the
+mesh and strategies it came from. `compare(baseline, current, tolerance_pct)` lists every row
+before and after and marks what changed: more bytes than the baseline allows or a row the
+baseline did not have (GREW, NEW), fewer bytes than it allows or a row gone (SHRANK, GONE). A
+collective whose dtype changed shows as a new row beside a gone one: WIDENED when the new dtype
+has more bytes per element than the gone one (bf16 gathered where fp8 was planned: whatever the
+tolerance, since the bytes may look explained), NARROWED when fewer. Each fails the gate: a shrink nobody explained is as likely a bytes-dropping bug
 (a ledger entry lost, a reduction skipped) as an improvement, and an improvement is accepted by
 rewriting the baseline on purpose. `baseline_change` says what a rewrite would change and
 `update_baseline` makes it. Used by `autopar check` and `autopar.tools.testing`.
@@ -19,25 +21,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from tabulate import tabulate
 
 from autopar.core.errors import PlanError
 
-BASELINE_SCHEMA = "autopar.comm/1"
+BASELINE_SCHEMA = "autopar.comm/2"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _itemsize(name: str) -> int:
+    return getattr(torch, name).itemsize
 
 
 def comm_summary(plan: Any) -> dict[str, Any]:
-    volumes: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    volumes: dict[tuple[str, str, str, str], list[int]] = defaultdict(lambda: [0, 0])
     for entry in plan.comm.entries:
-        row = volumes[(entry.axis, entry.path, entry.kind)]
+        row = volumes[(entry.axis, entry.path, entry.kind, dtype_name(entry.dtype))]
         row[0] += entry.times
         row[1] += entry.times * int(plan.comm.number(entry.logical_bytes))
     return {
         "schema": BASELINE_SCHEMA,
         "mesh": str(plan.mesh),
         "strategies": [f"{s.name} on {s.axis}" for s in plan.strategy.strategies],
-        "volumes": [{"axis": a, "link": l, "kind": k, "calls": c, "bytes": b}
-                    for (a, l, k), (c, b) in sorted(volumes.items())],
+        "volumes": [{"axis": a, "link": l, "kind": k, "dtype": d, "calls": c, "bytes": b}
+                    for (a, l, k, d), (c, b) in sorted(volumes.items())],
         "total_bytes": sum(b for _, b in volumes.values()),
     }
 
@@ -101,19 +112,29 @@ class GateResult:
         return ", ".join(f"{row[2]} on {row[0]} ({row[-1]})" for row in self.grew + self.shrank)
 
     def table(self) -> str:
-        headers = ["axis", "link", "collective", "calls before", "calls now", "bytes before", "bytes now", "change", "status"]
+        headers = ["axis", "link", "collective", "dtype", "calls before", "calls now", "bytes before", "bytes now",
+                   "change", "status"]
         return tabulate(self.rows, headers=headers, tablefmt="simple")
 
 
+def _dtype_change(key: tuple[str, ...], gone: set[tuple[str, ...]]) -> str:
+    """For a new row: WIDENED / NARROWED against the gone rows of the same collective, else NEW."""
+    sizes = [_itemsize(other[3]) for other in gone if other[:3] == key[:3]]
+    if any(size < _itemsize(key[3]) for size in sizes):
+        return "WIDENED"
+    return "NARROWED" if sizes else "NEW"
+
+
 def compare(baseline: dict[str, Any], current: dict[str, Any], *, tolerance_pct: float = 0.0) -> GateResult:
-    before = {(v["axis"], v["link"], v["kind"]): v for v in baseline["volumes"]}
-    now = {(v["axis"], v["link"], v["kind"]): v for v in current["volumes"]}
+    before = {(v["axis"], v["link"], v["kind"], v["dtype"]): v for v in baseline["volumes"]}
+    now = {(v["axis"], v["link"], v["kind"], v["dtype"]): v for v in current["volumes"]}
+    gone = set(before) - set(now)
     rows, grew, shrank = [], [], []
     for key in sorted(set(before) | set(now)):
         old, new = before.get(key), now.get(key)
         old_bytes, new_bytes = (old or {}).get("bytes", 0), (new or {}).get("bytes", 0)
         if old is None:
-            status = "NEW"
+            status = _dtype_change(key, gone)
         elif new is None:
             status = "GONE"
         elif new_bytes > old_bytes * (1 + tolerance_pct / 100):
@@ -125,8 +146,8 @@ def compare(baseline: dict[str, Any], current: dict[str, Any], *, tolerance_pct:
         change = f"{(new_bytes - old_bytes) / old_bytes:+.1%}" if old_bytes else "new"
         row = [*key, (old or {}).get("calls", 0), (new or {}).get("calls", 0), old_bytes, new_bytes, change, status]
         rows.append(row)
-        if status in ("NEW", "GREW"):
+        if status in ("NEW", "GREW", "WIDENED"):
             grew.append(row)
-        elif status in ("GONE", "SHRANK"):
+        elif status in ("GONE", "SHRANK", "NARROWED"):
             shrank.append(row)
     return GateResult(rows=rows, grew=grew, shrank=shrank)

@@ -24,6 +24,9 @@ A rank graph holds no device: the trace ran on CPU (or meta), and its factory op
 `_devices_from_inputs` makes each take the device of the graph's first parameter (else buffer,
 constant or input), on the rank's device at run time (CUDA under NCCL, CPU under gloo); a copy
 (`_to_copy`) to a device other than its tensor's traced one is a host transfer and is refused.
+For the same reason a grouped expert matmul traced as a CPU op (transformers' fallback loop, a
+registered custom op) is called through `autopar/core/ops/grouped_matmul.py`, which runs
+`torch._grouped_mm` where the rank's tensors allow it and the traced op elsewhere.
 """
 from __future__ import annotations
 
@@ -36,8 +39,10 @@ from torch.utils import _pytree as pytree
 
 from autopar.compiler.context import CompileContext
 from autopar.compiler.passes.recompute import wrap_recomputed_regions
+from autopar.compiler.rules.expert_rules import is_grouped_mm
 from autopar.core.comm_kinds import bind, comm_step
 from autopar.core.errors import PlanError
+from autopar.core.ops.grouped_matmul import grouped_matmul
 from autopar.core.ir import LOCAL_ARGS, RULE, SPEC, hint, lazy_graph_module, shard_dim
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
@@ -152,6 +157,20 @@ def _devices_from_inputs(graph: torch.fx.Graph, ctx: CompileContext) -> None:
             node.kwargs = {**node.kwargs, "device": device}
 
 
+def _grouped_matmuls_on_the_rank_device(graph: torch.fx.Graph) -> None:
+    """Every grouped matmul but `aten._grouped_mm` itself through `grouped_matmul` (module docstring)."""
+    for node in graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not is_grouped_mm(target) or target is torch.ops.aten._grouped_mm.default:
+            continue
+        schema = getattr(target, "_schema", None)
+        if schema is None or len(schema.arguments) != 3:
+            continue
+        values = [node.args[i] if i < len(node.args) else node.kwargs[arg.name]
+                  for i, arg in enumerate(schema.arguments)]
+        node.target, node.args, node.kwargs = grouped_matmul, tuple(values), {"traced": target}
+
+
 def emit_rank_graph(gm: torch.fx.GraphModule, ctx: CompileContext, *, rank: int,
                     groups: dict[str, str] | None = None, recompute: bool = True) -> torch.fx.GraphModule:
     """The graph rank `rank` runs. `groups` maps axis -> process-group name (axis names when planning).
@@ -163,6 +182,7 @@ def emit_rank_graph(gm: torch.fx.GraphModule, ctx: CompileContext, *, rank: int,
     graph.output(output)
     _globalize_sizes(graph, ctx)
     _devices_from_inputs(graph, ctx)
+    _grouped_matmuls_on_the_rank_device(graph)
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue

@@ -14,9 +14,11 @@ A region holds the computing nodes only: ZeRO's gathers, their items, releases a
 (`sharded_state.unit_call`) stay outside (the gathered parameters enter the region as inputs,
 saved as handles like any saved parameter), so recomputation never gathers twice. A region must
 be convex (no path leaving it and coming back, `torch.fx`'s `validate_partition`), else a
-plan-time error names it. Context-parallel attention and mixture-of-experts blocks
-inside a region are refused at plan time (not supported yet), and so is the zb_h1 pipeline
-schedule; a pipeline stage's sends and receives stay outside its regions.
+plan-time error names it. Context-parallel attention inside a region is refused at plan time
+(not supported yet), and so is the zb_h1 pipeline schedule; a pipeline stage's sends and
+receives stay outside its regions. A mixture-of-experts block recomputes like any other: its
+dispatch and combine run again with the forward's routing (`autopar/core/ops/moe.py` records
+the dispatch as recomputed).
 
 The comm ledger (`autopar/compiler/ledger/comm.py`) counts the forward collectives of a marked node a
 second time in backward: recomputation runs them again (early stop is off, so every node of a
@@ -138,11 +140,6 @@ def _refuse_unsupported(ctx: CompileContext, declared) -> None:
 
 def _check_region(name: str, nodes: list[torch.fx.Node], declared) -> None:
     first = nodes[0]
-    for node in nodes:
-        if getattr(node.target, "__module__", "") == "autopar.core.ops.moe":
-            raise PlanError.at(node, f"recompute({declared.describe()}): region {name} holds a mixture-of-experts "
-                                     f"block, which is not recomputed yet (its routing would be dispatched again)",
-                               fix="recompute other modules (module globs, e.g. ['layers.*.self_attn'])")
     if not validate_partition(list(nodes)):
         raise PlanError.at(first, f"recompute({declared.describe()}): region {name} is not convex (a value leaves it "
                                   f"and comes back), so it cannot run as one recomputed call",

@@ -120,12 +120,6 @@ def _refuse_unlocalisable(node: torch.fx.Node, axis: str, declaration: Any, size
     if dropout:
         raise PlanError.at(node, f"{where} does not support attention dropout (dropout_p={dropout})",
                            fix="set the attention dropout to 0 (e.g. config.attention_dropout = 0.0)")
-    device = q_val.device.type
-    if declaration.method != "alltoall" and device not in ("meta", *context_attention.BLOCK_KERNELS):
-        raise PlanError.at(node, f"{where}: no attention block kernel that returns the log-sum-exp is registered "
-                                 f"for device {device!r} (registered: {', '.join(context_attention.BLOCK_KERNELS)})",
-                           fix="use method='alltoall' (whole-sequence SDPA per head group), or register a kernel in "
-                               "autopar.core.ops.context_attention.BLOCK_KERNELS")
     seq = q_val.shape[2]
     parts = 2 * size if declaration.load_balance else size
     if isinstance(seq, int) and seq % parts:

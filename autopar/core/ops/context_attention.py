@@ -23,15 +23,13 @@ with the merged output and log-sum-exp, which gives each block's exact share of 
 alltoall (`_ulysses`) is plain autograd over the all-to-all step: heads scattered and the
 sequence gathered, whole-sequence attention on H/N heads, and back.
 
-The block kernel is `BLOCK_KERNELS[device type]`: on CPU the flash kernel, which returns the
-log-sum-exp (`aten._scaled_dot_product_flash_attention_for_cpu` and its backward). A GPU kernel
-that returns it (flash or memory-efficient attention) registers there; nothing else changes.
+The block kernel (`attention_blocks.block_kernel`: CPU flash, CUDA memory-efficient attention, a
+matmul kernel on any other device) gives each block's output and log-sum-exp, and its backward.
 Grouped-query attention: K/V circulate with their own (fewer) heads and are repeated to the query
 heads inside a block; their gradients are summed back over each group.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -41,36 +39,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autopar.core.ops import collective_calls, collectives
+from autopar.core.ops.attention_blocks import block_kernel
 from autopar.core.sequence_chunks import chunk_ids, natural_order, rank_order
 
-aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class BlockKernel:
-    """Attention of one query block on one key/value block: forward gives (out, logsumexp);
-    backward(dout, q, k, v, out, logsumexp, causal, scale) gives (dq, dk, dv)."""
-
-    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-def _cpu_forward(q, k, v, causal, scale):
-    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-
-
-def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-
-
-BLOCK_KERNELS: dict[str, BlockKernel] = {"cpu": BlockKernel(_cpu_forward, _cpu_backward)}
-
-
-def _kernel(device: torch.device) -> BlockKernel:
-    if device.type not in BLOCK_KERNELS:
-        raise RuntimeError(f"no attention block kernel for device {device.type!r}: register one that returns the "
-                           f"log-sum-exp in autopar.core.ops.context_attention.BLOCK_KERNELS")
-    return BLOCK_KERNELS[device.type]
 
 
 def _pairs(q_ids: list[int], kv_ids: list[int], causal: bool):
@@ -135,7 +106,8 @@ class _RingExchange:
         for step in range(self.size):
             ahead = self._shift(current, tag + 8 * step) if step < self.size - 1 else ([], [])
             accumulate((self.index - step) % self.size, current[0], current[1], grads[0], grads[1])
-            home = self._shift(grads, tag + 8 * step + 4)
+            # on a ring of one the accumulators are home already (a send to oneself is no transfer)
+            home = self._shift(grads, tag + 8 * step + 4) if self.size > 1 else ([], grads)
             for work in ahead[0] + home[0]:
                 work.wait()
             current, grads = ahead[1], home[1]
@@ -182,7 +154,7 @@ def _sum_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
 class _ContextAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, exchange, layout):
-        kernel = _kernel(q.device)
+        kernel = block_kernel(q, k, v)
         size, index = exchange.size, exchange.index
         groups = q.shape[1] // k.shape[1]
         q_ids = chunk_ids(index, size, layout)
@@ -212,7 +184,7 @@ class _ContextAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         causal, scale, exchange, layout, groups, q_ids = ctx.args
-        kernel = _kernel(q.device)
+        kernel = block_kernel(q, k, v)
         count = len(q_ids)
         q_chunks, out_chunks = q.chunk(count, dim=2), out.chunk(count, dim=2)
         dout_chunks, lse_chunks = dout.contiguous().chunk(count, dim=2), lse.chunk(count, dim=2)

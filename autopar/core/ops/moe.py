@@ -42,8 +42,16 @@ from torch._subclasses.fake_tensor import FakeTensor
 _c10d = torch.ops._c10d_functional
 
 # (name of the experts block, rows sent per destination, rows received per source, this rank's rows
-# per expert) per dispatch, appended in call order; a harness clears it between steps (`ROUTING.clear()`).
-ROUTING: list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = []
+# per expert, recomputed) per dispatch, appended in call order; a harness clears it between steps
+# (`ROUTING.clear()`). `recomputed`: the dispatch ran again in backward (activation recomputation of
+# the block), with the routing of the forward's.
+ROUTING: list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...], bool]] = []
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread: a forward run then is a
+    recomputation (torch.utils.checkpoint reads the same private id for the same question)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def moe_permute(x: torch.Tensor, top_k_index: torch.Tensor, *, num_experts: int
@@ -126,9 +134,10 @@ def moe_dispatch(x_perm: torch.Tensor, offsets: torch.Tensor, *, group: str, siz
     sending = counts.view(size, -1)
     received = _c10d.wait_tensor(_c10d.all_to_all_single(sending.reshape(-1).contiguous(), [local_experts] * size,
                                                          [local_experts] * size, group)).view(size, local_experts)
-    send, receive = sending.sum(1).tolist(), received.sum(1).tolist()
     demand = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())
-    ROUTING.append((block, tuple(send), tuple(receive), tuple(demand.tolist())))
+    sizes = torch.cat([sending.sum(1), received.sum(1), demand]).tolist()  # one sync: all_to_all's splits are host ints
+    send, receive = sizes[:size], sizes[size:2 * size]
+    ROUTING.append((block, tuple(send), tuple(receive), tuple(sizes[2 * size:]), _in_backward()))
     arrived = _RowsAllToAll.apply(x_perm if kept_rows is None else x_perm[kept_rows], send, receive, group)
     grouped = arrived[_source_major_to_expert_major(received)]
     local_offsets = torch.cumsum(received.sum(0), 0).to(offsets.dtype)
@@ -146,8 +155,8 @@ def moe_combine(y_local: torch.Tensor, received: torch.Tensor, offsets: torch.Te
     source_major[order] = torch.arange(order.numel(), device=order.device)
     rows = int(offsets[-1])
     counts, kept_rows = _kept_rows(offsets, rows, capacity_factor)
-    back = _RowsAllToAll.apply(y_local[source_major], received.sum(1).tolist(), counts.view(size, -1).sum(1).tolist(),
-                               group)
+    sizes = torch.cat([received.sum(1), counts.view(size, -1).sum(1)]).tolist()  # all_to_all's splits are host ints
+    back = _RowsAllToAll.apply(y_local[source_major], sizes[:size], sizes[size:], group)
     if kept_rows is None:
         return back
     return back.new_zeros((rows, back.shape[1])).index_copy(0, kept_rows, back)
@@ -157,10 +166,15 @@ def routing_bytes(routing: list[tuple], *, row_bytes: dict[str, int], count_byte
     """All-to-all logical bytes (each call's input, the ledger's convention) a run's routing implies,
     forward and backward: per dispatch the counts exchange, the rows sent (forward) and, in
     backward, their gradients coming back (the rows received); per combine the rows received
-    (forward) and the gradients of the rows sent (backward)."""
+    (forward) and the gradients of the rows sent (backward). A recomputed dispatch moves its
+    forward bytes again, in backward; its gradients are the ones counted for the forward's."""
     forward = backward = 0
-    for block, send, receive, _ in routing:
-        forward += count_bytes[block] + (sum(send) + sum(receive)) * row_bytes[block]
+    for block, send, receive, _, recomputed in routing:
+        moved = count_bytes[block] + (sum(send) + sum(receive)) * row_bytes[block]
+        if recomputed:
+            backward += moved
+            continue
+        forward += moved
         backward += (sum(receive) + sum(send)) * row_bytes[block]
     return {"forward": forward, "backward": backward}
 
@@ -169,7 +183,9 @@ def expert_load(routing: list[tuple]) -> str:
     """Rows this rank routed to each expert, per experts block, summed over the recorded dispatches,
     with the busiest expert's load over the mean (1.00: balanced)."""
     totals: dict[str, list[int]] = {}
-    for block, _, _, per_expert in routing:
+    for block, _, _, per_expert, recomputed in routing:
+        if recomputed:  # the same tokens routed again
+            continue
         totals[block] = [a + b for a, b in zip(totals.get(block, [0] * len(per_expert)), per_expert)]
     rows = [[block, " ".join(map(str, load)), f"{max(load) / (sum(load) / len(load)):.2f}" if sum(load) else "-"]
             for block, load in totals.items()]
