@@ -6,7 +6,8 @@ pipeline strategy the program gets one stage: the whole graph.
 
 1. Blocks (`repeated_blocks`): the children of the outermost module list (`layers.0`,
    `layers.1`, ...) in execution order. Stages start at blocks: the declared cut points (module
-   paths, matched as suffixes: `layers.4` or `model.layers.4`), or a balanced cut
+   paths, matched as suffixes: `layers.4` or `model.layers.4`; a layout string's are block
+   indices, and it must list as many blocks as the model has), or a balanced cut
    (`balanced_starts`: contiguous blocks per stage minimising the largest stage's forward FLOPs,
    the first stage also carrying what runs before the blocks — the embedding — and the last what
    runs after them — the head and loss).
@@ -239,7 +240,12 @@ def split_pipeline(program: Program, ctx: CompileContext) -> Program:
     if pipeline.schedule == "interleaved_1f1b" and pipeline.microbatches % degree:
         raise PlanError(f"schedule 'interleaved_1f1b' needs the micro-batch count ({pipeline.microbatches}) to be a "
                         f"multiple of the pipeline degree ({degree}); fix: microbatches={degree * -(-pipeline.microbatches // degree)}")
+    if pipeline.layout_blocks is not None and pipeline.layout_blocks != len(blocks):
+        raise PlanError(f"pipeline layout {pipeline.layout!r} lists {pipeline.layout_blocks} blocks (t) but the model "
+                        f"has {len(blocks)} ({', '.join(blocks[:2])}, ...); fix: a layout with {len(blocks)} t")
     starts, balance = _starts(gm, pipeline.stages, blocks, node_block, count)
+    if pipeline.layout is not None:
+        balance = f"declared by layout {pipeline.layout!r}"
     block_stage = [sum(1 for s in starts if s <= b) - 1 for b in range(len(blocks))]
     stage_of = assign_stages(gm, node_block, block_stage, count - 1)
     layout = PipelineLayout(axis=axis, degree=degree, virtual=pipeline.virtual_stages,

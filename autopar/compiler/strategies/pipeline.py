@@ -1,12 +1,14 @@
 """Pipeline parallelism as data: stages along a mesh axis, a schedule and a micro-batch count.
 
-`pipeline_parallel(axis="pp", schedule="1f1b", microbatches=m, stages=None, virtual_stages=1)`
+`pipeline_parallel(axis="pp", schedule="1f1b", microbatches=m, stages=None, layout=None, virtual_stages=1)`
 declares that the model is cut by depth into `p * virtual_stages` stages (p = the axis size),
 dealt round-robin to the ranks of the axis, and that every global batch is split into `m`
 micro-batches along `batch_dim`. `stages` lists the blocks where each stage after the first
 starts (module paths of repeated blocks, e.g. `["layers.4", "layers.8"]`, matched as path
-suffixes); `None` lets `autopar/compiler/passes/split_pipeline.py` balance the stages by the compute each block
-costs, with the first stage carrying the embedding and the last the head and loss.
+suffixes); `layout` says the same as a string of blocks per stage, Megatron-Core's way
+(`"Et|(tt|)*3t|tL"`: `pipeline_layout.py`), its block count checked against the model's; `None`
+for both lets `autopar/compiler/passes/split_pipeline.py` balance the stages by the compute each
+block costs, with the first stage carrying the embedding and the last the head and loss.
 
 Schedules (`autopar.core.schedules`): `gpipe` (all forwards, then all backwards; with virtual stages,
 breadth-first), `1f1b`, `interleaved_1f1b` (Megatron's, virtual_stages >= 2, m a multiple of p)
@@ -18,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.compiler.strategies import Strategy
+from autopar.compiler.strategies.pipeline_layout import cut_points, parse_layout
 from autopar.core.errors import PlanError
 
 SCHEDULES = {
@@ -37,11 +40,13 @@ class PipelineDeclaration:
     stages: tuple[str, ...] | None
     virtual_stages: int
     batch_dim: int
+    layout: str | None = None  # the layout string `stages` came from
+    layout_blocks: int | None = None  # the blocks it lists: the model must have as many
 
 
 def pipeline_parallel(*, axis: str = "pp", schedule: str = "1f1b", microbatches: int = 4,
-                      stages: "list[str] | tuple[str, ...] | None" = None, virtual_stages: int = 1,
-                      batch_dim: int = 0) -> Strategy:
+                      stages: "list[str] | tuple[str, ...] | None" = None, layout: str | None = None,
+                      virtual_stages: int = 1, batch_dim: int = 0) -> Strategy:
     """Pipeline parallelism over `axis` (see the module docstring)."""
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown pipeline schedule {schedule!r}; choose one of: "
@@ -58,9 +63,17 @@ def pipeline_parallel(*, axis: str = "pp", schedule: str = "1f1b", microbatches:
                         f"schedule='interleaved_1f1b' (or 'gpipe', breadth-first)")
     if stages is not None and (isinstance(stages, str) or not all(isinstance(s, str) for s in stages)):
         raise PlanError(f"stages={stages!r}: give a list of module paths where stages start, e.g. ['layers.4']")
+    layout_blocks = None
+    if layout is not None:
+        if stages is not None:
+            raise PlanError(f"pipeline_parallel: give stages= or layout=, not both (layout={layout!r} already "
+                            f"says where stages start)")
+        counts = parse_layout(layout)
+        stages, layout_blocks = cut_points(counts), sum(counts)
     declaration = PipelineDeclaration(schedule=schedule, microbatches=microbatches,
                                       stages=tuple(stages) if stages is not None else None,
-                                      virtual_stages=virtual_stages, batch_dim=batch_dim)
+                                      virtual_stages=virtual_stages, batch_dim=batch_dim, layout=layout,
+                                      layout_blocks=layout_blocks)
     return Strategy(name=f"pipeline[{schedule}, m={microbatches}" + (f", v={virtual_stages}]" if virtual_stages > 1
                                                                      else "]"),
                     axis=axis, pipeline=declaration)
