@@ -3,12 +3,13 @@ in ≤ 5 s, the 405B shape on 8192 GPUs in ≤ 30 s), and what it chose.
 
 `python benchmarks/planner_at_scale.py` searches, in this process, one after the other:
 Llama 3 8B's shape on `h100x8` (64 GPUs) and Llama 3 405B's on `h100x1024` (8192 GPUs)
-(`examples/scale.py`), each under the default `SearchSpace` (every axis, SP on and off, ZeRO
-0–3, both schedules) and under the space the exercise uses (`examples/planner_exercise.py`:
+(`examples/scale.py`), and (issue 50) the real Hugging Face Qwen3-30B-A3B (`Qwen3MoeForCausalLM`,
+128 experts, top 8) at 8K tokens and 1,024 sequences on `h100x64` (512 GPUs), each under the
+default `SearchSpace` (every axis, SP on and off, ZeRO 0–3, both schedules) and under the space the exercise uses (`examples/planner_exercise.py`:
 SP with TP, interleaving, up to 8 micro-batches per pipeline rank, CP from 8K tokens per rank).
 It prints the wall time of each search, the candidates priced and the winner. A first search in
 a process also pays imports and PyTorch's first-call costs; the table's times include them for
-the first row only. `--only 8b:exercise` searches that case alone (`8b`/`405b`, `default`/
+the first row only. `--only 8b:exercise` searches that case alone (`8b`/`405b`/`qwen3`, `default`/
 `exercise`), `--repeat 2` each search twice in the process (the first search and a later one).
 """
 from __future__ import annotations
@@ -26,7 +27,8 @@ from examples import scale
 from examples.planner_exercise import SPACE as EXERCISE
 
 CASES = [("8b", "Llama 3 8B shape", scale.llama3_8b, "h100x8"),
-         ("405b", "Llama 3 405B shape", scale.llama3_405b, "h100x1024")]
+         ("405b", "Llama 3 405B shape", scale.llama3_405b, "h100x1024"),
+         ("qwen3", "Qwen3-30B-A3B (HF)", scale.qwen3_30b_a3b, "h100x64")]
 SPACES = [("default", SearchSpace()), ("exercise", EXERCISE)]
 
 

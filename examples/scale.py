@@ -18,7 +18,12 @@ memory and the gradient traffic match and the FLOPs per token match to a few per
   1024 sequences; `moe_200b_1m`: the same at 1M tokens, 16 sequences;
 - `deepseek_v3`: DeepSeek-V3's width and experts (d 7168, 61 layers, 256 experts of 2048,
   top 8, vocabulary 129280; every block MoE, no shared expert, multi-head attention in place
-  of MLA: 701B total, 34B active against 671B / 37B), 4K tokens, 15360 sequences.
+  of MLA: 701B total, 34B active against 671B / 37B), 4K tokens, 15360 sequences;
+- `qwen3_30b_a3b`: not a stand-in but the real Hugging Face `Qwen3MoeForCausalLM` (from a
+  `Qwen3MoeConfig` written out here, no download) at Qwen3-30B-A3B's shape (d 2048, 48 layers,
+  32 query / 4 key-value heads of 128, 128 experts of 768, top 8, vocabulary 151936), wrapped
+  in `examples/hf_models.py`'s `CausalLMLoss`, 8K tokens, 1024 sequences; `layers=` and
+  `batch=` shrink it (`tests/test_planner_moe.py`: all 48 layers, 128 sequences on `h100x8`).
 """
 from __future__ import annotations
 
@@ -89,3 +94,21 @@ def moe_200b_1m():
 def deepseek_v3():
     return _moe(d=7168, layers=61, heads=128, experts=256, d_expert=2048, top_k=8, vocab=129280, seq=4096,
                 batch=15360)
+
+
+def qwen3_30b_a3b(*, layers: int = 48, batch: int = 1024, seq: int = 8192):
+    """Qwen3-30B-A3B as Hugging Face builds it, on the meta device in bf16 (module docstring)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # optional dependency: only this shape needs it
+
+    from examples.hf_models import CausalLMLoss
+
+    config = Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4,
+                            head_dim=128, intermediate_size=6144, num_experts=128, moe_intermediate_size=768,
+                            num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936, rope_theta=1e6,
+                            rms_norm_eps=1e-6, max_position_embeddings=max(seq, 40960),
+                            decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False, use_cache=False,
+                            attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = CausalLMLoss(Qwen3MoeForCausalLM(config)).to(DTYPE)
+    ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
+    return model, (ids, torch.empty(batch, seq, dtype=torch.long, device="meta"))

@@ -26,7 +26,9 @@ the winner by; `table(top=)` the ranking with each candidate's memory, bytes, pr
 its parts, and why it lost, `explain()` the winner's binding constraint and the runner-up's
 margin — both rendered from the result as data (`autopar/planner/search_report.py`), as a search
 file (`autopar/planner/search_file.py`) renders them without searching again. Nothing fits:
-`PlanError` naming the smallest peak any candidate needs; nothing plans: `PlanError` with each refusal.
+`PlanError` naming the smallest peak any candidate needs and what binds it (`_what_binds`: memory
+per rank, over by how much, at which moment, the largest categories held then, and whether it
+already recomputes); nothing plans: `PlanError` with each refusal.
 
 `autopar.plan(model, cluster=..., example_inputs=...)` with no mesh and no strategies is a
 search that returns the winner's plan (`Plan.search` holds the result); the CLI's
@@ -232,5 +234,18 @@ def _fail_if_nothing_fits(outcomes: list[Outcome], cluster: Cluster, pruned: Seq
                                            f"{lowest.peak_at_least / GB:.4g} GB")
         raise PlanError(f"the model fits nowhere on {cluster.label}: the smallest peak {what} "
                         f"{least / GB:.4g} GB per rank ({smallest.candidate.label}{floor}), and a "
-                        f"rank has {cluster.memory_gb:g} GB\n  fix: more ranks or more memory per rank, a smaller "
-                        f"batch, or bf16 parameters")
+                        f"rank has {cluster.memory_gb:g} GB\n  {_what_binds(smallest, cluster)}\n"
+                        f"  fix: more ranks or more memory per rank, a smaller batch, or bf16 parameters")
+
+
+def _what_binds(smallest: Outcome, cluster: Cluster) -> str:
+    """The binding constraint of the candidate that comes closest: memory, over by how much, at
+    which moment, the largest categories held then, and whether it already recomputes."""
+    estimate = smallest.estimate
+    over = (estimate.peak_bytes - cluster.memory_bytes) / GB
+    moment = max(estimate.moments, key=estimate.moments.get) if estimate.moments else "the peak"
+    held = sorted(((n, b) for n, b in estimate.memory.items() if b > 0), key=lambda item: -item[1])[:3]
+    parts = ", ".join(f"{name} {nbytes / GB:.4g} GB" for name, nbytes in held)
+    recomputed = (f"it already recomputes ({smallest.candidate.recompute})" if smallest.candidate.recompute
+                  else "without recomputation")
+    return (f"binding: memory per rank, over by {over:.4g} GB at {moment} ({recomputed}); held: {parts}")
