@@ -159,17 +159,24 @@ def _call_key(node: torch.fx.Node, args: tuple, kwargs: dict) -> tuple | None:
 
 def _append_key(value: Any, key: list, first_seen: dict[int, int]) -> bool:
     """`value`'s part of a call key appended to `key` (containers by type and length, tensors by
-    metadata and first position among the arguments); False where it cannot be compared."""
+    metadata and first position among the arguments); False where it cannot be compared. Loops,
+    not generators: it runs for every call node of every copied block."""
     if isinstance(value, torch.Tensor):
         key.append((type(value), value.shape, value.stride(), value.storage_offset(), value.dtype, value.device,
                     value.requires_grad, first_seen.setdefault(id(value), len(first_seen))))
         return True
     if isinstance(value, (tuple, list)):
         key.append((type(value), len(value)))
-        return all(_append_key(item, key, first_seen) for item in value)
+        for item in value:
+            if not _append_key(item, key, first_seen):
+                return False
+        return True
     if isinstance(value, dict):
         key.append((type(value), tuple(value)))
-        return all(_append_key(item, key, first_seen) for item in value.values())
+        for item in value.values():
+            if not _append_key(item, key, first_seen):
+                return False
+        return True
     if type(value) in _PLAIN or isinstance(value, ShardUnit):
         key.append((type(value), value))
         return True

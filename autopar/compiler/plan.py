@@ -37,6 +37,7 @@ from autopar.compiler.ledger.memory import build_memory_ledger
 from autopar.compiler.passes import PassRecord, default_passes, run_passes
 from autopar.compiler.passes.emit_rank_graph import emit_rank_graph
 from autopar.compiler.passes.insert_grad_reductions import GRAD_SYNC
+from autopar.compiler.paused_collection import paused_collection
 from autopar.compiler.plan_file import PlanDocument, plan_document
 from autopar.compiler.planning_errors import planning_error
 from autopar.compiler.strategies import ResolvedStrategy, check_axes, resolve_strategies
@@ -327,36 +328,37 @@ def _plan(model: torch.nn.Module, mesh: Mesh, strategies: Sequence[Any], *, exam
           example_kwargs: dict | None, dynamic_dims: dict[str, int] | None, bucket_cap_mb: float, explain: bool,
           reuse_blocks: bool, backend: str | None, measured_only: bool) -> Plan:
     """`plan()` once its arguments are checked."""
-    param_dtype = _declared_param_dtype(strategies, mesh)
-    pipelined = _declared_pipeline(strategies, mesh)
-    args, kwargs = tuple(example_inputs), example_kwargs or {}
-    if pipelined is not None:
-        args, kwargs = _one_microbatch(args, kwargs, pipelined)
-    seconds: dict[str, float] = {}
-    traced = trace_model(_with_param_dtype(model, param_dtype), args, kwargs, dynamic_dims=dynamic_dims,
-                         reuse_blocks=reuse_blocks)
-    seconds.update(traced.seconds)
-    masters = _keep_master_weights(traced, model) if param_dtype is not None else {}
-    named = _named(strategies)
-    with _timed(seconds, "resolve_strategies", strategies=named):  # binds tensor_parallel() to the graph
-        strategy = resolve_strategies(mesh, list(strategies), traced.graph_module, traced.placeholders,
-                                      backend=backend)
-    if pipelined is not None:
-        first = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-        _check_microbatch_divides(strategy, mesh, pipelined, first.shape[pipelined.batch_dim])
-    context = CompileContext(mesh=mesh, device_mesh=mesh.device_mesh(plan_rank=0), strategy=strategy,
-                             placeholders=traced.placeholders, symbols=traced.symbols, explain=explain,
-                             master_dtypes=masters)
-    program, records = run_passes(Program(graph_module=traced.graph_module), context, default_passes())
-    seconds.update((record.name, record.seconds) for record in records)
-    with _timed(seconds, "comm_ledger", strategies=named):
-        for stage in program.stages:
-            stage.buckets = _stage_buckets(stage, context, mesh, int(bucket_cap_mb * 2**20))
-        comm = build_comm_ledger(program, mesh, traced.symbols, traced.symbol_values)
-    planned = Plan(mesh=mesh, strategy=strategy, traced=traced, program=program, context=context,
-                   pass_records=records, comm=comm, phase_seconds=seconds)
-    if not measured_only:
-        with _timed(seconds, "check_rank_graphs", strategies=named):
-            check_rank_graphs(planned)  # every accepted plan runs: forward and backward on fake tensors
-    release_planning_caches()  # DTensor's caches would keep every planning mesh alive
-    return planned
+    with paused_collection():  # the cyclic collector would walk every live object again and again
+        param_dtype = _declared_param_dtype(strategies, mesh)
+        pipelined = _declared_pipeline(strategies, mesh)
+        args, kwargs = tuple(example_inputs), example_kwargs or {}
+        if pipelined is not None:
+            args, kwargs = _one_microbatch(args, kwargs, pipelined)
+        seconds: dict[str, float] = {}
+        traced = trace_model(_with_param_dtype(model, param_dtype), args, kwargs, dynamic_dims=dynamic_dims,
+                             reuse_blocks=reuse_blocks)
+        seconds.update(traced.seconds)
+        masters = _keep_master_weights(traced, model) if param_dtype is not None else {}
+        named = _named(strategies)
+        with _timed(seconds, "resolve_strategies", strategies=named):  # binds tensor_parallel() to the graph
+            strategy = resolve_strategies(mesh, list(strategies), traced.graph_module, traced.placeholders,
+                                          backend=backend)
+        if pipelined is not None:
+            first = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+            _check_microbatch_divides(strategy, mesh, pipelined, first.shape[pipelined.batch_dim])
+        context = CompileContext(mesh=mesh, device_mesh=mesh.device_mesh(plan_rank=0), strategy=strategy,
+                                 placeholders=traced.placeholders, symbols=traced.symbols, explain=explain,
+                                 master_dtypes=masters)
+        program, records = run_passes(Program(graph_module=traced.graph_module), context, default_passes())
+        seconds.update((record.name, record.seconds) for record in records)
+        with _timed(seconds, "comm_ledger", strategies=named):
+            for stage in program.stages:
+                stage.buckets = _stage_buckets(stage, context, mesh, int(bucket_cap_mb * 2**20))
+            comm = build_comm_ledger(program, mesh, traced.symbols, traced.symbol_values)
+        planned = Plan(mesh=mesh, strategy=strategy, traced=traced, program=program, context=context,
+                       pass_records=records, comm=comm, phase_seconds=seconds)
+        if not measured_only:
+            with _timed(seconds, "check_rank_graphs", strategies=named):
+                check_rank_graphs(planned)  # every accepted plan runs: forward and backward on fake tensors
+        release_planning_caches()  # DTensor's caches would keep every planning mesh alive
+        return planned

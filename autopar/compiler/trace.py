@@ -234,7 +234,9 @@ def _trace_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None
                             f"pure training steps. fix: avoid in-place buffer updates (e.g. BatchNorm running stats) "
                             f"in forward")
     names, values = _symbols(program, placeholders, dynamic_dims)
-    original_code = program.graph_module.code
+    # the exported module's code, or where blocks were copied into its graph (not recompiled), the graph's
+    original_code = program.graph_module.graph.python_code(root_module="self").src if copied else \
+        program.graph_module.code
     # the passes recompile it after each rewrite: its code is generated only when read
     return TracedProgram(graph_module=lazy_graph_module(program.graph_module, program.graph_module.graph), placeholders=placeholders, state=state,
                          user_input_count=user_count, out_spec=program.call_spec.out_spec,

@@ -22,6 +22,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils import _pytree as pytree
 
+from autopar.compiler.argument_trees import argument_leaves
 from autopar.compiler.context import CompileContext
 from autopar.core.comm_kinds import STEPS
 from autopar.core.errors import PlanError
@@ -132,7 +133,7 @@ def insert_collectives(program: Program, ctx: CompileContext) -> Program:
         wanted = node.meta.get(ARG_SPECS)
         if not wanted:
             continue
-        leaves, tree = pytree.tree_flatten((node.args, node.kwargs))
+        leaves = argument_leaves((node.args, node.kwargs))  # pytree's leaves, without its cost per leaf
         changed = False
         for position, (leaf, target) in enumerate(zip(leaves, wanted)):
             if not isinstance(leaf, torch.fx.Node) or not isinstance(target, DTensorSpec):
@@ -146,7 +147,7 @@ def insert_collectives(program: Program, ctx: CompileContext) -> Program:
             leaves[position] = chains[key]
             changed = True
         if changed:
-            node.args, node.kwargs = pytree.tree_unflatten(leaves, tree)
+            node.args, node.kwargs = pytree.tree_unflatten(leaves, pytree.tree_structure((node.args, node.kwargs)))
     graph.lint()
     gm.recompile()
     return program

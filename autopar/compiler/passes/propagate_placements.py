@@ -37,6 +37,11 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils import _pytree as pytree
 
 from autopar.compiler import rules
+from autopar.compiler.argument_trees import (
+    argument_leaves,
+    flatten_arguments,
+    map_arguments,
+)
 from autopar.compiler.context import CompileContext
 from autopar.compiler.explain import dtensor_alternatives
 from autopar.compiler.planning_errors import data_dependent, planning_error
@@ -169,11 +174,8 @@ def _propagate_with_dtensor(node: torch.fx.Node, args: tuple, kwargs: dict, ctx:
 
 def _propagate_with_dtensor_decided(node: torch.fx.Node, args: tuple, kwargs: dict, ctx: CompileContext) -> None:
     propagator = DTensor._op_dispatcher.sharding_propagator
-    info = propagator.op_to_schema_info.get(node.target) or \
-        propagator.op_to_schema_info_for_single_dim_strategy.get(node.target)
-    schema = OpSchema(node.target, args, kwargs, schema_info=info)
     try:
-        result = _dtensor_decision(propagator, schema, node, ctx)
+        result, schema = _dtensor_decision(propagator, args, kwargs, node, ctx)
     except NotImplementedError as error:
         if _held_whole(node, args, kwargs, ctx):
             return
@@ -197,11 +199,11 @@ def _propagate_with_dtensor_decided(node: torch.fx.Node, args: tuple, kwargs: di
     origin = node.meta.setdefault(ORIGIN, {})
     origin["decided_by"] = f"DTensor's sharding rule for {node.target}"
     if ctx.explain:
-        origin["alternatives"] = dtensor_alternatives(schema)
-    arg_leaves = pytree.tree_leaves((args, kwargs))
+        origin["alternatives"] = dtensor_alternatives(schema or _schema(propagator, node, args, kwargs))
+    arg_leaves = argument_leaves((args, kwargs))
     if result.needs_redistribute and result.redistribute_schema is not None:
         suggested = result.redistribute_schema
-        wanted_leaves = pytree.tree_leaves((suggested.args_schema, suggested.kwargs_schema))
+        wanted_leaves = argument_leaves((suggested.args_schema, suggested.kwargs_schema))
         if len(wanted_leaves) != len(arg_leaves):
             wanted_leaves = arg_leaves
         if result.use_val_from_redistribute_schema:
@@ -214,30 +216,42 @@ def _propagate_with_dtensor_decided(node: torch.fx.Node, args: tuple, kwargs: di
 
 def _decision_key(node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
     """The op, the arguments' structure and every leaf with its type (1, 1.0 and True differ)."""
-    leaves, structure = pytree.tree_flatten((args, kwargs))
+    leaves, structure = flatten_arguments((args, kwargs))
     return node.target, structure, tuple((type(leaf), leaf) for leaf in leaves)
 
 
-def _dtensor_decision(propagator: Any, schema: OpSchema, node: torch.fx.Node, ctx: CompileContext) -> Any:
-    """DTensor's sharding decision for `schema`, asked once per distinct key (failures are not kept)."""
-    key = _decision_key(node, schema.args_schema, schema.kwargs_schema)
+def _schema(propagator: Any, node: torch.fx.Node, args: tuple, kwargs: dict) -> OpSchema:
+    info = propagator.op_to_schema_info.get(node.target) or \
+        propagator.op_to_schema_info_for_single_dim_strategy.get(node.target)
+    return OpSchema(node.target, args, kwargs, schema_info=info)
+
+
+def _dtensor_decision(propagator: Any, args: tuple, kwargs: dict, node: torch.fx.Node, ctx: CompileContext
+                      ) -> tuple[Any, OpSchema | None]:
+    """DTensor's sharding decision for the op of `node` on `args` and `kwargs`, asked once per
+    distinct key (failures are not kept), and the schema it was asked with (None where the
+    decision was known: a schema costs as much to build as the lookup)."""
+    key = _decision_key(node, args, kwargs)
     try:
         known = ctx.sharding_decisions.get(key)
     except TypeError:  # an unhashable argument value: ask every time
-        return propagator.propagate_op_sharding_non_cached(schema)
-    if known is None:
-        known = ctx.sharding_decisions[key] = propagator.propagate_op_sharding_non_cached(schema)
-    return known
+        schema = _schema(propagator, node, args, kwargs)
+        return propagator.propagate_op_sharding_non_cached(schema), schema
+    if known is not None:
+        return known, None
+    schema = _schema(propagator, node, args, kwargs)
+    known = ctx.sharding_decisions[key] = propagator.propagate_op_sharding_non_cached(schema)
+    return known, schema
 
 
 def _held_whole(node: torch.fx.Node, args: tuple, kwargs: dict, ctx: CompileContext) -> bool:
     """An op without a sharding rule whose tensor inputs are all replicated runs whole on every rank
     (an opaque custom op, a random op on a replicated tensor): its outputs are replicated."""
-    specs = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensorSpec)]
+    specs = [a for a in argument_leaves((args, kwargs)) if isinstance(a, DTensorSpec)]
     if not specs or any(not isinstance(p, Replicate) for s in specs for p in s.placements):
         return False
     node.meta[SPEC] = _replicated(ctx, node.meta.get("val"))
-    node.meta[ARG_SPECS] = [a if isinstance(a, DTensorSpec) else None for a in pytree.tree_leaves((args, kwargs))]
+    node.meta[ARG_SPECS] = [a if isinstance(a, DTensorSpec) else None for a in argument_leaves((args, kwargs))]
     node.meta.setdefault(ORIGIN, {})["decided_by"] = f"no sharding rule for {node.target}; every input replicated: run whole"
     return True
 
@@ -258,9 +272,9 @@ def _propagate_with_rule(node: torch.fx.Node, rule: Any, args: tuple, kwargs: di
     required = list(result.required) + [None] * (len(args) - len(result.required))
     wanted: list[DTensorSpec | None] = []
     for arg, need in zip(args, required):
-        leaves = pytree.tree_leaves(arg)
+        leaves = argument_leaves(arg)
         wanted += [need] if isinstance(arg, DTensorSpec) else [None] * len(leaves)
-    wanted += [None] * len(pytree.tree_leaves(kwargs))
+    wanted += [None] * len(argument_leaves(kwargs))
     node.meta[ARG_SPECS] = wanted
     return True
 
@@ -296,12 +310,12 @@ def _propagate_node(node: torch.fx.Node, ctx: CompileContext) -> None:
         return
     if not isinstance(value, (torch.Tensor, tuple, list)) or not any(
             isinstance(a, torch.fx.Node) and isinstance(a.meta.get(SPEC), DTensorSpec)
-            for a in pytree.tree_leaves((node.args, node.kwargs))):
+            for a in argument_leaves((node.args, node.kwargs))):
         node.meta[SPEC] = _replicated(ctx, value)
         node.meta[ORIGIN] = {"decided_by": "no sharded tensor inputs: replicated"}
         return
-    args = pytree.tree_map(lambda a: _to_schema_arg(a, node, ctx), node.args)
-    kwargs = pytree.tree_map(lambda a: _to_schema_arg(a, node, ctx), dict(node.kwargs))
+    args = map_arguments(lambda a: _to_schema_arg(a, node, ctx), node.args)
+    kwargs = map_arguments(lambda a: _to_schema_arg(a, node, ctx), dict(node.kwargs))
     rule = rules.lookup(node.target)
     if rule is not None and _propagate_with_rule(node, rule, args, kwargs, ctx):
         return
