@@ -28,7 +28,8 @@ SERIAL_TESTS = {
 # last files to start are short ones and neither worker waits long for the other at the end.
 LONGEST_FIRST = ("test_compile.py", "test_zoo.py", "test_moe.py", "test_pipeline_numerics.py", "test_zero_numerics.py",
                  "test_context_parallel.py", "test_recompute.py", "test_hf_numerics.py",
-                 "test_inspect_and_gate.py", "test_corpus.py", "test_checkpoint.py", "test_checkpoint_resharding.py", "test_accumulation.py")
+                 "test_inspect_and_gate.py", "test_corpus.py", "test_checkpoint.py", "test_checkpoint_resharding.py",
+                 "test_accumulation.py", "test_device_portability.py", "test_planner_moe.py", "test_checkpoint_async.py")
 
 
 def pytest_collection_modifyitems(config, items):
