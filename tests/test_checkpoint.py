@@ -253,6 +253,14 @@ def test_a_save_killed_at_any_phase_leaves_the_previous_checkpoint_and_refuses_t
     path = tmp_path / "ckpt"
     with pytest.raises(RuntimeError, match="exited abnormally|a rank failed"):
         launch(_save_and_crash, 2, str(tiny["plan"]), str(path), existing, phase, victim, timeout_s=30)
+    assert_what_a_crash_left(tmp_path, phase, existing)
+
+
+def assert_what_a_crash_left(tmp_path: Path, phase: str, existing: bool) -> None:
+    """After a rank died at `phase` of saving B into `tmp_path / "ckpt"` (holding A when `existing`):
+    the path loads A (B once committed), or, fresh, is refused by name; a staged save is complete
+    (B) from "commit" on, refused by name as incomplete before."""
+    path = tmp_path / "ckpt"
     a, b = _tiny_params(), _tiny_params(shift=1.0)
     if phase == "cleanup":
         _assert_equal(_read_whole(path), b, "committed B")

@@ -31,8 +31,8 @@ from autopar.artifacts.checkpoint import async_save, load, load_into_model, save
 from autopar.core.errors import CheckpointError
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, example_batch
-from tests.test_checkpoint import (CRASHES, TINY, TINY_BATCH, _assert_equal, _assert_identical, _assert_refused,
-                                   _read_whole, _shifted, _tiny_module, _tiny_params)
+from tests.test_checkpoint import (CRASHES, TINY, TINY_BATCH, _assert_equal, _assert_identical, _read_whole, _shifted,
+                                   _tiny_module, _tiny_params, assert_what_a_crash_left)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -210,20 +210,7 @@ def test_a_background_save_killed_at_any_phase_leaves_the_previous_checkpoint_an
     path = tmp_path / "ckpt"
     with pytest.raises(RuntimeError, match="exited abnormally|a rank failed"):
         launch(_async_save_and_crash, 2, str(plan), str(path), existing, phase, victim, timeout_s=60)
-    a, b = _tiny_params(), _tiny_params(shift=1.0)
-    if phase == "cleanup":
-        _assert_equal(_read_whole(path), b, "committed B")
-    elif existing:
-        _assert_equal(_read_whole(path), a, f"A after a kill at {phase}")
-    else:
-        _assert_refused(path, "incomplete", "does not exist")
-    staged = sorted(tmp_path.glob("ckpt.tmp-*"))
-    assert staged or phase in ("write", "cleanup"), list(tmp_path.iterdir())
-    for partial in staged:
-        if phase in ("commit", "swap"):
-            _assert_equal(_read_whole(partial), b, "the staged, complete B")
-        else:
-            assert "is incomplete" in _assert_refused(partial, "incomplete")
+    assert_what_a_crash_left(tmp_path, phase, existing)
 
 
 # ---- failures reach the caller
