@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 import autopar
 from autopar import PlanError
@@ -70,8 +71,6 @@ def test_gate_fails_when_a_collective_widens_even_within_tolerance():
     """FSDP planned to gather bf16 parameters (and reduce bf16 gradients) against the same plan
     gathering fp32: the bytes double, inside a 150% tolerance, and the gate still fails on the
     dtype (torchtitan's issue 3123: bf16 gathered where fp8 was configured, no warning)."""
-    import torch
-
     narrow = comm_summary(plan_example("dp=2", [autopar.fsdp(param_dtype=torch.bfloat16)]))
     wide = comm_summary(plan_example("dp=2", [autopar.fsdp()]))
     assert {v["dtype"] for v in narrow["volumes"]} == {"bfloat16"}
