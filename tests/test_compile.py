@@ -22,7 +22,6 @@ import dataclasses
 import functools
 
 import pytest
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 import autopar

@@ -24,7 +24,7 @@ import re
 import sys
 import time
 import warnings
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 import torch

@@ -62,6 +62,11 @@ CASES = {
     "ep2_tp2": (MOE, "ep=2,tp=2", [autopar.expert_parallel(), autopar.tensor_parallel()]),
     "pp2_ep2": (MOE, "pp=2,ep=2", [autopar.pipeline_parallel(schedule="1f1b", microbatches=2),
                                    autopar.expert_parallel()]),
+    # mixed precision: the masters' casts to the compute dtype carry no device
+    "bf16_fsdp_dp2_tp2_sp": (CONFIG, "dp=2,tp=2", [autopar.fsdp(), autopar.sequence_parallel(),
+                                                  autopar.mixed_precision()]),
+    "bf16_pp2_dp2": (CONFIG, "pp=2,dp=2", [autopar.pipeline_parallel(microbatches=2), autopar.data_parallel(),
+                                          autopar.mixed_precision()]),
 }
 # ops that move data to the host or synchronise with it: none belongs in a rank graph
 HOST_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten._pin_memory.default,

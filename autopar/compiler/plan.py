@@ -41,6 +41,7 @@ from autopar.compiler.paused_collection import paused_collection
 from autopar.compiler.plan_file import PlanDocument, plan_document
 from autopar.compiler.planning_errors import planning_error
 from autopar.compiler.strategies import ResolvedStrategy, check_axes, resolve_strategies
+from autopar.compiler.strategies.mixed_precision import MixedPrecisionDeclaration
 from autopar.compiler.trace import TracedProgram, trace_model
 from autopar.core.buckets import Bucket, plan_buckets
 from autopar.core.errors import PlanError
@@ -188,12 +189,22 @@ def _named(strategies: Sequence[Any]) -> str:
 
 
 def _declared_param_dtype(strategies: Sequence[Any], mesh: Mesh) -> torch.dtype | None:
-    """The mixed-precision compute dtype a ZeRO strategy declares (on an axis of size > 1)."""
-    for strategy in _flat(strategies):
+    """The mixed-precision compute dtype declared by `mixed_precision()` or by a ZeRO strategy (on an
+    axis of size > 1); the two must agree where both are declared."""
+    flat = _flat(strategies)
+    declared = next((s for s in flat if isinstance(s, MixedPrecisionDeclaration)), None)
+    for strategy in flat:
         state = getattr(strategy, "sharded_state", None)
-        if state is not None and state.param_dtype is not None and mesh.size(strategy.axis) > 1:
-            return state.param_dtype
-    return None
+        if state is None or state.param_dtype is None or mesh.size(strategy.axis) == 1:
+            continue
+        if declared is not None and (declared.param_dtype, declared.reduce_dtype) != (
+                state.param_dtype, state.reduce_dtype):
+            raise PlanError(f"{strategy.name}(param_dtype={state.param_dtype}, reduce_dtype={state.reduce_dtype}) and "
+                            f"mixed_precision(param_dtype={declared.param_dtype}, reduce_dtype="
+                            f"{declared.reduce_dtype}) declare different dtypes\n  fix: declare the dtypes once, in "
+                            f"mixed_precision() (it applies to ZeRO's units too)")
+        return state.param_dtype
+    return declared.param_dtype if declared is not None else None
 
 
 def _declared_pipeline(strategies: Sequence[Any], mesh: Mesh) -> Any:

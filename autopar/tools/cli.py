@@ -48,6 +48,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from autopar.compiler.explain import explain
 from autopar.compiler.ledger.bubble import build_bubble_ledger
 from autopar.compiler.plan import plan
@@ -55,6 +57,7 @@ from autopar.compiler.plan_file import load_plan, save_plan
 from autopar.compiler.strategies.context import context_parallel
 from autopar.compiler.strategies.data_parallel import data_parallel, replicated
 from autopar.compiler.strategies.expert import expert_parallel
+from autopar.compiler.strategies.mixed_precision import mixed_precision
 from autopar.compiler.strategies.pipeline import pipeline_parallel
 from autopar.compiler.strategies.recompute import recompute
 from autopar.compiler.strategies.schedule import schedule
@@ -129,7 +132,23 @@ def declared_strategies(args: argparse.Namespace, mesh: Mesh) -> list[Any]:
     """`--strategy` with its axes' options, plus `--recompute` and `--no-overlap` / `--chunks`."""
     return (strategies_for(args.strategy, mesh, _pipeline_options(args), _context_options(args))
             + [replicated(axis) for axis in (getattr(args, "replicated", None) or "").split(",") if axis]
-            + _recompute_option(args) + _schedule_option(args))
+            + _recompute_option(args) + _schedule_option(args) + _precision_option(args))
+
+
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _precision_option(args: argparse.Namespace) -> list[Any]:
+    """`--mixed-precision bf16[:fp32]`: autopar.mixed_precision(compute dtype[, reduce dtype])."""
+    text = getattr(args, "mixed_precision", None)
+    if not text:
+        return []
+    names = text.split(":")
+    if len(names) > 2 or any(name not in _DTYPES for name in names):
+        raise PlanError(f"--mixed-precision {text}: expected COMPUTE[:REDUCE] with each of {', '.join(_DTYPES)}, "
+                        f"e.g. bf16 or bf16:fp32")
+    dtypes = [getattr(torch, _DTYPES[name]) for name in names]
+    return [mixed_precision(*dtypes)]
 
 
 def _recompute_option(args: argparse.Namespace) -> list[Any]:
@@ -337,6 +356,8 @@ def _planning_arguments(command: argparse.ArgumentParser) -> None:
                                              "block) or module globs, e.g. layers.*.mlp")
     command.add_argument("--no-overlap", action="store_true",
                          help="every collective waits where it is issued (the scheduling pass off)")
+    command.add_argument("--mixed-precision", help="compute dtype over fp32 masters, and optionally the reduction's: "
+                                                   "bf16, bf16:fp32 (the default reduction), fp16")
     command.add_argument("--chunks", type=int,
                          help="async TP: each TP/SP linear and its forward collective in this many pieces of rows")
     command.add_argument("--no-load-balance", action="store_true",

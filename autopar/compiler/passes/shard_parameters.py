@@ -32,7 +32,6 @@ import torch.fx
 from autopar.compiler.context import CompileContext
 from autopar.compiler.passes.insert_grad_reductions import GRAD_SYNC
 from autopar.core.comm_kinds import gradient_exchange_kind, parameter_gather_kind
-from autopar.core.errors import PlanError
 from autopar.core.ir import ARG_SPECS, COLLECTIVE, LOCAL_ARGS, RULE, SPEC, local_shape, module_path
 from autopar.core.ops import sharded_state
 from autopar.core.program import Program
@@ -93,9 +92,16 @@ def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declar
                                 dtype=dtype, params=params, extra_axes=extra, reshard=reshard,
                                 prefetch=declared.prefetch, backward_prefetch=declared.backward_prefetch,
                                 master_dtype=master,
-                                reduce_dtype=declared.reduce_dtype or dtype, pipeline_stage=stage,
+                                reduce_dtype=_reduce_dtype(declared, ctx) or dtype, pipeline_stage=stage,
                                 **_kinds(declared, backend=ctx.strategy.backend)), nodes))
     return units
+
+
+def _reduce_dtype(declared: ShardedState, ctx: CompileContext) -> torch.dtype | None:
+    """The dtype gradients are reduce-scattered in: ZeRO's own, else `mixed_precision()`'s, else None
+    (the traced parameter's)."""
+    precision = ctx.strategy.mixed_precision
+    return declared.reduce_dtype or (precision.reduce_dtype if precision is not None else None)
 
 
 def _kinds(declared: ShardedState, *, backend: str | None) -> dict[str, str]:
@@ -203,21 +209,6 @@ def _boundary(graph: torch.fx.Graph, node: torch.fx.Node, users: list[torch.fx.N
         user.replace_input_with(node, boundary)
 
 
-def _check_mixed_precision(gm: torch.fx.GraphModule, ctx: CompileContext, declared) -> None:
-    """Mixed precision keeps fp32 masters only in units: every other trainable parameter is refused."""
-    if declared.param_dtype is None:
-        return
-    in_units = {p.fqn for u in ctx.units for p in u.params}
-    for node in gm.graph.nodes:
-        info = ctx.placeholders.get(node.name)
-        if node.op == "placeholder" and info is not None and info.kind == "parameter" and info.requires_grad \
-                and node.users and info.target not in in_units:
-            raise PlanError(f"mixed precision (param_dtype={declared.param_dtype}) keeps fp32 master weights in "
-                            f"ZeRO units only, and parameter {info.target!r} is in none (0-d, or its gradient is not "
-                            f"reduced over the sharded axis). fix: drop param_dtype, or make the parameter 1-d+ and "
-                            f"data-parallel on the axis")
-
-
 def shard_parameters(program: Program, ctx: CompileContext) -> Program:
     declared = ctx.strategy.sharded_state()
     if declared is None:
@@ -236,6 +227,4 @@ def shard_parameters(program: Program, ctx: CompileContext) -> Program:
         ctx.units += stage.units
         gm.graph.lint()
         gm.recompile()
-    for stage in program.stages:
-        _check_mixed_precision(stage.graph_module, ctx, state)
     return program

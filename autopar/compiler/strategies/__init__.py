@@ -12,7 +12,8 @@ meant) and two strategies whose roles conflict on one axis (`strategy_role`). Co
 beside: `data_parallel.py` (+ `replicated`),
 `tensor_parallel.py` (+ sequence parallel), `zero.py` (ZeRO-1/2/3, FSDP, HSDP: a data-parallel
 axis that also shards the training state), `pipeline.py` (pipeline stages, schedule and
-micro-batches on an axis), `recompute.py` (regions run again in backward; on no axis), `autopar/compiler/context.py` (sequence shards, attention lowered to ring / all-gather /
+micro-batches on an axis), `recompute.py` (regions run again in backward; on no axis), `mixed_precision.py`
+(compute and reduce dtypes; on no axis), `autopar/compiler/context.py` (sequence shards, attention lowered to ring / all-gather /
 all-to-all), `expert.py` (experts split over an axis, tokens exchanged by all-to-all); `find_layout.py` + `check_layout.py` find Megatron's patterns in the
 graph, `layouts.py` declares them by module names (an override).
 """
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import Placement
 
+from autopar.compiler.strategies.mixed_precision import MixedPrecisionDeclaration
 from autopar.compiler.strategies.recompute import RecomputeDeclaration
 from autopar.compiler.strategies.schedule import ScheduleDeclaration
 from autopar.compiler.strategies.token_shard import TokenShard
@@ -123,6 +125,8 @@ class ResolvedStrategy:
     strategies: tuple[Strategy, ...]
     recompute: "RecomputeDeclaration | None" = None  # regions run again in backward (autopar/compiler/strategies/recompute.py)
     schedule: "ScheduleDeclaration | None" = None  # collectives overlapped or not (autopar/compiler/strategies/schedule.py)
+    # compute and reduce dtypes over fp32 masters (autopar/compiler/strategies/mixed_precision.py)
+    mixed_precision: "MixedPrecisionDeclaration | None" = None
     # the process group's backend the plan is for (`plan(backend=)`); None: the initialised group's, if any
     backend: str | None = None
     _lookups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -270,7 +274,11 @@ def strategy_role(strategy: Any) -> str | None:
 def _flatten(strategies: "Sequence[Any]") -> list[Any]:
     """The strategies, hsdp()'s pair unpacked, without the declarations that belong to no axis."""
     flat = [s for item in strategies for s in (item if isinstance(item, (tuple, list)) else (item,))]
-    return [s for s in flat if not isinstance(s, (RecomputeDeclaration, ScheduleDeclaration))]
+    return [s for s in flat if not isinstance(s, _NO_AXIS)]
+
+
+# the declarations that belong to no mesh axis
+_NO_AXIS = (RecomputeDeclaration, ScheduleDeclaration, MixedPrecisionDeclaration)
 
 
 def check_axes(mesh: Mesh, strategies: "Sequence[Any]") -> None:
@@ -342,7 +350,10 @@ def resolve_strategies(mesh: Mesh, strategies: "list[Strategy] | tuple[Strategy,
     schedules = [s for s in flat if isinstance(s, ScheduleDeclaration)]
     if len(schedules) > 1:
         raise PlanError(f"schedule is declared {len(schedules)} times; declare it once")
-    flat = [s for s in flat if not isinstance(s, (RecomputeDeclaration, ScheduleDeclaration))]
+    precisions = [s for s in flat if isinstance(s, MixedPrecisionDeclaration)]
+    if len(precisions) > 1:
+        raise PlanError(f"mixed_precision is declared {len(precisions)} times; declare it once")
+    flat = [s for s in flat if not isinstance(s, _NO_AXIS)]
     for deferred in (s for s in flat if hasattr(s, "bind")):
         mesh.require_axis(deferred.axis, wanted_by=f"strategy {deferred.name!r}")
     strategies = [s.bind(mesh=mesh, graph_module=graph_module, placeholders=placeholders) if hasattr(s, "bind") else s
@@ -370,4 +381,5 @@ def resolve_strategies(mesh: Mesh, strategies: "list[Strategy] | tuple[Strategy,
     if len(pipelines) > 1:
         raise PlanError(f"strategies {[s.name for s in pipelines]} each declare a pipeline; declare one pipeline axis")
     return ResolvedStrategy(mesh=mesh, strategies=tuple(strategies), recompute=recomputes[0] if recomputes else None,
-                            schedule=schedules[0] if schedules else None, backend=backend)
+                            schedule=schedules[0] if schedules else None,
+                            mixed_precision=precisions[0] if precisions else None, backend=backend)
