@@ -21,6 +21,7 @@ import torch
 
 import autopar
 from autopar.compiler.ledger.activations import saved_activations
+from autopar.compiler.trace import reusing_traces
 from autopar.measure.activations import measure_saved_activations
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
@@ -77,15 +78,17 @@ def test_ledger_equals_what_autograd_saves(mesh, strategies):
 
 @pytest.fixture(scope="module")
 def plans() -> dict[str, autopar.Plan]:
+    model, batch = example(batch=3, seq=16, config=STANDARD)
+
     def one(mesh: str, strategies: list) -> autopar.Plan:
-        model, batch = example(batch=3, seq=16, config=STANDARD)
         return autopar.plan(model, mesh, strategies=strategies, example_inputs=batch, dynamic_dims={"b": 0, "s": 1})
 
-    return {"none": one("tp=1", []), "tp2": one("tp=2", [autopar.tensor_parallel()]),
-            "tp4": one("tp=4", [autopar.tensor_parallel()]), "sp2": one("tp=2", [autopar.sequence_parallel()]),
-            "sp4": one("tp=4", [autopar.sequence_parallel()]),
-            "sp2_regather": one("tp=2", [autopar.sequence_parallel(regather_in_backward=True)]),
-            "sp4_regather": one("tp=4", [autopar.sequence_parallel(regather_in_backward=True)])}
+    with reusing_traces():  # one model, traced once: each plan gets its own copy of the graph, as the planner's do
+        return {"none": one("tp=1", []), "tp2": one("tp=2", [autopar.tensor_parallel()]),
+                "tp4": one("tp=4", [autopar.tensor_parallel()]), "sp2": one("tp=2", [autopar.sequence_parallel()]),
+                "sp4": one("tp=4", [autopar.sequence_parallel()]),
+                "sp2_regather": one("tp=2", [autopar.sequence_parallel(regather_in_backward=True)]),
+                "sp4_regather": one("tp=4", [autopar.sequence_parallel(regather_in_backward=True)])}
 
 
 def per_layer(ledger) -> list[tuple[sympy.Expr, sympy.Expr]]:
