@@ -41,10 +41,14 @@ CASES = {
     "dp2": ("dp=2", [autopar.data_parallel(), BF16], 1),
     "zero3_dp2": ("dp=2", [autopar.zero(stage=3), BF16], 1),
     "tp2_sp": ("tp=2", [autopar.sequence_parallel(), BF16], 1),
-    "pp2": ("pp=2", [autopar.pipeline_parallel(microbatches=MICROBATCHES), BF16], MICROBATCHES),
+    # the loss handed back in fp32 (FSDP2's output_dtype): broadcast from the last stage in fp32
+    "pp2": ("pp=2", [autopar.pipeline_parallel(microbatches=MICROBATCHES),
+                     autopar.mixed_precision(param_dtype=torch.bfloat16, output_dtype=torch.float32)], MICROBATCHES),
     "cp2": ("cp=2", [autopar.context_parallel(), BF16], 1),
 }
 
+# the loss's dtype: the compute dtype, or the declared output_dtype
+LOSS_DTYPES = {"pp2": torch.float32}
 # context parallelism rounds each attention block's output to bf16 before merging them in fp32 (one
 # device's kernel rounds the whole row once), and its gradients per block: measured 5.3% on
 # layers.0.attn_norm.bias's gradient (2026-12-06), above the 5% of the others
@@ -70,7 +74,8 @@ def test_bf16_compute_fp32_masters_under_every_parallelism():
     alone would not tell bf16 from fp32 compute (bf16 vs fp32 differ by a few percent), so the case
     also checks what is bf16: the loss the rank graph returns, and the bytes of every activation
     collective and pipeline message (the ledger, checked against the outside counter), while the
-    parameters the optimizer updates stay fp32."""
+    parameters the optimizer updates stay fp32. Under the pipeline the loss is handed back in fp32
+    (`output_dtype`), and its broadcast from the last stage counted in fp32."""
     names = list(CASES)
     per_rank = launch(run_cases, 2, names, timeout_s=480)
     references: dict[int, dict] = {}
@@ -82,8 +87,9 @@ def test_bf16_compute_fp32_masters_under_every_parallelism():
         reference = references[micro]
         results = [rank_results[index] for rank_results in per_rank]
         try:
+            wanted = LOSS_DTYPES.get(name, torch.bfloat16)
             dtypes = {loss.dtype for r in results for loss in r["losses"]}
-            assert dtypes == {torch.bfloat16}, f"the rank graphs' losses are {dtypes}, not computed in bf16"
+            assert dtypes == {wanted}, f"the rank graphs' losses are {dtypes}, not {wanted}"
             dtypes = {p.dtype for r in results for step in r["params"] for p in step.values()}
             assert dtypes == {torch.float32}, f"the parameters the optimizer updates are {dtypes}, not fp32 masters"
             for result in results:

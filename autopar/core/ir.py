@@ -146,6 +146,12 @@ def tensor_meta(value: torch.Tensor) -> TensorMeta:
     return TensorMeta(torch.Size(hint(tuple(value.shape))), hint(tuple(value.stride())), value.dtype)
 
 
+def retyped(spec: DTensorSpec, dtype: torch.dtype) -> DTensorSpec:
+    """`spec` with its tensor's dtype changed (a cast: same placements, shape and stride)."""
+    meta = spec.tensor_meta
+    return DTensorSpec(spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, meta.stride, dtype))
+
+
 def local_shape(global_shape: tuple[int, ...], placements: tuple[Placement, ...], axis_sizes: tuple[int, ...]) -> list[int]:
     """One rank's shard shape for concrete sizes (divisible; the planner refuses the others)."""
     shape = [int(d) for d in global_shape]

@@ -6,7 +6,8 @@ kernels, with the all-to-all exchange under expert parallelism) -> `propagate_pl
 `insert_collectives` -> `insert_grad_reductions` (these decide the whole graph) -> `split_pipeline`
 (the stage graphs: one, the whole graph, without a pipeline) -> `shard_parameters` (ZeRO/FSDP units
 per stage; a no-op without a sharded-state strategy) -> `cast_parameters` (mixed precision: every other
-trainable parameter held as its fp32 master and cast to the compute dtype; a no-op without it) -> `recompute` (marks the regions activation
+trainable parameter held as its fp32 master and cast to the compute dtype; a no-op without it) -> `cast_outputs`
+(the model's outputs in `mixed_precision(output_dtype=)`; a no-op without it) -> `recompute` (marks the regions activation
 recomputation runs again; a no-op without it) -> `chunk_collectives` (async TP: each TP/SP linear
 and its forward collective cut into pieces of rows under `autopar.schedule(chunks=k)`; a no-op
 without it) -> `schedule_collectives` (each collective split into a start and a finish, small
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from autopar.compiler.context import CompileContext
+from autopar.compiler.passes.cast_outputs import cast_outputs
 from autopar.compiler.passes.cast_parameters import cast_parameters
 from autopar.compiler.passes.chunk_collectives import chunk_collectives
 from autopar.compiler.passes.drop_empty_concats import drop_empty_concats
@@ -79,4 +81,5 @@ def _described(ctx: CompileContext) -> str:
 
 def default_passes() -> list[Pass]:
     return [drop_empty_concats, lower_moe, propagate_placements, insert_collectives, insert_grad_reductions,
-            split_pipeline, shard_parameters, cast_parameters, recompute, chunk_collectives, schedule_collectives]
+            split_pipeline, shard_parameters, cast_parameters, cast_outputs,
+            recompute, chunk_collectives, schedule_collectives]

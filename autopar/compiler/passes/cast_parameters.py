@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from autopar.compiler.context import CompileContext
 from autopar.compiler.passes.insert_grad_reductions import GRAD_SYNC
 from autopar.core.errors import PlanError
-from autopar.core.ir import ARG_SPECS, ORIGIN, SPEC
+from autopar.core.ir import ARG_SPECS, ORIGIN, SPEC, retyped
 from autopar.core.program import Program
 
 _CAST = torch.ops.aten._to_copy.default
@@ -65,16 +65,12 @@ def _cast_at_start(graph: torch.fx.Graph, node: torch.fx.Node, master: torch.dty
     value = node.meta.get("val")
     cast.meta["val"] = value
     cast.meta[SPEC] = spec
-    cast.meta[ARG_SPECS] = [_retyped(spec, master)]
+    cast.meta[ARG_SPECS] = [retyped(spec, master)]
     cast.meta[ORIGIN] = {"decided_by": f"mixed precision: the {master} master cast to {compute} for compute"}
-    node.meta[SPEC] = _retyped(spec, master)
+    node.meta[SPEC] = retyped(spec, master)
     if isinstance(value, torch.Tensor):
         node.meta["val"] = value.to(master)  # a fake tensor: its own mode runs the cast
 
-
-def _retyped(spec: DTensorSpec, dtype: torch.dtype) -> DTensorSpec:
-    meta = spec.tensor_meta
-    return DTensorSpec(spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, meta.stride, dtype))
 
 
 def _check_reduce_dtype(node: torch.fx.Node, ctx: CompileContext, reduce_dtype: torch.dtype | None) -> None:

@@ -13,7 +13,9 @@ recipe of PyTorch's FSDP2 `MixedPrecisionPolicy` and of torchtitan:
 - gradients are reduced in `reduce_dtype`, float32 by default (torchtitan's default: sums of many
   ranks' bf16 partials lose bits). A ZeRO unit reduce-scatters in any `reduce_dtype`; a replicated
   gradient (data parallelism's all-reduce) is reduced in its master's dtype, and another
-  `reduce_dtype` for it is refused at plan time, naming the parameter.
+  `reduce_dtype` for it is refused at plan time, naming the parameter;
+- `output_dtype` (None: as traced) casts the model's floating-point outputs, as FSDP2's does: a
+  loss or logits handed back in fp32 (`autopar/compiler/passes/cast_outputs.py`).
 
 The declaration belongs to no mesh axis; `resolve_strategies` takes it out of the strategy list
 (`ResolvedStrategy.mixed_precision`). ZeRO's own `param_dtype=`/`reduce_dtype=` are the same
@@ -32,25 +34,28 @@ from autopar.core.errors import PlanError
 class MixedPrecisionDeclaration:
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
+    output_dtype: torch.dtype | None = None
     name: str = "mixed_precision"
 
     def describe(self) -> str:
-        return f"compute {_short(self.param_dtype)}, reduce {_short(self.reduce_dtype)}, fp32 masters"
+        out = f", outputs {_short(self.output_dtype)}" if self.output_dtype is not None else ""
+        return f"compute {_short(self.param_dtype)}, reduce {_short(self.reduce_dtype)}{out}, fp32 masters"
 
 
 def _short(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def mixed_precision(param_dtype: torch.dtype = torch.bfloat16,
-                    reduce_dtype: torch.dtype = torch.float32) -> MixedPrecisionDeclaration:
-    """Parameters computed in `param_dtype` from fp32 masters; gradients reduced in `reduce_dtype`
-    (module docstring)."""
-    for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+def mixed_precision(param_dtype: torch.dtype = torch.bfloat16, reduce_dtype: torch.dtype = torch.float32,
+                    output_dtype: torch.dtype | None = None) -> MixedPrecisionDeclaration:
+    """Parameters computed in `param_dtype` from fp32 masters; gradients reduced in `reduce_dtype`;
+    the model's floating-point outputs in `output_dtype` (None: as computed). Module docstring."""
+    declared = [("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)]
+    for name, dtype in declared + ([("output_dtype", output_dtype)] if output_dtype is not None else []):
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise PlanError(f"mixed_precision({name}={dtype!r}): expected a floating-point torch.dtype "
                             f"(torch.bfloat16, torch.float16, torch.float32)")
         if dtype.itemsize < 2:
             raise PlanError(f"mixed_precision({name}={dtype}): 8-bit floats need scales beside them, which a plain "
                             f"cast does not keep; fix: a 16- or 32-bit dtype")
-    return MixedPrecisionDeclaration(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    return MixedPrecisionDeclaration(param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=output_dtype)
