@@ -16,7 +16,8 @@ from autopar.core.errors import PlanError
 from autopar.runtime.launch import launch
 from autopar.tools.comm_gate import comm_summary
 from examples.gpt import GPT, GPTConfig, example_batch
-from tests.numerics import STEPS, distributed_rank, single_device, train_step
+from tests.numerics import (STEPS, comparison_mesh, distributed_rank, parallel_trainer, single_device, train_step,
+                            whole_tensors)
 from tests.numerics_checks import assert_ledger_equals_measured, assert_matches, assert_memory_equals_ledger
 
 CONFIG = GPTConfig(vocab_size=128, seq_len=32, n_layer=2, n_head=4, d_model=32, d_ff=64)
@@ -140,3 +141,33 @@ def test_a_dtype_that_is_not_a_16_or_32_bit_float_is_refused(dtype):
     with pytest.raises(PlanError, match="mixed_precision"):
         autopar.mixed_precision(param_dtype=dtype)
 
+
+
+def compiled_rank(rank: int, world: int, mesh: str, strategies: list) -> dict:
+    """Three steps of the compiled rank graphs (no dispatch mode watches them: dynamo would run eagerly)."""
+    module, optimizer = parallel_trainer(build, BATCHES[0], mesh, strategies, eps=EPS, options={"compile": True})
+    check = comparison_mesh(module)
+    result: dict[str, list] = {"losses": [], "grads": [], "params": []}
+    for batch in BATCHES:
+        optimizer.zero_grad()
+        loss = module.train_step(*module.local_batch(*batch))
+        optimizer.step()
+        result["losses"].append(loss.detach().clone())
+        result["grads"].append(whole_tensors(module, check, grads=True))
+        result["params"].append(whole_tensors(module, check, grads=False))
+    return result
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mesh,strategies", [("dp=2", [autopar.data_parallel(), BF16]),
+                                             ("tp=2", [autopar.sequence_parallel(), BF16])], ids=["dp2", "tp2_sp"])
+def test_compiled_rank_graphs_keep_the_recipe(mesh, strategies):
+    """`compile=True` with mixed precision: inductor compiles the masters' casts with the graph; the
+    losses stay bf16 and the run matches the one-device recipe at the bound above (the ledgers of
+    compiled graphs are `tests/test_compile.py`'s to check)."""
+    results = launch(compiled_rank, 2, mesh, strategies, timeout_s=500)
+    assert {loss.dtype for r in results for loss in r["losses"]} == {torch.bfloat16}
+    for result in results:
+        result["losses"] = [loss.float() for loss in result["losses"]]
+    reference = single_device(build, BATCHES, param_dtype=torch.bfloat16, eps=EPS)
+    assert_matches(reference, results, tolerance=5e-2, noise_floor=1e-3)
