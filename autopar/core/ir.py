@@ -152,6 +152,23 @@ def retyped(spec: DTensorSpec, dtype: torch.dtype) -> DTensorSpec:
     return DTensorSpec(spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, meta.stride, dtype))
 
 
+def insert_cast(graph: torch.fx.Graph, source: torch.fx.Node, dtype: torch.dtype, *, before: torch.fx.Node,
+                why: str) -> torch.fx.Node:
+    """A placed `aten._to_copy(source, dtype=dtype)` before `before`: the source's placements, its
+    traced value cast (a fake tensor's own mode runs it), `why` as its origin. The mixed-precision
+    passes' casts of masters and of the model's outputs."""
+    spec: DTensorSpec = source.meta[SPEC]
+    with graph.inserting_before(before):
+        cast = graph.call_function(torch.ops.aten._to_copy.default, (source,), {"dtype": dtype})
+    value = source.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        cast.meta["val"] = value.to(dtype)
+    cast.meta[SPEC] = retyped(spec, dtype)
+    cast.meta[ARG_SPECS] = [spec]
+    cast.meta[ORIGIN] = {"decided_by": why}
+    return cast
+
+
 def local_shape(global_shape: tuple[int, ...], placements: tuple[Placement, ...], axis_sizes: tuple[int, ...]) -> list[int]:
     """One rank's shard shape for concrete sizes (divisible; the planner refuses the others)."""
     shape = [int(d) for d in global_shape]

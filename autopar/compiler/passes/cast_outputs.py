@@ -14,10 +14,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.utils import _pytree as pytree
 
 from autopar.compiler.context import CompileContext
-from autopar.core.ir import ARG_SPECS, ORIGIN, SPEC, retyped
+from autopar.core.ir import ARG_SPECS, SPEC, insert_cast, retyped
 from autopar.core.program import Program
-
-_CAST = torch.ops.aten._to_copy.default
 
 
 def cast_outputs(program: Program, ctx: CompileContext) -> Program:
@@ -33,14 +31,16 @@ def cast_outputs(program: Program, ctx: CompileContext) -> Program:
         casts: dict[torch.fx.Node, torch.fx.Node] = {}
         for value in pytree.tree_leaves(output.args):
             if isinstance(value, torch.fx.Node) and value not in casts and _needs_cast(value, wanted):
-                casts[value] = _cast_before(graph, value, wanted, output)
+                casts[value] = insert_cast(graph, value, wanted, before=output,
+                                           why=f"mixed precision: the model's output in {wanted}")
         if not casts:
             continue
         output.args = pytree.tree_map(lambda a: casts.get(a, a) if isinstance(a, torch.fx.Node) else a, output.args)
-        if output.meta.get(ARG_SPECS) is not None:
-            leaves = [a for a in pytree.tree_leaves(output.args)]
-            output.meta[ARG_SPECS] = [retyped(spec, wanted) if isinstance(spec, DTensorSpec) and leaf in casts.values()
-                                      else spec for spec, leaf in zip(output.meta[ARG_SPECS], leaves)]
+        if output.meta.get(ARG_SPECS) is not None:  # what the output wants: the casts' dtype
+            cast_nodes = set(casts.values())
+            output.meta[ARG_SPECS] = [retyped(spec, wanted) if leaf in cast_nodes and isinstance(spec, DTensorSpec)
+                                      else spec for spec, leaf in zip(output.meta[ARG_SPECS],
+                                                                      pytree.tree_leaves(output.args))]
         graph.lint()
         stage.graph_module.recompile()
     return program
@@ -50,16 +50,4 @@ def _needs_cast(node: torch.fx.Node, wanted: torch.dtype) -> bool:
     value = node.meta.get("val")
     return isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != wanted \
         and isinstance(node.meta.get(SPEC), DTensorSpec)
-
-
-def _cast_before(graph: torch.fx.Graph, value: torch.fx.Node, wanted: torch.dtype, output: torch.fx.Node
-                 ) -> torch.fx.Node:
-    spec: DTensorSpec = value.meta[SPEC]
-    with graph.inserting_before(output):
-        cast = graph.call_function(_CAST, (value,), {"dtype": wanted})
-    cast.meta["val"] = value.meta["val"].to(wanted)  # a fake tensor: its own mode runs the cast
-    cast.meta[SPEC] = retyped(spec, wanted)
-    cast.meta[ARG_SPECS] = [spec]
-    cast.meta[ORIGIN] = {"decided_by": f"mixed precision: the model's output in {wanted}"}
-    return cast
 

@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from autopar.compiler.context import CompileContext
 from autopar.compiler.passes.insert_grad_reductions import GRAD_SYNC
 from autopar.core.errors import PlanError
-from autopar.core.ir import ARG_SPECS, ORIGIN, SPEC, retyped
+from autopar.core.ir import SPEC, insert_cast, retyped
 from autopar.core.program import Program
-
-_CAST = torch.ops.aten._to_copy.default
 
 
 def cast_parameters(program: Program, ctx: CompileContext) -> Program:
@@ -57,20 +54,13 @@ def _held_as_master(node: torch.fx.Node, ctx: CompileContext, in_units: set[str]
 
 def _cast_at_start(graph: torch.fx.Graph, node: torch.fx.Node, master: torch.dtype, first_op: torch.fx.Node) -> None:
     """`node` becomes the master (dtype `master`); its users read a cast to its traced dtype."""
-    spec: DTensorSpec = node.meta[SPEC]
-    compute = spec.tensor_meta.dtype
-    with graph.inserting_before(first_op):
-        cast = graph.call_function(_CAST, (node,), {"dtype": compute})
+    compute = node.meta[SPEC].tensor_meta.dtype
+    node.meta[SPEC] = retyped(node.meta[SPEC], master)
+    if isinstance(node.meta.get("val"), torch.Tensor):
+        node.meta["val"] = node.meta["val"].to(master)  # a fake tensor: its own mode runs the cast
+    cast = insert_cast(graph, node, compute, before=first_op,
+                       why=f"mixed precision: the {master} master cast to {compute} for compute")
     node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
-    value = node.meta.get("val")
-    cast.meta["val"] = value
-    cast.meta[SPEC] = spec
-    cast.meta[ARG_SPECS] = [retyped(spec, master)]
-    cast.meta[ORIGIN] = {"decided_by": f"mixed precision: the {master} master cast to {compute} for compute"}
-    node.meta[SPEC] = retyped(spec, master)
-    if isinstance(value, torch.Tensor):
-        node.meta["val"] = value.to(master)  # a fake tensor: its own mode runs the cast
-
 
 
 def _check_reduce_dtype(node: torch.fx.Node, ctx: CompileContext, reduce_dtype: torch.dtype | None) -> None:

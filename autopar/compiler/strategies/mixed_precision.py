@@ -50,12 +50,18 @@ def mixed_precision(param_dtype: torch.dtype = torch.bfloat16, reduce_dtype: tor
                     output_dtype: torch.dtype | None = None) -> MixedPrecisionDeclaration:
     """Parameters computed in `param_dtype` from fp32 masters; gradients reduced in `reduce_dtype`;
     the model's floating-point outputs in `output_dtype` (None: as computed). Module docstring."""
-    declared = [("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)]
-    for name, dtype in declared + ([("output_dtype", output_dtype)] if output_dtype is not None else []):
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise PlanError(f"mixed_precision({name}={dtype!r}): expected a floating-point torch.dtype "
-                            f"(torch.bfloat16, torch.float16, torch.float32)")
-        if dtype.itemsize < 2:
-            raise PlanError(f"mixed_precision({name}={dtype}): 8-bit floats need scales beside them, which a plain "
-                            f"cast does not keep; fix: a 16- or 32-bit dtype")
+    for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype), ("output_dtype", output_dtype)):
+        if name != "output_dtype" or dtype is not None:
+            check_precision_dtype("mixed_precision", name, dtype)
     return MixedPrecisionDeclaration(param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=output_dtype)
+
+
+def check_precision_dtype(owner: str, name: str, dtype: object) -> None:
+    """A dtype a plain cast can compute or reduce in: a 16- or 32-bit float (`owner(name=dtype)` refused
+    otherwise). `mixed_precision()` and `zero(param_dtype=, reduce_dtype=)` check theirs here."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise PlanError(f"{owner}({name}={dtype!r}): expected a floating-point torch.dtype "
+                        f"(torch.bfloat16, torch.float16, torch.float32)")
+    if dtype.itemsize < 2:
+        raise PlanError(f"{owner}({name}={dtype}): 8-bit floats need scales beside them, which a plain cast does "
+                        f"not keep; fix: a 16- or 32-bit dtype")

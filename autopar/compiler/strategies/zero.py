@@ -23,6 +23,7 @@ from torch.distributed.tensor import Shard
 
 from autopar.compiler.strategies import InputRule, Strategy
 from autopar.compiler.strategies.data_parallel import data_parallel
+from autopar.compiler.strategies.mixed_precision import check_precision_dtype
 from autopar.core.errors import PlanError
 
 REDUCTIONS = ("auto", "reduce_scatter", "all_to_all")
@@ -77,8 +78,8 @@ def zero(*, stage: int, axis: str = "dp", batch_dim: int = 0, reshard_after_forw
     where activations peak, and bought no time on CPU gloo (benchmarks/compare_fsdp.py: peak
     memory 1.02x FSDP2's with it, 0.94x without, the same step time)."""
     for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise PlanError(f"{name}={dtype!r} is not a floating-point torch.dtype; e.g. torch.bfloat16")
+        if dtype is not None:
+            check_precision_dtype(f"zero(stage={stage})", name, dtype)
     if reduce not in REDUCTIONS:
         raise PlanError(f"zero(reduce={reduce!r}): choose one of {', '.join(REDUCTIONS)}")
     if gather not in REFRESHES:
