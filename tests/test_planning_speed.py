@@ -29,9 +29,14 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 import autopar
 from autopar.compiler.check_rank_graphs import check_rank_graphs
+from autopar.core.ir import SPEC
+from examples.gpt import GPT, GPTConfig, example_batch
+from examples.hf_models import tiny_llama, token_batch
 
 GOLDEN = Path(__file__).parent / "golden" / "planning_fingerprints.json"
 _ADDRESS = re.compile(r" at 0x[0-9a-f]+")
@@ -77,8 +82,6 @@ def fingerprint(plan: autopar.Plan) -> dict[str, str]:
 
 def _gpt(mesh: str, strategies: Callable[[], list], layers: int = 5) -> Callable[[], autopar.Plan]:
     def make() -> autopar.Plan:
-        from examples.gpt import GPT, GPTConfig, example_batch
-
         config = GPTConfig(n_layer=layers)
         torch.manual_seed(0)
         return autopar.plan(GPT(config), mesh, strategies=strategies(), example_inputs=example_batch(config))
@@ -87,8 +90,6 @@ def _gpt(mesh: str, strategies: Callable[[], list], layers: int = 5) -> Callable
 
 def _llama(mesh: str, strategies: Callable[[], list]) -> Callable[[], autopar.Plan]:
     def make() -> autopar.Plan:
-        from examples.hf_models import tiny_llama, token_batch
-
         torch.manual_seed(0)
         return autopar.plan(tiny_llama(layers=5, kv_heads=2), mesh, strategies=strategies(),
                             example_inputs=token_batch(), dynamic_dims={"b": 0, "s": 1})
@@ -123,11 +124,6 @@ def test_plan_is_the_saved_plan(case, request):
 
 def test_a_changed_placement_changes_the_fingerprint():
     """The fingerprint sees one node's metadata: a copied block's node given another placement."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
-    from autopar.core.ir import SPEC
-
     plan = CASES["gpt_tp4_tp"]()
     before = fingerprint(plan)
     node = next(n for n in plan.graph_module.graph.nodes if n.op == "call_function"
