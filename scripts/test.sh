@@ -7,10 +7,9 @@ bash scripts/setup.sh
 . .venv/bin/activate
 # three test files at a time (pytest-xdist, a file's tests on one worker: its module fixtures are built
 # once; AUTOPAR_TEST_WORKERS=k for k): a multi-process test leaves cores idle while its ranks wait for
-# each other or one rank plans (a cp=2 numerics file alone: 41% of 2 cores idle), so a third file
-# fills them (2026-12-06, 2 cores: 32 min 21 s with 2 workers; 25 min 19 s with 3, the compile
-# cases trimmed, which saved about 2 of the 7 minutes). Tests marked serial (tests/conftest.py:
-# timing and CPU-share measurements) run alone afterwards.
+# each other or one rank plans, so a third file fills them (the suite with 2 and with 3 workers:
+# benchmarks/RESULTS.md). Tests marked serial (tests/conftest.py: timing and CPU-share
+# measurements) run alone afterwards.
 # Exit 5 is pytest's "no test selected" (a path given here may hold only one kind).
 status=0
 python -m pytest -q -n "${AUTOPAR_TEST_WORKERS:-3}" --dist loadfile -m "not serial" "$@" || status=$?
