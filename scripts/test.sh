@@ -12,9 +12,9 @@ bash scripts/setup.sh
 # measurements) run alone afterwards.
 # Exit 5 is pytest's "no test selected" (a path given here may hold only one kind).
 status=0
-python -m pytest -q -n "${AUTOPAR_TEST_WORKERS:-3}" --dist loadfile -m "not serial" "$@" || status=$?
+python -m pytest -q --tb=short -n "${AUTOPAR_TEST_WORKERS:-3}" --dist loadfile -m "not serial" "$@" || status=$?
 if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then exit "$status"; fi
 serial=0
-python -m pytest -q -m serial "$@" || serial=$?
+python -m pytest -q --tb=short -m serial "$@" || serial=$?
 if [ "$serial" -ne 0 ] && [ "$serial" -ne 5 ]; then exit "$serial"; fi
 if [ "$status" -eq 5 ] && [ "$serial" -eq 5 ]; then echo "no test selected" >&2; exit 5; fi

@@ -2,6 +2,7 @@
 job with its traceback instead of hanging."""
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -100,6 +101,25 @@ def test_a_rank_killed_by_a_signal_is_reported_with_its_stderr_and_python_stack(
     assert "Fatal Python error: Aborted" in text and "in abort_on_rank_one" in text
     assert launch(print_rank, 2, timeout_s=30) == [0, 1]
     assert {"[rank 0] rank 0 prints", "[rank 1] rank 1 prints"} <= set(capfd.readouterr().err.splitlines())
+
+
+def segfault_on_rank_one(rank: int, world: int) -> int:
+    if rank == 1:
+        ctypes.string_at(0)  # a read through a null pointer, in native code (ctypes' memmove)
+    return rank
+
+
+def test_a_rank_killed_in_native_code_is_reported_with_the_faulting_threads_native_stack():
+    """SIGSEGV inside native code on rank 1: the error ends with where rank 1 died, the C++ frames
+    of the thread that took the signal (PyTorch's fatal-signal handler) and its innermost Python
+    frames (faulthandler) — what names a crash in torch, gloo or libc."""
+    with pytest.raises(RankKilled) as crash:
+        launch(segfault_on_rank_one, 2, timeout_s=30)
+    text = str(crash.value)
+    where = text[text.index("--- where rank 1 died ---"):]
+    assert "SIGSEGV" in where and "fatalSignalHandler" in where and "ffi_call" in where
+    assert "Current thread" in where and "in segfault_on_rank_one" in where
+    assert text.rindex("--- rank 1 stderr") > text.rindex("--- rank 0 stderr")  # the dead rank's last
 
 
 def print_rank(rank: int, world: int) -> int:

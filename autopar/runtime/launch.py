@@ -23,6 +23,7 @@ import faulthandler
 import importlib.util
 import multiprocessing
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -82,6 +83,11 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: floa
     os.dup2(stderr_file, 2)
     os.close(stderr_file)
     faulthandler.enable(all_threads=True)
+    # faulthandler shows Python frames only; a crash inside torch, gloo or libc (a heap corruption
+    # detected by malloc, a bad pointer) is named by its native frames. PyTorch's own fatal-signal
+    # handler prints every thread's C++ stack (the faulting thread's through `fatalSignalHandler`)
+    # and then hands the signal on to faulthandler; no public interface exposes it.
+    torch._C._set_print_stack_traces_on_fatal_signal(True)
     # a forked rank has the fork server's environment and directory: take the caller's
     os.environ.clear()
     os.environ.update(environment)
@@ -122,14 +128,41 @@ def _kill(context: Any) -> None:
         process.join(5)
 
 
-def _stderr_tails(out_dir: str, world_size: int, limit: int = 6000) -> str:
-    """The last `limit` characters each rank wrote to its stderr (faulthandler's stacks included)."""
-    tails = []
-    for rank in range(world_size):
-        path = os.path.join(out_dir, f"rank{rank}.stderr")
-        text = open(path, errors="replace").read() if os.path.exists(path) else "(no stderr file)"
-        tails.append(f"--- rank {rank} stderr (last {limit} characters) ---\n{text[-limit:]}")
-    return "\n".join(tails)
+def _stderr(out_dir: str, rank: int) -> str:
+    path = os.path.join(out_dir, f"rank{rank}.stderr")
+    return open(path, errors="replace").read() if os.path.exists(path) else "(no stderr file)"
+
+
+def _stderr_tails(out_dir: str, world_size: int, limit: int = 6000, *, last: int | None = None) -> str:
+    """The last `limit` characters each rank wrote to its stderr (faulthandler's stacks included),
+    rank `last`'s at the end (a log cut in the middle keeps its end)."""
+    order = [rank for rank in range(world_size) if rank != last] + ([last] if last is not None else [])
+    return "\n".join(f"--- rank {rank} stderr (last {limit} characters) ---\n{_stderr(out_dir, rank)[-limit:]}"
+                     for rank in order)
+
+
+_FAULTING = "fatalSignalHandler"  # the frame PyTorch's handler runs in on the thread that took the signal
+
+
+def crash_summary(text: str, frames: int = 24) -> str:
+    """From a crashed rank's stderr: the native stack of the thread that took the fatal signal
+    (PyTorch's handler prints one block per thread, `SIGSEGV(11), PID: p, Thread t:`) and the
+    innermost Python frames faulthandler printed for it. Empty when the stderr holds neither."""
+    blocks = [block for block in text.split("\n\n") if _FAULTING in block]
+    native = ""
+    if blocks:
+        # "frame #4: fn + 0x86 (0x7f65ea1a7608 in /path/to/libx.so)" -> "frame #4: fn + 0x86 [libx.so]"
+        lines = [re.sub(r"\(0x[0-9a-f]+ in (?:.*/)?([^/)]+)\)$", r"[\1]", line.strip())
+                 for line in blocks[-1].strip().splitlines()]
+        native = "\n".join(lines[:frames + 1] + ([f"... ({len(lines) - frames - 1} more frames)"]
+                                                   if len(lines) > frames + 1 else []))
+    python = ""
+    if "Fatal Python error" in text:
+        python_lines = text[text.rindex("Fatal Python error"):].splitlines()
+        current = next((i for i, line in enumerate(python_lines) if line.startswith("Current thread")), None)
+        if current is not None:
+            python = "\n".join(python_lines[current:current + 9])
+    return "\n".join(part for part in (native, python) if part)
 
 
 def _forward_stderr(out_dir: str, world_size: int) -> None:
@@ -163,7 +196,10 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
             details = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.endswith(".err")]
             raise RuntimeError("a rank failed:\n" + "\n".join(details)) from error
         except mp.ProcessExitedException as error:
-            raise RankKilled(f"a rank exited abnormally: {error}\n{_stderr_tails(out_dir, world_size)}") from error
+            summary = crash_summary(_stderr(out_dir, error.error_index))
+            raise RankKilled(f"a rank exited abnormally: {error}\n{_stderr_tails(out_dir, world_size, last=error.error_index)}"
+                             + (f"\n--- where rank {error.error_index} died ---\n{summary}" if summary else "")
+                             ) from error
         finally:
             _kill(context)
         _forward_stderr(out_dir, world_size)
