@@ -16,9 +16,11 @@ from autopar.core.errors import PlanError
 from autopar.runtime.launch import launch
 from autopar.tools.comm_gate import comm_summary
 from examples.gpt import GPT, GPTConfig, example_batch
+from examples.moe import MoEConfig, MoEGPT
 from tests.numerics import (STEPS, comparison_mesh, distributed_rank, parallel_trainer, single_device, train_step,
                             whole_tensors)
-from tests.numerics_checks import assert_ledger_equals_measured, assert_matches, assert_memory_equals_ledger
+from tests.numerics_checks import (assert_held_equals_ledger, assert_ledger_equals_measured, assert_matches,
+                                   assert_memory_equals_ledger)
 
 CONFIG = GPTConfig(vocab_size=128, seq_len=32, n_layer=2, n_head=4, d_model=32, d_ff=64)
 build = functools.partial(GPT, CONFIG)
@@ -100,6 +102,42 @@ def test_bf16_compute_fp32_masters_under_every_parallelism():
             assert_memory_equals_ledger(results, reference, activations=micro == 1)
         except AssertionError as error:
             raise AssertionError(f"{name} ({mesh}): {error}") from None
+
+
+def moe_rank(rank: int, world: int) -> dict:
+    from tests import test_moe
+
+    test_moe._routing.clear()
+    return distributed_rank(rank, world, MOE_BUILD, MOE_BATCHES, "ep=2", [autopar.expert_parallel(), BF16],
+                            step=test_moe.routed_step, after=test_moe._after, eps=EPS)
+
+
+MOE_CONFIG = MoEConfig(vocab_size=128, seq_len=16, n_layer=2, n_head=4, d_model=32, n_experts=4, top_k=2, d_expert=32)
+MOE_BUILD = functools.partial(MoEGPT, MOE_CONFIG)
+MOE_BATCHES = [example_batch(MOE_CONFIG, batch=4, seed=step) for step in range(STEPS)]
+
+
+@pytest.mark.timeout(300)
+def test_bf16_experts_under_expert_parallelism():
+    """The example MoE on ep=2 under mixed precision against one device's bf16-copy recipe (the
+    bound above): the router, the experts and the all-to-alls compute and move bf16 (each step's
+    all-to-all bytes equal what its routing implies at 2 bytes an element, counted from outside;
+    every other collective equals the ledger), the optimizer updates fp32 masters, and the bytes
+    held after each step equal the memory ledger."""
+    from tests.test_moe import assert_comm_equals_ledger_and_routing
+
+    results = launch(moe_rank, 2, timeout_s=240)
+    reference = single_device(MOE_BUILD, MOE_BATCHES, param_dtype=torch.bfloat16, eps=EPS)
+    # the example's router computes its logits in fp32 (`.float()`), so its auxiliary losses and the
+    # loss they join are fp32 under the recipe too
+    assert {loss.dtype for r in results for loss in r["losses"]} == {torch.float32}
+    assert {p.dtype for r in results for step in r["params"] for p in step.values()} == {torch.float32}
+    for result in results:
+        result["losses"] = [loss.float() for loss in result["losses"]]
+    assert_matches(reference, results, tolerance=5e-2, noise_floor=1e-3)
+    assert_comm_equals_ledger_and_routing(results, "example", "ep2", element_bytes=2)
+    for result in results:
+        assert_held_equals_ledger(result)
 
 
 def _volumes(mesh: str, strategies: list) -> dict[tuple[str, str], int]:

@@ -137,14 +137,16 @@ def reference(model: str, microbatches: int = 1, data_ranks: int = 1) -> dict:
     return _references[(model, microbatches)]
 
 
-def assert_comm_equals_ledger_and_routing(results: list[dict], model: str, name: str) -> None:
+def assert_comm_equals_ledger_and_routing(results: list[dict], model: str, name: str, *, element_bytes: int = 4
+                                          ) -> None:
     """Each step: every (kind, axis) the ledger names, counted over the step, equals it; the
     all-to-alls' bytes equal what the step's routing implies (module docstring). Under ep×tp the
     experts' rows are also replicated on tp, so the gradient of the dispatched rows is all-reduced
     over tp (Megatron's f, once per block): its bytes follow the rows received, not the ledger's
     uniform routing — the ledger's plus (rows received - rows routed) · d · 4 per block. A ZeRO
     unit's gradients exchanged by an all-to-all (`zero(reduce=)`, gloo's default) add the ledger's
-    bytes of that exchange to backward's, whatever the routing."""
+    bytes of that exchange to backward's, whatever the routing. `element_bytes`: of the routed rows'
+    dtype (2 under bf16 mixed precision)."""
     hidden, experts, _ = SIZES[model]
     tensor_parallel = "tp" in autopar.Mesh.parse(CASES[name][0]).names
     for result in results:
@@ -155,7 +157,7 @@ def assert_comm_equals_ledger_and_routing(results: list[dict], model: str, name:
                        if phase in ("forward", "backward") and kind == "all_to_all"}
         for step, measured in enumerate(result["comm"]):
             routing = result["routing"][step]
-            implied = moe.routing_bytes(routing, row_bytes={b: hidden * 4 for b, *_ in routing},
+            implied = moe.routing_bytes(routing, row_bytes={b: hidden * element_bytes for b, *_ in routing},
                                         count_bytes={b: experts * 8 for b, *_ in routing})
             extra_rows = sum(sum(receive) - sum(send) for _, send, receive, _, again in routing if not again)
             where = f"rank {result['rank']} step {step}"
@@ -172,7 +174,7 @@ def assert_comm_equals_ledger_and_routing(results: list[dict], model: str, name:
                     assert nbytes == routed, f"{where} {phase} {key}: {nbytes} bytes != routing's {routed}"
                 if phase != "forward" and tensor_parallel and routing:
                     calls, nbytes = want[("all_reduce", "tp")]
-                    want[("all_reduce", "tp")] = (calls, nbytes + extra_rows * hidden * 4)
+                    want[("all_reduce", "tp")] = (calls, nbytes + extra_rows * hidden * element_bytes)
                 assert got == want, f"{where} {phase}: measured {got} != ledger {want}"
 
 
