@@ -3,7 +3,10 @@ job with its traceback instead of hanging."""
 from __future__ import annotations
 
 import ctypes
+import faulthandler
+import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -120,6 +123,33 @@ def test_a_rank_killed_in_native_code_is_reported_with_the_faulting_threads_nati
     assert "SIGSEGV" in where and "fatalSignalHandler" in where and "ffi_call" in where
     assert "Current thread" in where and "in segfault_on_rank_one" in where
     assert text.rindex("--- rank 1 stderr") > text.rindex("--- rank 0 stderr")  # the dead rank's last
+
+
+def _exit_with(code: int) -> None:
+    faulthandler.disable()  # pytest's, inherited: its stack dump would only be noise here
+    if code < 0:
+        os.kill(os.getpid(), -code)
+    os._exit(code)
+
+
+def test_the_launcher_names_the_rank_a_signal_killed_not_the_peers_it_took_down():
+    """When a rank crashes, its peers raise too (gloo's "connection closed by peer") and the
+    launcher may see a peer's error first; `_crashed` picks the rank that died of a signal the
+    launcher did not send (SIGTERM and SIGKILL are how the launcher and torch stop the others)."""
+    from types import SimpleNamespace
+
+    from autopar.runtime.launch import _crashed
+
+    def ended(*codes: int) -> SimpleNamespace:
+        processes = [multiprocessing.get_context("fork").Process(target=_exit_with, args=(code,)) for code in codes]
+        for process in processes:
+            process.start()
+            process.join()
+        return SimpleNamespace(processes=processes)
+
+    assert _crashed(ended(1, -signal.SIGSEGV, -signal.SIGTERM)) == 1
+    assert _crashed(ended(-signal.SIGTERM, 1, -signal.SIGABRT)) == 2
+    assert _crashed(ended(1, -signal.SIGTERM, -signal.SIGKILL, 0)) is None
 
 
 def print_rank(rank: int, world: int) -> int:

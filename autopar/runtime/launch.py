@@ -24,6 +24,7 @@ import importlib.util
 import multiprocessing
 import os
 import re
+import signal
 import socket
 import sys
 import tempfile
@@ -165,6 +166,34 @@ def crash_summary(text: str, frames: int = 24) -> str:
     return "\n".join(part for part in (native, python) if part)
 
 
+_STOPPED_BY_LAUNCH = (signal.SIGTERM, signal.SIGKILL)  # how torch's join and `_kill` stop the other ranks
+
+
+def _crashed(context: Any) -> int | None:
+    """The first rank that died of a signal nobody here sent (a crash: SIGSEGV, SIGABRT, ...), if any."""
+    for index, process in enumerate(context.processes):
+        process.join(5)
+        code = process.exitcode
+        if code is not None and code < 0 and -code not in _STOPPED_BY_LAUNCH:
+            return index
+    return None
+
+
+def _signal_name(context: Any, rank: int) -> str:
+    try:
+        return signal.Signals(-context.processes[rank].exitcode).name
+    except ValueError:
+        return f"signal {-context.processes[rank].exitcode}"
+
+
+def _rank_killed(headline: str, out_dir: str, world_size: int, rank: int) -> RankKilled:
+    """The error for `rank` killed by a signal: every rank's stderr tail, the dead rank's last, then
+    where it died (`crash_summary`)."""
+    summary = crash_summary(_stderr(out_dir, rank))
+    return RankKilled(f"{headline}\n{_stderr_tails(out_dir, world_size, last=rank)}"
+                      + (f"\n--- where rank {rank} died ---\n{summary}" if summary else ""))
+
+
 def _forward_stderr(out_dir: str, world_size: int) -> None:
     """A finished job's rank stderr (warnings, prints) on the caller's stderr, rank by rank."""
     for rank in range(world_size):
@@ -194,12 +223,13 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
                                        f"{_stderr_tails(out_dir, world_size)}")
         except mp.ProcessRaisedException as error:
             details = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.endswith(".err")]
+            crashed = _crashed(context)
+            if crashed is not None:  # its peers' errors ("connection closed by peer") only follow from it
+                raise _rank_killed(f"rank {crashed} was killed by {_signal_name(context, crashed)}; its peers then "
+                                   f"raised:\n" + "\n".join(details), out_dir, world_size, crashed) from error
             raise RuntimeError("a rank failed:\n" + "\n".join(details)) from error
         except mp.ProcessExitedException as error:
-            summary = crash_summary(_stderr(out_dir, error.error_index))
-            raise RankKilled(f"a rank exited abnormally: {error}\n{_stderr_tails(out_dir, world_size, last=error.error_index)}"
-                             + (f"\n--- where rank {error.error_index} died ---\n{summary}" if summary else "")
-                             ) from error
+            raise _rank_killed(f"a rank exited abnormally: {error}", out_dir, world_size, error.error_index) from error
         finally:
             _kill(context)
         _forward_stderr(out_dir, world_size)
