@@ -71,6 +71,48 @@ def test_an_op_is_priced_at_the_bandwidth_of_its_own_size_where_the_cluster_meas
         dataclasses.replace(flat, memory_curve=((2 ** 10, 0.0),))
 
 
+def test_a_product_is_priced_at_its_operands_dtype_figure():
+    """`matmul_tflops` rows replace `peak_tflops` for the dtypes they name: an H100 multiplies fp32
+    at 67 TFLOP/s (TF32 off, PyTorch's default), bf16 at 989, fp8 at 1,979."""
+    from autopar.compiler.ledger.op_cost import OpTotals
+
+    h100 = Cluster.preset("h100x8")
+    assert [h100.peak_flops_for(d) for d in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)] == [
+        67e12, 989e12, 989e12, 1979e12]
+    plain = dataclasses.replace(h100, matmul_tflops=(), op_overhead_us=0, memory_gbps=1e9)  # FLOPs-bound
+    h100 = dataclasses.replace(h100, op_overhead_us=0, memory_gbps=1e9)
+    calls = OpTotals()
+    calls.add(10 ** 12, 0, "float32")
+    calls.add(10 ** 12, 0, "bfloat16")
+    calls.add(10 ** 12, 0, "float8_e5m2")
+    assert calls.seconds(h100) == pytest.approx(1 / 67 + 1 / 989 + 1 / 1979, rel=1e-3)
+    assert calls.seconds(plain) == pytest.approx(3 / 989, rel=1e-3)
+    with pytest.raises(PlanError, match="matmul_tflops row"):
+        dataclasses.replace(h100, matmul_tflops=(("float33", 10),))
+    with pytest.raises(PlanError, match="matmul_tflops row"):
+        dataclasses.replace(h100, matmul_tflops=(("float32", 0),))
+
+
+def test_the_op_ledger_records_the_dtype_each_product_computes_in():
+    """The example GPT planned in fp32 and under mixed precision: every FLOP-counted call of the
+    rank graph (matrix products, attention) is recorded in fp32, then in bf16 (the masters' casts
+    are copies, no FLOPs), and on an H100 the bf16 plan's products cost 67/989 of the fp32 plan's."""
+    from autopar.compiler.ledger.fake_run import rank_ops
+
+    model, batch = example()
+    fp32 = autopar.plan(model, "dp=1", strategies=[], example_inputs=batch)
+    bf16 = autopar.plan(model, "dp=1", strategies=[autopar.mixed_precision()], example_inputs=batch)
+    h100 = dataclasses.replace(Cluster.preset("h100x1"), op_overhead_us=0, memory_gbps=1e12)  # FLOPs-bound
+    seconds = {}
+    for name, plan, dtype in (("fp32", fp32, "float32"), ("bf16", bf16, "bfloat16")):
+        ops = rank_ops(plan, 0)
+        calls = ops.forward.per_call + ops.backward.per_call
+        assert {d for f, _, d in calls if f} == {dtype}, name
+        assert {d for f, _, d in calls if not f} == {""}
+        seconds[name] = ops.forward.seconds(h100) + ops.backward.seconds(h100)
+    assert seconds["bf16"] / seconds["fp32"] == pytest.approx(67 / 989, rel=1e-2)
+
+
 @pytest.mark.parametrize("changes, words", [
     ({"nodes": 0}, "nodes=0; it must be a positive integer"),
     ({"gpus_per_node": 2.5}, "gpus_per_node=2.5; it must be a positive integer"),
@@ -197,6 +239,7 @@ def test_calibration_predicts_an_all_reduce_timed_apart_from_it():
     calibration = autopar.calibrate(world_size=2, repeats=5)
     cluster = calibration.cluster
     assert cluster.world_size == 2 and cluster.nodes == 1 and cluster.memory_gb > 0 and cluster.peak_tflops > 0
+    assert [name for name, _ in cluster.matmul_tflops] == ["bfloat16"] and cluster.peak_flops_for(torch.bfloat16) > 0
     assert cluster.intra_gbps == cluster.inter_gbps > 0
     assert len(calibration.samples) == len(calibration.fitted) and "α-β model ms" in calibration.table()
     nbytes = 2 ** 22

@@ -6,7 +6,9 @@ CPU, one thread each), each running `calibration_rank`, which together:
   the median of `repeats` calls; each call's time is the slowest rank's, read after a barrier);
 - time a square fp32 matrix product on every rank at once (the ranks share the machine's cores
   as training's ranks do; `_per_call`: samples of many calls, longer than the scheduler's
-  slice, as for the copies and the small op below), giving the per-rank throughput;
+  slice, as for the copies and the small op below), giving the per-rank throughput; and one of
+  bf16 operands (`Cluster.matmul_tflops`' "bfloat16" row: a CPU without bf16 matrix units
+  multiplies bf16 over a hundred times slower than fp32, which a mixed-precision plan pays);
 - time copies of 64 KiB to 32 MiB on every rank at once, each size in a loop of `LOOP_BYTES`
   (memory bandwidth: read + write bytes over the time beyond a 4-byte copy's, which is the
   call's fixed cost), one `Cluster.memory_curve` row per size: a CPU's caches serve the small
@@ -51,6 +53,7 @@ from autopar.cost.cluster import GB, Cluster
 SIZES = tuple(4 ** k * 1024 for k in range(8))  # 1 KiB ... 16 MiB
 MATMUL_N = 512
 MATMUL_CALLS = 16  # per sample (`_per_call`)
+BF16_MATMUL_N = 128  # smaller: where bf16 has no matrix units one 512-square product takes a second
 COPY_BYTES = 32 * 2 ** 20
 CURVE_BYTES = tuple(4 ** k * 64 * 1024 for k in range(4)) + (COPY_BYTES,)  # 64 KiB ... 4 MiB, 32 MiB
 LOOP_BYTES = 128 * 2 ** 20  # copied per sample: longer than the scheduler's slice, where ranks share cores
@@ -150,8 +153,8 @@ def _per_call(call: Callable[[], object], calls: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _timed_matmul(n: int, repeats: int) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def _timed_matmul(n: int, repeats: int, dtype: torch.dtype = torch.float32) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     return _per_call(lambda: torch.mm(a, b), MATMUL_CALLS, repeats)
 
 
@@ -212,6 +215,7 @@ def _timed_kinds(rank: int, world_size: int, repeats: int) -> dict[str, float]:
 def calibration_rank(rank: int, world_size: int, sizes: tuple[int, ...], repeats: int) -> dict:
     samples = [(size, _timed_all_reduce(size, repeats)) for size in sizes]
     return {"samples": samples, "groups": _group_samples(rank, world_size, sizes, repeats), "matmul": _timed_matmul(MATMUL_N, repeats),
+            "matmul_bf16": _timed_matmul(BF16_MATMUL_N, repeats, torch.bfloat16),
             "copies": _timed_copies(CURVE_BYTES, repeats), "small_op": _timed_small_op(repeats),
             "overlap": _overlap_times(repeats), "kinds": _timed_kinds(rank, world_size, repeats),
             "handover": _timed_handover(rank, repeats)}
@@ -251,6 +255,7 @@ def fit_calibration(results: list[dict], world_size: int) -> Calibration:
     samples = results[0]["samples"]  # every rank holds the same (slowest-rank) times
     alpha, beta = fit_alpha_beta(samples, world_size)
     matmul = max(r["matmul"] for r in results)
+    bf16_tflops = 2 * BF16_MATMUL_N ** 3 / max(r["matmul_bf16"] for r in results) / 1e12
     copies = {size: max(r["copies"][size] for r in results) for size in CURVE_BYTES}
     curve = tuple((2 * size, 2 * size / seconds / GB) for size, seconds in sorted(copies.items()))
     small_op = max(r["small_op"] for r in results)
@@ -269,7 +274,7 @@ def fit_calibration(results: list[dict], world_size: int) -> Calibration:
                       intra_latency_us=alpha * 1e6, inter_latency_us=alpha * 1e6,
                       p2p_latency_us=results[0]["handover"] * 1e6,
                       memory_gbps=2 * COPY_BYTES / copies[COPY_BYTES] / GB, memory_curve=curve,
-                      op_overhead_us=small_op * 1e6,
+                      op_overhead_us=small_op * 1e6, matmul_tflops=(("bfloat16", bf16_tflops),),
                       overlap=overlap_share(*overlap), processors=processors if processors < world_size else None,
                       group_links=tuple(sorted(group_links)), kind_factors=kind_factors,
                       name=f"local host, {world_size} ranks (measured)", backend="gloo")

@@ -17,7 +17,14 @@ describes it; `Cluster.preset(name)` gives the named ones (`PRESETS`); `autopar.
   two differ by much: a collective's every step waits for all of its peers to be scheduled, a
   lone message for one that is waiting for it (`calibrate` measures both; they can differ
   twentyfold);
-- `peak_tflops`: dense matrix-product throughput, 10^12 floating-point operations per second;
+- `peak_tflops`: dense matrix-product throughput, 10^12 floating-point operations per second —
+  the headline figure: 16-bit operands on the GPU presets, fp32 on a calibrated CPU;
+- `matmul_tflops`: (dtype name, TFLOP/s) rows for operand dtypes whose products run at another
+  rate: on an H100, fp32 (PyTorch's default float32 matmul precision, "highest", multiplies fp32
+  15× slower than bf16; a job that allows TF32 gives ("float32", 495)) and fp8 (twice bf16's);
+  on a CPU without bf16 matrix units, bf16 (`calibrate` measures it: over a hundred times slower
+  than fp32). A call's FLOPs are priced at its operands' dtype's figure (`peak_flops_for`),
+  `peak_tflops` where no row names it;
 - `memory_gbps`: the accelerator memory's bandwidth, GB/s (what an elementwise op is bound by);
 - `memory_curve`: measured (bytes an op touches, GB/s) where the bandwidth depends on the size —
   a CPU's caches serve a call on small tensors several times faster than its memory serves a
@@ -53,8 +60,9 @@ import math
 from dataclasses import dataclass
 
 import sympy
+import torch
 
-from autopar.compiler.ledger.op_cost import bandwidth_at
+from autopar.compiler.ledger.op_cost import Peaks, bandwidth_at
 from autopar.core.comm_kinds import KINDS, wire_bytes, wire_factor
 from autopar.core.errors import PlanError
 from autopar.core.mesh import Mesh
@@ -84,6 +92,7 @@ class Cluster:
     backend: str = "nccl"
     p2p_latency_us: float | None = None
     memory_curve: tuple[tuple[int, float], ...] = ()
+    matmul_tflops: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
@@ -105,6 +114,11 @@ class Cluster:
                             f"communication hidden behind compute, between 0 and 1")
         if self.processors is not None and (not isinstance(self.processors, int) or self.processors < 1):
             raise PlanError(f"cluster {self.label}: processors={self.processors!r}; a positive integer or None")
+        for row in self.matmul_tflops:
+            if (len(row) != 2 or not isinstance(row[0], str) or not isinstance(getattr(torch, row[0], None), torch.dtype)
+                    or not isinstance(row[1], (int, float)) or not row[1] > 0):
+                raise PlanError(f"cluster {self.label}: matmul_tflops row {row!r}; each is (a torch dtype's name such as "
+                                f"'float32' or 'float8_e4m3fn', TFLOP/s > 0)")
         for row in self.memory_curve:
             if len(row) != 2 or row[0] <= 0 or row[1] <= 0:
                 raise PlanError(f"cluster {self.label}: memory_curve row {row!r}; each is (bytes > 0, GB/s > 0)")
@@ -136,6 +150,14 @@ class Cluster:
     @property
     def peak_flops(self) -> float:
         return self.peak_tflops * 1e12
+
+    def peak_flops_for(self, dtype: "torch.dtype | str") -> float:
+        """Matrix-product FLOP/s of operands of `dtype` (`matmul_tflops`, else `peak_tflops`)."""
+        return self.peaks.flops(str(dtype).removeprefix("torch."))
+
+    @property
+    def peaks(self) -> Peaks:
+        return Peaks(self.peak_flops, tuple((name, tflops * 1e12) for name, tflops in self.matmul_tflops))
 
     @property
     def memory_bandwidth(self) -> float:
@@ -219,27 +241,30 @@ def _per_link(intra: float, inter: float, link: str) -> float:
 
 def _h100_node(nodes: int) -> Cluster:
     # DGX/HGX H100 SXM: NVLink 4 + NVSwitch, nccl-tests all-reduce busbw ~450 GB/s in a node; one
-    # 400 Gb/s InfiniBand NIC per GPU (50 GB/s, busbw ~45 GB/s across nodes); 989 dense BF16 TFLOP/s;
+    # 400 Gb/s InfiniBand NIC per GPU (50 GB/s, busbw ~45 GB/s across nodes); 989 dense BF16 TFLOP/s,
+    # 1,979 FP8, 67 FP32 (PyTorch's default float32 matmul precision keeps TF32 off);
     # HBM3 3.35 TB/s; ~4 µs per kernel launch
     return Cluster(nodes=nodes, gpus_per_node=8, memory_gb=80, intra_gbps=450, inter_gbps=45, peak_tflops=989,
                    intra_latency_us=5, inter_latency_us=10, memory_gbps=3350, op_overhead_us=4,
+                   matmul_tflops=(("float32", 67), ("float8_e4m3fn", 1979), ("float8_e5m2", 1979)),
                    name=f"h100x{nodes}")
 
 
 def _a100_node(nodes: int) -> Cluster:
     # DGX A100 80 GB: NVLink 3 busbw ~230 GB/s; one 200 Gb/s HDR NIC per GPU (25 GB/s, busbw ~23);
-    # 312 dense BF16 TFLOP/s; HBM2e 2.04 TB/s
+    # 312 dense BF16 TFLOP/s, 19.5 FP32 (TF32 off, PyTorch's default; no FP8); HBM2e 2.04 TB/s
     return Cluster(nodes=nodes, gpus_per_node=8, memory_gb=80, intra_gbps=230, inter_gbps=23, peak_tflops=312,
                    intra_latency_us=6, inter_latency_us=12, memory_gbps=2039, op_overhead_us=5,
-                   name=f"a100x{nodes}")
+                   matmul_tflops=(("float32", 19.5),), name=f"a100x{nodes}")
 
 
 # A CPU host whose 4 gloo ranks of one thread each share 2 cores, as `python benchmarks/calibrate.py
 # --world 4` measures one (the readings behind these figures: benchmarks/RESULTS.md). α is large
-# because each ring step waits for a peer to be scheduled.
+# because each ring step waits for a peer to be scheduled. Its cores have no bf16 matrix units: a
+# 256-square bf16 product ran 148x slower than fp32 on one thread (2026-12-06, benchmarks/RESULTS.md).
 CPU2X4 = Cluster(nodes=1, gpus_per_node=4, memory_gb=6.3, intra_gbps=1.4, inter_gbps=1.4, peak_tflops=0.05,
                  intra_latency_us=950, inter_latency_us=950, p2p_latency_us=60, name="cpu2x4",
-                 backend="gloo")
+                 backend="gloo", matmul_tflops=(("bfloat16", 0.05 / 148),))
 
 PRESETS: dict[str, Cluster] = {
     **{f"h100x{n}": _h100_node(n) for n in (1, 8, 64, 1024)},

@@ -132,7 +132,7 @@ def _blocks_path(model: torch.nn.Module) -> tuple[str, int]:
 
 def _ops_difference(two: OpTotals, one: OpTotals) -> tuple[OpTotals, OpTotals]:
     """(block, rest): the calls the second block adds, and the one-block plan's calls less those.
-    Calls are matched as a multiset of (FLOPs, bytes)."""
+    Calls are matched as a multiset of (FLOPs, bytes, dtype)."""
     two_calls, one_calls = Counter(two.per_call), Counter(one.per_call)
     block_calls = two_calls - one_calls
     rest_calls = one_calls - block_calls
@@ -141,9 +141,9 @@ def _ops_difference(two: OpTotals, one: OpTotals) -> tuple[OpTotals, OpTotals]:
 
 def _totals(calls: Counter) -> OpTotals:
     totals = OpTotals()
-    for (flops, nbytes), count in calls.items():
+    for (flops, nbytes, dtype), count in calls.items():
         for _ in range(count):
-            totals.add(flops, nbytes)
+            totals.add(flops, nbytes, dtype)
     return totals
 
 

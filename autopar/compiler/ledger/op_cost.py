@@ -18,7 +18,10 @@ flight behind, which the cost model hides it behind (`autopar/cost/step_cost.py`
 `OpTotals.seconds(cluster)` prices the calls with a roofline per call — the larger of FLOPs /
 peak and bytes / memory bandwidth (at the call's own size where the cluster measured a
 `memory_curve`: a CPU's caches) — plus the cluster's fixed cost per call; that is the compute
-part of the cost model (`autopar/cost/comm_cost.py`). One micro-batch under a pipeline: the stage graph is
+part of the cost model (`autopar/cost/comm_cost.py`). The peak is the cluster's for the dtype the
+call computes in (`Cluster.peak_flops_for`: its first tensor operand's; an H100 multiplies bf16 15×
+faster than fp32 at PyTorch's default precision, fp8 twice as fast as bf16), so a mixed-precision
+plan is priced at the 16-bit figure and an fp32 one at the fp32 figure. One micro-batch under a pipeline: the stage graph is
 a micro-batch's.
 """
 from __future__ import annotations
@@ -45,36 +48,52 @@ class OpTotals:
     calls: int = 0
     flops: int = 0
     bytes: int = 0
-    # per call: (flops, bytes), to price each call on its own roofline
-    per_call: list[tuple[int, int]] = field(default_factory=list, repr=False)
+    # per call: (flops, bytes, the dtype its FLOPs are computed in — "" where it has none), to
+    # price each call on its own roofline
+    per_call: list[tuple[int, int, str]] = field(default_factory=list, repr=False)
     _rooflines: dict = field(default_factory=dict, repr=False, compare=False)  # see `roofline`
 
-    def add(self, flops: int, nbytes: int) -> None:
+    def add(self, flops: int, nbytes: int, dtype: str = "") -> None:
         self.calls += 1
         self.flops += flops
         self.bytes += nbytes
-        self.per_call.append((flops, nbytes))
+        self.per_call.append((flops, nbytes, dtype if flops else ""))
 
-    def roofline(self, peak_flops: float, bandwidth: float, curve: tuple = (), scale: float = 1.0) -> float:
-        """Seconds of the calls' own rooflines, without their fixed cost, each call's FLOPs and
-        bytes times `scale` (the composed model's batch) and its bytes at the bandwidth of its own
-        size where the cluster has a `memory_curve` (`bandwidth_at`): remembered
-        per (peak, bandwidth, calls), and per curve and scale where there is a curve — the planner
-        prices every candidate of a layout on the same totals."""
+    def roofline(self, peaks: "Peaks", bandwidth: float, curve: tuple = (), scale: float = 1.0) -> float:
+        """Seconds of the calls' own rooflines, without their fixed cost, each call's FLOPs (at
+        `peaks`' figure for its dtype) and bytes times `scale` (the composed model's batch) and its
+        bytes at the bandwidth of its own size where the cluster has a `memory_curve`
+        (`bandwidth_at`): remembered per (peaks, bandwidth, calls), and per curve and scale where
+        there is a curve — the planner prices every candidate of a layout on the same totals."""
         if not curve:  # one bandwidth: the sum scales with the batch as a whole
-            key: tuple = (peak_flops, bandwidth, len(self.per_call))
+            key: tuple = (peaks, bandwidth, len(self.per_call))
             if key not in self._rooflines:
-                self._rooflines[key] = sum(max(f / peak_flops, b / bandwidth) for f, b in self.per_call)
+                self._rooflines[key] = sum(max(f / peaks.flops(d), b / bandwidth) for f, b, d in self.per_call)
             return scale * self._rooflines[key]
-        key = (peak_flops, bandwidth, curve, scale, len(self.per_call))
+        key = (peaks, bandwidth, curve, scale, len(self.per_call))
         if key not in self._rooflines:
-            self._rooflines[key] = scale * sum(max(f / peak_flops, b / bandwidth_at(curve, bandwidth, scale * b))
-                                               for f, b in self.per_call)
+            self._rooflines[key] = scale * sum(max(f / peaks.flops(d), b / bandwidth_at(curve, bandwidth, scale * b))
+                                               for f, b, d in self.per_call)
         return self._rooflines[key]
 
     def seconds(self, cluster: "Cluster", scale: float = 1.0) -> float:
-        return (self.roofline(cluster.peak_flops, cluster.memory_bandwidth, cluster.memory_curve, scale)
+        return (self.roofline(cluster.peaks, cluster.memory_bandwidth, cluster.memory_curve, scale)
                 + len(self.per_call) * cluster.op_overhead)
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """Matrix-product FLOPs per second by the dtype a call computes in: `by_dtype` rows (dtype
+    name, FLOP/s) where a dtype's differs from `default` (`Cluster.matmul_tflops`)."""
+
+    default: float
+    by_dtype: tuple[tuple[str, float], ...] = ()
+
+    def flops(self, dtype: str) -> float:
+        for name, value in self.by_dtype:
+            if name == dtype:
+                return value
+        return self.default
 
 
 @dataclass(frozen=True)
@@ -119,6 +138,14 @@ def _kind(func: Any) -> "tuple[bool, bool, Any]":
 _KINDS: dict = {}
 
 
+def _operand_dtype(args: tuple) -> str:
+    """The dtype a FLOP-counted call computes in: its first tensor operand's ("float32", "bfloat16",
+    "float8_e4m3fn" for a scaled fp8 product)."""
+    for value in tensors_in(args):
+        return str(value.dtype).removeprefix("torch.")
+    return ""
+
+
 def _in_tap() -> bool:
     """Is autograd running a weight-gradient tap's backward (`weight_gradients._Tap`)?"""
     node = torch._C._current_autograd_node()
@@ -145,13 +172,14 @@ class _OpRecorder(TorchDispatchMode):
             return out
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
         nbytes = 0 if is_view else _nbytes((args, kwargs, out))
+        dtype = _operand_dtype(args) if flops else ""
         tap = self.phase == "backward" and _in_tap()
         in_block = self.in_block is not None and self.in_block()
         for totals, counted in ((self.totals, True), (self.block_totals, in_block)):
             if counted:
-                totals[self.phase].add(flops, nbytes)
+                totals[self.phase].add(flops, nbytes, dtype)
                 if tap:
-                    totals["taps"].add(flops, nbytes)
+                    totals["taps"].add(flops, nbytes, dtype)
         return out
 
 
