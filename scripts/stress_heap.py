@@ -23,6 +23,14 @@ order on two ranks fails at once, named.
 
     python scripts/stress_heap.py --runs 200            # tp2_sp and dp2_tp2_sp
     python scripts/stress_heap.py --runs 20 --steps 60 --variants tp4_sp,dp2_tp2_sp_chunks --no-overlap
+    python scripts/stress_heap.py --runs 40 --steps 30 --variants pp2_tp2_sp_chunks --torch-gloo
+
+The cause, found 2026-12-06 (docs/known-limits.md): PyTorch's gloo runs a process group's
+collectives on two worker threads, and two collectives of one group running at once corrupt the
+heap; autopar's launcher and `init_from_env` start gloo with one worker thread per group
+(`autopar/runtime/serial_gloo.py`). `--torch-gloo` runs PyTorch's gloo instead, to see it. The
+per-thread cache the corruption shows in is off here by default (below), which hid it: the
+cores of the aborts show a gloo worker's cache of 32-byte chunks overwritten.
 
 Prints one line per run and a summary per variant: runs, clean, aborts (SIGABRT), other signals,
 timeouts, Python errors. Each failed run's message (every rank's stderr tail with faulthandler's
@@ -63,6 +71,9 @@ def _variants(names: list[str], no_overlap: bool) -> dict[str, tuple[str, list]]
             "tp4_sp": ("tp=4", [autopar.sequence_parallel()]),
             "dp2_tp2_sp": ("dp=2,tp=2", [autopar.data_parallel(), autopar.sequence_parallel()]),
             "dp2_tp2_sp_chunks": ("dp=2,tp=2", [autopar.data_parallel(), autopar.sequence_parallel(),
+                                                autopar.schedule(chunks=2)]),
+            # the job that aborted most often (2026-12-06): 3 in 32 runs of 30 steps under PyTorch's gloo
+            "pp2_tp2_sp_chunks": ("pp=2,tp=2", [autopar.pipeline_parallel(microbatches=2), autopar.sequence_parallel(),
                                                 autopar.schedule(chunks=2)])}
     unknown = [n for n in names if n not in base]
     if unknown:
@@ -88,11 +99,19 @@ def _classify(error: BaseException) -> str:
     return "error"
 
 
-def run_once(mesh: str, strategies: list, *, steps: int, timeout_s: float, deadline_s: float) -> None:
+def _pipeline_step(module, local):
+    return module.train_step(*local)
+
+
+def run_once(mesh: str, strategies: list, *, steps: int, timeout_s: float, deadline_s: float,
+             backend: str | None) -> None:
     batches = [token_batch(batch=8, seq=16, vocab=128, seed=step) for step in range(steps)]
     world = autopar.Mesh.parse(mesh).world_size
-    launch(functools.partial(distributed_rank, memory=False), world, tiny_llama, batches, mesh, strategies,
-           timeout_s=timeout_s, deadline_s=deadline_s)
+    rank = functools.partial(distributed_rank, memory=False)
+    if "pp" in autopar.Mesh.parse(mesh).names:
+        rank = functools.partial(rank, step=_pipeline_step)
+    launch(rank, world, tiny_llama, batches, mesh, strategies, timeout_s=timeout_s, deadline_s=deadline_s,
+           backend=backend)
 
 
 def main() -> int:
@@ -107,6 +126,9 @@ def main() -> int:
     parser.add_argument("--detail", action="store_true", help="TORCH_DISTRIBUTED_DEBUG=DETAIL in every rank")
     parser.add_argument("--malloc-debug", action="store_true",
                         help=f"preload {MALLOC_DEBUG} (MALLOC_CHECK_ acts only with it since glibc 2.34)")
+    parser.add_argument("--torch-gloo", action="store_true",
+                        help="PyTorch's gloo (two worker threads a group), not autopar's serial gloo "
+                             "(autopar/runtime/serial_gloo.py): what aborted")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=60.0, help="each collective's limit, seconds")
     parser.add_argument("--deadline", type=float, default=180.0, help="each run's limit, seconds")
@@ -135,7 +157,8 @@ def main() -> int:
                 break
             t0 = time.monotonic()
             try:
-                run_once(mesh, strategies, steps=args.steps, timeout_s=args.timeout, deadline_s=args.deadline)
+                run_once(mesh, strategies, steps=args.steps, timeout_s=args.timeout, deadline_s=args.deadline,
+                         backend="gloo" if args.torch_gloo else None)
                 outcome = "clean"
             except Exception as error:  # noqa: BLE001 - every failure is counted and kept
                 outcome = _classify(error)

@@ -85,15 +85,20 @@ def wire_bytes(kind: str, group_size: int, logical: sympy.Expr) -> sympy.Expr:
 EXCHANGE_FOR_REDUCE_SCATTER = ("gloo",)
 
 
+# gloo with one worker thread per process group (`autopar/runtime/serial_gloo.py`): gloo here
+SERIAL_GLOO = "gloo_serial"
+
+
 def runtime_backend() -> str | None:
     """The initialised default process group's backend for CPU tensors where it names one per
     device ("cpu:gloo,cuda:nccl": gloo, as `parallelize` places a mesh of such a group on the CPU);
-    None when planning without one."""
+    "gloo" for `SERIAL_GLOO`; None when planning without one."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     backend = dist.get_backend()
     by_device = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
-    return by_device.get("cpu", backend) if by_device else backend
+    backend = by_device.get("cpu", backend) if by_device else backend
+    return "gloo" if backend == SERIAL_GLOO else backend
 
 
 # Backends whose all-gather is slower than one broadcast from each rank into its row of the

@@ -14,6 +14,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from autopar.core.comm_kinds import runtime_backend
+
 
 def rank_device(*, local_rank: int | None = None) -> torch.device:
     """This rank's device: accelerator `local_rank` (default: `LOCAL_RANK`, else 0), or the CPU."""
@@ -35,6 +37,6 @@ def backend_for(device: torch.device) -> str:
 
 def group_device() -> torch.device:
     """The device the default process group's tensors live on (CPU under gloo)."""
-    if dist.get_backend() == "gloo":
+    if runtime_backend() == "gloo":
         return torch.device("cpu")
     return rank_device()

@@ -84,8 +84,7 @@ class GradSynchronizer:
             self.params[fqn].register_post_accumulate_grad_hook(self._make_hook(fqn))
 
     def _view(self, fqn: str) -> torch.Tensor:
-        """`fqn`'s slice of its bucket, a new view each time (views built once and reused were
-        suspected in a heap corruption, not explained: docs/known-limits.md)."""
+        """`fqn`'s slice of its bucket, a new view each time."""
         index, offset = self._slot[fqn]
         param = self.params[fqn]
         return self._flat[index][offset:offset + param.numel()].view_as(param)

@@ -24,6 +24,7 @@ from itertools import groupby
 
 import torch.distributed as dist
 
+from autopar.core.comm_kinds import runtime_backend
 from autopar.core.errors import PlanError
 
 _exchanges = 0  # exchanges so far in this process (every rank runs them in the same order)
@@ -59,7 +60,7 @@ def job_node_size(declared: int | None, source: str = "", fix: str = "") -> int 
 
 
 def _checked(declared: int, hosts: list[str], source: str, fix: str) -> int:
-    if dist.get_backend() in CHECKED_BACKENDS:
+    if runtime_backend() in CHECKED_BACKENDS:
         check_node_size(declared, hosts, source, fix)
     return declared
 

@@ -1,7 +1,8 @@
 """Start a local multi-process job without torchrun (tests, examples, benchmarks).
 
 `launch(fn, world_size, *args)` spawns `world_size` processes on the local host, each with one
-CPU thread, a gloo process group on a free loopback port with a timeout, runs `fn(rank,
+CPU thread, a gloo process group (one worker thread per group: `runtime/serial_gloo.py`) on a
+free loopback port with a timeout, runs `fn(rank,
 world_size, *args)` and returns every rank's return value (pickled through a temp file). If a
 rank raises, the others are terminated and the error is re-raised here with the rank's traceback.
 Whatever ends the wait here — a rank's error, `deadline_s` passing, a test runner's timeout or
@@ -38,6 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.runtime.device import backend_for, rank_device
+from autopar.runtime.serial_gloo import serial_gloo
 
 
 def free_port() -> int:
@@ -50,12 +52,15 @@ def init_from_env(*, timeout_s: float = 120.0, backend: str | None = None) -> to
     """Initialise the default process group from torchrun's environment variables; returns the
     rank's device (`runtime/device.py`: accelerator `LOCAL_RANK`, made current, or the CPU). The
     backend defaults to the device's (NCCL on CUDA, gloo on CPU); `backend="gloo"` keeps a job on
-    the CPU on a host with GPUs."""
+    the CPU on a host with GPUs. gloo is started with one worker thread per group
+    (`runtime/serial_gloo.py`)."""
     torch.set_num_threads(int(os.environ.get("AUTOPAR_THREADS", "1")))
     device = torch.device("cpu") if backend == "gloo" else rank_device()
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
-    dist.init_process_group(backend or backend_for(device), timeout=timedelta(seconds=timeout_s))
+    backend = backend or backend_for(device)
+    # gloo with one worker thread per group (runtime/serial_gloo.py: two corrupted the heap)
+    dist.init_process_group(serial_gloo() if backend == "gloo" else backend, timeout=timedelta(seconds=timeout_s))
     return device
 
 
@@ -75,7 +80,7 @@ def _prepare_forkserver() -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float, fn: Callable, args: tuple,
-            environment: dict[str, str], directory: str) -> None:
+            environment: dict[str, str], directory: str, backend: str | None = None) -> None:
     # a forked rank writes to the fork server's stderr, which is whatever the first launch's caller
     # had (under pytest: that test's capture file). Each rank's goes to a file of this job instead,
     # shown by launch() when the rank dies, with faulthandler's Python stacks on a fatal signal
@@ -96,7 +101,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: floa
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend or serial_gloo(), rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -203,16 +209,18 @@ def _forward_stderr(out_dir: str, world_size: int) -> None:
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
-           deadline_s: float | None = None, start_method: str = "forkserver") -> list[Any]:
+           deadline_s: float | None = None, start_method: str = "forkserver", backend: str | None = None) -> list[Any]:
     """Run fn(rank, world_size, *args) on `world_size` local gloo processes; return the results by rank.
 
     `timeout_s` bounds each collective (the process group's timeout); `deadline_s` (default: none
-    beyond the caller's own) bounds the whole job, after which the ranks are killed."""
+    beyond the caller's own) bounds the whole job, after which the ranks are killed. `backend`:
+    the process groups' (default: gloo with one worker thread per group, `runtime/serial_gloo.py`;
+    "gloo" is PyTorch's own, two threads per group)."""
     if start_method == "forkserver":
         _prepare_forkserver()
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(_worker, args=(world_size, free_port(), out_dir, timeout_s, fn, args,
-                                                    dict(os.environ), os.getcwd()),
+                                                    dict(os.environ), os.getcwd(), backend),
                                      nprocs=world_size, join=False, start_method=start_method)
         started = time.monotonic()
         try:
