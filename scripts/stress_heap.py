@@ -5,10 +5,11 @@ chunks), 2 AdamW steps (`--steps`), each run a real multi-process gloo job
 (`tests/numerics.distributed_rank`: the collective counter and the storage tracker active, as in
 tests/test_hf_numerics.py and tests/test_zoo.py).
 
-Every rank runs with glibc's per-thread cache off (`GLIBC_TUNABLES=glibc.malloc.tcache_count=0`: a
-chunk written after its free, or past its end, is caught by the arenas' own checks at its next use,
-where the cache would hand it out again unchecked: the "unaligned tcache chunk" of the aborts) and
-`MALLOC_CHECK_=3`, with faulthandler's stacks on a fatal signal. Since glibc 2.34 `MALLOC_CHECK_`
+Every rank runs with `MALLOC_CHECK_=3` and faulthandler's stacks on a fatal signal; `--no-tcache`
+also switches glibc's per-thread cache off (`GLIBC_TUNABLES=glibc.malloc.tcache_count=0`: a chunk
+written past its end is then caught by the arenas' own checks at its next use). Keep the cache on
+to see the gloo corruption below: it shows as "malloc(): unaligned tcache chunk detected", and
+with the cache off the same runs came out clean (400 of them before 2026-12-06). Since glibc 2.34 `MALLOC_CHECK_`
 acts only with `libc_malloc_debug.so` preloaded: `--malloc-debug` preloads it (its padding hides an
 overflow of a byte or two that the arenas' checks catch without it: a one-byte overflow of a
 24-byte block, glibc 2.36). The script executes itself again once with that environment, so that
@@ -28,8 +29,7 @@ order on two ranks fails at once, named.
 The cause, found 2026-12-06 (docs/known-limits.md): PyTorch's gloo runs a process group's
 collectives on two worker threads, and two collectives of one group running at once corrupt the
 heap; autopar's launcher and `init_from_env` start gloo with one worker thread per group
-(`autopar/runtime/serial_gloo.py`). `--torch-gloo` runs PyTorch's gloo instead, to see it. The
-per-thread cache the corruption shows in is off here by default (below), which hid it: the
+(`autopar/runtime/serial_gloo.py`). `--torch-gloo` runs PyTorch's gloo instead, to see it: the
 cores of the aborts show a gloo worker's cache of 32-byte chunks overwritten.
 
 Prints one line per run and a summary per variant: runs, clean, aborts (SIGABRT), other signals,
@@ -48,7 +48,8 @@ import sys
 import time
 from pathlib import Path
 
-HEAP_CHECKS = {"MALLOC_CHECK_": "3", "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0", "PYTHONFAULTHANDLER": "1"}
+HEAP_CHECKS = {"MALLOC_CHECK_": "3", "PYTHONFAULTHANDLER": "1",
+               **({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"} if "--no-tcache" in sys.argv else {})}
 ROOT = Path(__file__).resolve().parent.parent
 OUTCOMES = ("clean", "abort", "signal", "timeout", "error")
 MALLOC_DEBUG = ctypes.util.find_library("c_malloc_debug") or "libc_malloc_debug.so.0"  # glibc >= 2.34
@@ -126,6 +127,7 @@ def main() -> int:
     parser.add_argument("--detail", action="store_true", help="TORCH_DISTRIBUTED_DEBUG=DETAIL in every rank")
     parser.add_argument("--malloc-debug", action="store_true",
                         help=f"preload {MALLOC_DEBUG} (MALLOC_CHECK_ acts only with it since glibc 2.34)")
+    parser.add_argument("--no-tcache", action="store_true", help="glibc's per-thread cache off (module docstring)")
     parser.add_argument("--torch-gloo", action="store_true",
                         help="PyTorch's gloo (two worker threads a group), not autopar's serial gloo "
                              "(autopar/runtime/serial_gloo.py): what aborted")
@@ -167,7 +169,8 @@ def main() -> int:
                 print(f"    kept: {path}", flush=True)
             counts[name][outcome] += 1
             print(f"run {run + 1}/{args.runs} {name}: {outcome} ({time.monotonic() - t0:.1f} s)", flush=True)
-    print(f"\nsummary after {time.monotonic() - started:.0f} s (tcache off, MALLOC_CHECK_=3"
+    print(f"\nsummary after {time.monotonic() - started:.0f} s (tcache {'off' if args.no_tcache else 'on'}, "
+          f"{'PyTorch' if args.torch_gloo else 'serial'} gloo, MALLOC_CHECK_=3"
           f"{' with ' + os.environ['LD_PRELOAD'] if os.environ.get('LD_PRELOAD') else ' (inert without --malloc-debug)'}"
           f", faulthandler{', TORCH_DISTRIBUTED_DEBUG=DETAIL' if args.detail else ''}):")
     print(f"{'variant':28} {'runs':>5} " + " ".join(f"{o:>8}" for o in OUTCOMES))
