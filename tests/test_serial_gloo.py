@@ -50,11 +50,11 @@ def test_every_group_of_a_launched_job_has_one_worker_thread():
 def test_pytorchs_own_gloo_is_still_available_to_the_launcher():
     """`launch(backend="gloo")` starts PyTorch's gloo (two worker threads a group): what the stress
     script uses to show the corruption."""
-    results = launch(lambda_threads, 2, timeout_s=60, backend="gloo")
+    results = launch(default_group_threads, 2, timeout_s=60, backend="gloo")
     assert results == [2, 2]
 
 
-def lambda_threads(rank: int, world: int) -> int:
+def default_group_threads(rank: int, world: int) -> int:
     return _threads(dist.group.WORLD)
 
 
