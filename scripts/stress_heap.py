@@ -24,7 +24,7 @@ order on two ranks fails at once, named.
 
     python scripts/stress_heap.py --runs 200            # tp2_sp and dp2_tp2_sp
     python scripts/stress_heap.py --runs 20 --steps 60 --variants tp4_sp,dp2_tp2_sp_chunks --no-overlap
-    python scripts/stress_heap.py --runs 40 --steps 30 --variants pp2_tp2_sp_chunks --torch-gloo
+    python scripts/stress_heap.py --runs 40 --steps 30 --variants pp2_tp2_sp_chunks --model gpt --torch-gloo
 
 The cause, found 2026-12-06 (docs/known-limits.md): PyTorch's gloo runs a process group's
 collectives on two worker threads, and two collectives of one group running at once corrupt the
@@ -63,6 +63,7 @@ sys.path.insert(0, str(ROOT))  # tests/ and examples/ are not installed
 
 import autopar  # noqa: E402
 from autopar.runtime.launch import RankKilled, launch  # noqa: E402
+from examples.gpt import GPT, GPTConfig, example_batch  # noqa: E402
 from examples.hf_models import tiny_llama, token_batch  # noqa: E402
 from tests.numerics import distributed_rank  # noqa: E402
 
@@ -104,14 +105,20 @@ def _pipeline_step(module, local):
     return module.train_step(*local)
 
 
+GPT4 = GPTConfig(vocab_size=128, seq_len=16, n_layer=4, n_head=4, d_model=32, d_ff=64)  # the pipeline tests' GPT
+
+
 def run_once(mesh: str, strategies: list, *, steps: int, timeout_s: float, deadline_s: float,
-             backend: str | None) -> None:
-    batches = [token_batch(batch=8, seq=16, vocab=128, seed=step) for step in range(steps)]
+             backend: str | None, model: str) -> None:
+    if model == "gpt":
+        build, batches = functools.partial(GPT, GPT4), [example_batch(GPT4, batch=8, seed=s) for s in range(steps)]
+    else:
+        build, batches = tiny_llama, [token_batch(batch=8, seq=16, vocab=128, seed=s) for s in range(steps)]
     world = autopar.Mesh.parse(mesh).world_size
     rank = functools.partial(distributed_rank, memory=False)
     if "pp" in autopar.Mesh.parse(mesh).names:
         rank = functools.partial(rank, step=_pipeline_step)
-    launch(rank, world, tiny_llama, batches, mesh, strategies, timeout_s=timeout_s, deadline_s=deadline_s,
+    launch(rank, world, build, batches, mesh, strategies, timeout_s=timeout_s, deadline_s=deadline_s,
            backend=backend)
 
 
@@ -127,6 +134,8 @@ def main() -> int:
     parser.add_argument("--detail", action="store_true", help="TORCH_DISTRIBUTED_DEBUG=DETAIL in every rank")
     parser.add_argument("--malloc-debug", action="store_true",
                         help=f"preload {MALLOC_DEBUG} (MALLOC_CHECK_ acts only with it since glibc 2.34)")
+    parser.add_argument("--model", choices=("llama", "gpt"), default="llama",
+                        help="the tiny Hugging Face Llama, or the example GPT of the pipeline tests")
     parser.add_argument("--no-tcache", action="store_true", help="glibc's per-thread cache off (module docstring)")
     parser.add_argument("--torch-gloo", action="store_true",
                         help="PyTorch's gloo (two worker threads a group), not autopar's serial gloo "
@@ -160,7 +169,7 @@ def main() -> int:
             t0 = time.monotonic()
             try:
                 run_once(mesh, strategies, steps=args.steps, timeout_s=args.timeout, deadline_s=args.deadline,
-                         backend="gloo" if args.torch_gloo else None)
+                         backend="gloo" if args.torch_gloo else None, model=args.model)
                 outcome = "clean"
             except Exception as error:  # noqa: BLE001 - every failure is counted and kept
                 outcome = _classify(error)
