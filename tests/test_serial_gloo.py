@@ -1,7 +1,7 @@
 """The gloo process groups of the jobs autopar starts run one collective at a time
 (`autopar/runtime/serial_gloo.py`): PyTorch's two worker threads per gloo group ran two collectives
 of one group at once and corrupted the heap (docs/known-limits.md; `scripts/stress_heap.py
---variants pp2_tp2_sp_chunks --torch-gloo` reproduces it). Checked on real ranks: the default
+--variants pp2_tp2_sp_chunks --model gpt --torch-gloo` reproduces it). Checked on real ranks: the default
 group, a DeviceMesh's groups and `new_group`'s each have one worker thread, autopar takes them for
 gloo, and several collectives of one group in flight still land with the right values in issue
 order."""
