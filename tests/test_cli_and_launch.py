@@ -10,10 +10,11 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from autopar.runtime.launch import RankKilled, launch
+from autopar.runtime.launch import RankKilled, _crashed, launch
 from tests.cli_in_process import run_cli
 
 
@@ -136,10 +137,6 @@ def test_the_launcher_names_the_rank_a_signal_killed_not_the_peers_it_took_down(
     """When a rank crashes, its peers raise too (gloo's "connection closed by peer") and the
     launcher may see a peer's error first; `_crashed` picks the rank that died of a signal the
     launcher did not send (SIGTERM and SIGKILL are how the launcher and torch stop the others)."""
-    from types import SimpleNamespace
-
-    from autopar.runtime.launch import _crashed
-
     def ended(*codes: int) -> SimpleNamespace:
         processes = [multiprocessing.get_context("fork").Process(target=_exit_with, args=(code,)) for code in codes]
         for process in processes:

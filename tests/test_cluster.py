@@ -21,6 +21,8 @@ import torch
 
 import autopar
 from autopar import Cluster, PlanError
+from autopar.compiler.ledger.fake_run import rank_ops
+from autopar.compiler.ledger.op_cost import OpTotals
 from autopar.cost.calibration import fit_alpha_beta
 from autopar.runtime.launch import launch
 from examples.gpt import example
@@ -52,8 +54,6 @@ def test_an_op_is_priced_at_the_bandwidth_of_its_own_size_where_the_cluster_meas
     """`memory_curve` rows (bytes, GB/s), linear in log size between them; no curve: `memory_gbps`.
     The op ledger prices each call at its own size (`OpTotals.seconds`), the composed model at its
     size times the batch it scales to."""
-    from autopar.compiler.ledger.op_cost import OpTotals
-
     flat = Cluster(nodes=1, gpus_per_node=4, memory_gb=8, intra_gbps=1, inter_gbps=1, peak_tflops=1, memory_gbps=5,
                    op_overhead_us=0)
     cached = dataclasses.replace(flat, memory_curve=((2 ** 10, 80.0), (2 ** 20, 20.0), (2 ** 25, 5.0)))
@@ -74,8 +74,6 @@ def test_an_op_is_priced_at_the_bandwidth_of_its_own_size_where_the_cluster_meas
 def test_a_product_is_priced_at_its_operands_dtype_figure():
     """`matmul_tflops` rows replace `peak_tflops` for the dtypes they name: an H100 multiplies fp32
     at 67 TFLOP/s (TF32 off, PyTorch's default), bf16 at 989, fp8 at 1,979."""
-    from autopar.compiler.ledger.op_cost import OpTotals
-
     h100 = Cluster.preset("h100x8")
     assert [h100.peak_flops_for(d) for d in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)] == [
         67e12, 989e12, 989e12, 1979e12]
@@ -97,8 +95,6 @@ def test_the_op_ledger_records_the_dtype_each_product_computes_in():
     """The example GPT planned in fp32 and under mixed precision: every FLOP-counted call of the
     rank graph (matrix products, attention) is recorded in fp32, then in bf16 (the masters' casts
     are copies, no FLOPs), and on an H100 the bf16 plan's products cost 67/989 of the fp32 plan's."""
-    from autopar.compiler.ledger.fake_run import rank_ops
-
     model, batch = example()
     fp32 = autopar.plan(model, "dp=1", strategies=[], example_inputs=batch)
     bf16 = autopar.plan(model, "dp=1", strategies=[autopar.mixed_precision()], example_inputs=batch)

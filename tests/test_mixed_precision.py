@@ -17,6 +17,7 @@ from autopar.runtime.launch import launch
 from autopar.tools.comm_gate import comm_summary
 from examples.gpt import GPT, GPTConfig, example_batch
 from examples.moe import MoEConfig, MoEGPT
+from tests import test_moe
 from tests.numerics import (STEPS, comparison_mesh, distributed_rank, parallel_trainer, single_device, train_step,
                             whole_tensors)
 from tests.numerics_checks import (assert_held_equals_ledger, assert_ledger_equals_measured, assert_matches,
@@ -105,8 +106,6 @@ def test_bf16_compute_fp32_masters_under_every_parallelism():
 
 
 def moe_rank(rank: int, world: int) -> dict:
-    from tests import test_moe
-
     test_moe._routing.clear()
     return distributed_rank(rank, world, MOE_BUILD, MOE_BATCHES, "ep=2", [autopar.expert_parallel(), BF16],
                             step=test_moe.routed_step, after=test_moe._after, eps=EPS)
@@ -124,8 +123,6 @@ def test_bf16_experts_under_expert_parallelism():
     all-to-all bytes equal what its routing implies at 2 bytes an element, counted from outside;
     every other collective equals the ledger), the optimizer updates fp32 masters, and the bytes
     held after each step equal the memory ledger."""
-    from tests.test_moe import assert_comm_equals_ledger_and_routing
-
     results = launch(moe_rank, 2, timeout_s=240)
     reference = single_device(MOE_BUILD, MOE_BATCHES, param_dtype=torch.bfloat16, eps=EPS)
     # the example's router computes its logits in fp32 (`.float()`), so its auxiliary losses and the
@@ -135,7 +132,7 @@ def test_bf16_experts_under_expert_parallelism():
     for result in results:
         result["losses"] = [loss.float() for loss in result["losses"]]
     assert_matches(reference, results, tolerance=5e-2, noise_floor=1e-3)
-    assert_comm_equals_ledger_and_routing(results, "example", "ep2", element_bytes=2)
+    test_moe.assert_comm_equals_ledger_and_routing(results, "example", "ep2", element_bytes=2)
     for result in results:
         assert_held_equals_ledger(result)
 

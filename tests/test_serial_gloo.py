@@ -15,6 +15,7 @@ import autopar
 from autopar.core.comm_kinds import runtime_backend
 from autopar.runtime.device import group_device
 from autopar.runtime.launch import launch
+from examples.gpt import example
 
 _c10d = torch.ops._c10d_functional
 
@@ -64,8 +65,6 @@ def test_a_planned_job_uses_serial_gloo_for_its_groups():
 
 
 def parallel_threads(rank: int, world: int) -> list[int]:
-    from examples.gpt import example
-
     model, batch = example()
     module = autopar.parallelize(model, "dp=2", strategies=[autopar.data_parallel()], example_inputs=batch)
     return [_threads(dist.distributed_c10d._resolve_process_group(name)) for name in module.groups.values()]

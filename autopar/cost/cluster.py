@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import sympy
 import torch
@@ -155,8 +156,9 @@ class Cluster:
         """Matrix-product FLOP/s of operands of `dtype` (`matmul_tflops`, else `peak_tflops`)."""
         return self.peaks.flops(str(dtype).removeprefix("torch."))
 
-    @property
+    @cached_property
     def peaks(self) -> Peaks:
+        """Every matmul figure in FLOP/s, made once: the op ledger prices each call against it."""
         return Peaks(self.peak_flops, tuple((name, tflops * 1e12) for name, tflops in self.matmul_tflops))
 
     @property

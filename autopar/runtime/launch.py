@@ -135,9 +135,12 @@ def _kill(context: Any) -> None:
         process.join(5)
 
 
-def _stderr(out_dir: str, rank: int) -> str:
+def _stderr(out_dir: str, rank: int, missing: str = "(no stderr file)") -> str:
     path = os.path.join(out_dir, f"rank{rank}.stderr")
-    return open(path, errors="replace").read() if os.path.exists(path) else "(no stderr file)"
+    if not os.path.exists(path):
+        return missing
+    with open(path, errors="replace") as handle:
+        return handle.read()
 
 
 def _stderr_tails(out_dir: str, world_size: int, limit: int = 6000, *, last: int | None = None) -> str:
@@ -203,9 +206,7 @@ def _rank_killed(headline: str, out_dir: str, world_size: int, rank: int) -> Ran
 def _forward_stderr(out_dir: str, world_size: int) -> None:
     """A finished job's rank stderr (warnings, prints) on the caller's stderr, rank by rank."""
     for rank in range(world_size):
-        path = os.path.join(out_dir, f"rank{rank}.stderr")
-        text = open(path, errors="replace").read() if os.path.exists(path) else ""
-        sys.stderr.writelines(f"[rank {rank}] {line}\n" for line in text.splitlines())
+        sys.stderr.writelines(f"[rank {rank}] {line}\n" for line in _stderr(out_dir, rank, "").splitlines())
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
