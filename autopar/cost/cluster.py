@@ -262,8 +262,8 @@ def _a100_node(nodes: int) -> Cluster:
 
 # A CPU host whose 4 gloo ranks of one thread each share 2 cores, as `python benchmarks/calibrate.py
 # --world 4` measures one (the readings behind these figures: benchmarks/RESULTS.md). α is large
-# because each ring step waits for a peer to be scheduled. Its cores have no bf16 matrix units: a
-# 256-square bf16 product ran 148x slower than fp32 on one thread (2026-12-06, benchmarks/RESULTS.md).
+# because each ring step waits for a peer to be scheduled. Its cores have no bf16 matrix units: its
+# bf16 row is the fp32 figure over the ratio measured there (benchmarks/RESULTS.md, "Calibration").
 CPU2X4 = Cluster(nodes=1, gpus_per_node=4, memory_gb=6.3, intra_gbps=1.4, inter_gbps=1.4, peak_tflops=0.05,
                  intra_latency_us=950, inter_latency_us=950, p2p_latency_us=60, name="cpu2x4",
                  backend="gloo", matmul_tflops=(("bfloat16", 0.05 / 148),))

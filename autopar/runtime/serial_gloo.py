@@ -4,9 +4,8 @@ PyTorch's `ProcessGroupGloo` runs a group's collectives on two worker threads (t
 so two collectives of one group in flight together run at the same time. In PyTorch 2.13 that
 corrupts the heap: the rank aborts inside a gloo worker thread with glibc's "malloc(): unaligned
 tcache chunk detected" (a chunk of that thread's cache written after it was freed) or dies of
-SIGSEGV, a few times in a thousand training steps of pp=2 × tp=2 with sequence parallelism on 4
-CPU ranks; with one worker thread per group the same runs never did (docs/known-limits.md has
-the counts). autopar's runtime keeps several collectives of one group in flight on purpose
+SIGSEGV; with one worker thread per group the same jobs did not (docs/known-limits.md has the
+runs and the counts). autopar's runtime keeps several collectives of one group in flight on purpose
 (gradient buckets during backward, deferred and chunked TP/SP collectives, ZeRO's prefetches), so
 the gloo groups of the jobs autopar starts (`launch`, `init_from_env`) have one worker thread
 each: a group's collectives still run asynchronously to the rank's compute, one after another in
