@@ -1,6 +1,6 @@
 """Context parallelism on the example GPT (causal attention, sequence 64) and Hugging Face's Llama
 (grouped-query attention, 4 query and 2 key/value heads; its causal mask built from positions, read
-at plan time as causal, `attention_rules.static_mask_kind`): autopar on gloo
+at plan time as causal, `mask_kind.static_mask_kind`): autopar on gloo
 processes equals the single-device model (loss, whole gradients and parameters after each of 3
 AdamW steps, fp32 rel err <= 1e-5); the ledger equals the collectives and point-to-point messages
 each step hands to the process groups, and the memory ledger the bytes held and left by the

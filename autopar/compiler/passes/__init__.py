@@ -26,6 +26,7 @@ from typing import Callable
 
 from autopar.compiler.context import CompileContext
 from autopar.compiler.passes.cast_outputs import cast_outputs
+from autopar.compiler.passes.causal_masks import causal_masks
 from autopar.compiler.passes.cast_parameters import cast_parameters
 from autopar.compiler.passes.chunk_collectives import chunk_collectives
 from autopar.compiler.passes.drop_empty_concats import drop_empty_concats
@@ -80,6 +81,6 @@ def _described(ctx: CompileContext) -> str:
 
 
 def default_passes() -> list[Pass]:
-    return [drop_empty_concats, lower_moe, propagate_placements, insert_collectives, insert_grad_reductions,
+    return [drop_empty_concats, causal_masks, lower_moe, propagate_placements, insert_collectives, insert_grad_reductions,
             split_pipeline, shard_parameters, cast_parameters, cast_outputs,
             recompute, chunk_collectives, schedule_collectives]

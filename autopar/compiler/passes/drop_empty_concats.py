@@ -20,6 +20,7 @@ from autopar.compiler.context import CompileContext
 from autopar.core.program import Program
 
 _CAT = torch.ops.aten.cat.default
+_ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
 
 
 def _is_empty_for(node: object, dim: int) -> bool:
@@ -29,13 +30,17 @@ def _is_empty_for(node: object, dim: int) -> bool:
     return value.dim() == 1 or (dim < value.dim() and value.shape[dim] == 0)
 
 
-def _erase_unused(node: torch.fx.Node) -> None:
-    """Erase `node` and then its inputs, while they are unused computations."""
+def erase_unused(node: torch.fx.Node) -> None:
+    """Erase `node` and then its inputs, while they are unused computations (read by nothing but
+    export's checks of their own dtype and device, which go with them)."""
     stack = [node]
     while stack:
         current = stack.pop()
-        if current.op != "call_function" or current.users:
+        if current.op != "call_function" or current not in current.graph.nodes \
+                or any(user.target is not _ASSERT_METADATA for user in current.users):
             continue
+        for check in list(current.users):
+            current.graph.erase_node(check)
         inputs = current.all_input_nodes
         current.graph.erase_node(current)
         stack.extend(inputs)
@@ -65,7 +70,7 @@ def drop_empty_concats(program: Program, ctx: CompileContext | None = None) -> P
         else:
             node.args = (kept, *node.args[1:])
         for empty in dropped:
-            _erase_unused(empty)
+            erase_unused(empty)
     graph.lint()
     gm.recompile()
     return program

@@ -5,7 +5,7 @@ Batch- or head-sharded attention keeps that sharding (`sdpa_rule`; with dropout_
 the rank's piece of one device's mask, `_attention_dropout`); attention on sequence shards
 over a context-parallel axis is lowered to ring / all-gather / all-to-all attention
 (`context_attention_rule`, `autopar/core/ops/context_attention.py`), its mask recognised at plan time as
-causal or absent (`static_mask_kind`) and its collectives declared for the ledger
+causal or absent (`mask_kind.static_mask_kind`) and its collectives declared for the ledger
 (`_context_collectives`). Registered in `autopar.compiler.rules.registry`; importing `autopar.compiler.rules` loads this module.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement
 
+from autopar.compiler.rules.mask_kind import static_mask_kind
 from autopar.compiler.rules.random_rules import cuts, draws, refuse_draw
 from autopar.compiler.rules.registry import InternalCollective, RuleContext, RuleResult, register, spec_like
 from autopar.core.errors import PlanError
@@ -50,8 +51,13 @@ def sdpa_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleCon
     required: list[DTensorSpec | None] = [spec_like(s, chosen_t) for s in (q, k, v)]
     if mask is not None:
         mask_val = node.args[3].meta["val"]
-        mask_placements = tuple(p if isinstance(p, Shard) and hint(mask_val.shape[p.dim]) > 1 else Replicate()
-                                for p in chosen_t)
+        offset = node.args[0].meta["val"].dim() - mask_val.dim()  # the mask broadcasts from the right
+
+        def on_mask(p: Placement) -> Placement:
+            if isinstance(p, Shard) and p.dim >= offset and hint(mask_val.shape[p.dim - offset]) > 1:
+                return Shard(p.dim - offset)
+            return Replicate()
+        mask_placements = tuple(on_mask(p) for p in chosen_t)
         required.append(spec_like(mask, mask_placements))
     required += [None] * (len(specs) - len(required))
     output = spec_like(q, chosen_t, node.meta["val"])
@@ -134,55 +140,6 @@ def _refuse_unlocalisable(node: torch.fx.Node, axis: str, declaration: Any, size
                 raise PlanError.at(node, f"{where}: {value.shape[1]} {name} heads do not divide over {size} ranks "
                                          f"(all-to-all scatters heads)",
                                    fix=f"use method='ring' or 'allgather', or an axis size dividing {value.shape[1]}")
-
-
-def static_mask_kind(mask: torch.fx.Node) -> str | None:
-    """"causal" or "none" when `mask` is computed from constants alone (e.g. Hugging Face's mask
-    built from `arange`s) and equals the causal lower triangle, or allows everything; None when it
-    reads an input or parameter, fails to evaluate, or is anything else. Evaluated once per node at
-    the example's sizes, on CPU."""
-    if "autopar_mask_kind" in mask.meta:
-        return mask.meta["autopar_mask_kind"]
-    mask.meta["autopar_mask_kind"] = kind = _evaluate_mask_kind(mask)
-    return kind
-
-
-def _evaluate_mask_kind(mask: torch.fx.Node) -> str | None:
-    ancestors, stack = set(), [mask]
-    while stack:
-        node = stack.pop()
-        if node not in ancestors:
-            ancestors.add(node)
-            stack.extend(node.all_input_nodes)
-    if any(node.op != "call_function" for node in ancestors):
-        return None
-    values: dict[torch.fx.Node, Any] = {}
-
-    def concrete(value: Any) -> Any:
-        if isinstance(value, torch.fx.Node):
-            return values[value]
-        return torch.device("cpu") if isinstance(value, torch.device) else hint(value)
-
-    try:
-        for node in (n for n in mask.graph.nodes if n in ancestors):
-            args, kwargs = torch.utils._pytree.tree_map(concrete, (node.args, dict(node.kwargs)))
-            values[node] = node.target(*args, **kwargs)
-    except Exception:  # an op that does not run on constants here: not a mask we can read
-        return None
-    value = values[mask]
-    if not isinstance(value, torch.Tensor) or value.dim() < 2:
-        return None
-    if value.dtype == torch.bool:
-        allowed = value
-    else:
-        allowed = value > torch.finfo(value.dtype).min / 2
-        if bool((value[allowed] != 0).any()):
-            return None  # an additive bias, not a mask
-    rows, cols = value.shape[-2:]
-    if bool(allowed.all()):
-        return "none"
-    causal = torch.ones(rows, cols, dtype=torch.bool).tril()
-    return "causal" if bool((allowed == causal).all()) else None
 
 
 def _context_collectives(node: torch.fx.Node, placements: tuple[Placement, ...], axis: str, method: str,

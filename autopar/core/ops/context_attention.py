@@ -222,7 +222,7 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_ma
                       layout: str, mask: str = "absent") -> torch.Tensor:
     """scaled_dot_product_attention of the rank's query positions over the whole sequence (module
     docstring). `mask`: what the planner read the attention mask as ("causal", "none": a mask built
-    from positions alone, `attention_rules.static_mask_kind`; then `attn_mask` is ignored), or "absent"."""
+    from positions alone, `mask_kind.static_mask_kind`; then `attn_mask` is ignored), or "absent"."""
     if mask != "absent":
         is_causal, attn_mask = mask == "causal", None
     if attn_mask is not None or dropout_p:
