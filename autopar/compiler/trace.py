@@ -2,8 +2,8 @@
 
 `trace_model` runs `torch.export.export(strict=False)` (which also works on meta-device models
 and under FakeTensorMode, so models far larger than the planning host's memory can be planned), then
-decomposes to core ATen with DTensor-friendly ops, keeping `scaled_dot_product_attention` as one
-node. `dynamic_dims={"b": 0, "s": 1}` marks those dimensions of every user input dynamic; the
+decomposes to core ATen with DTensor-friendly ops, keeping `scaled_dot_product_attention`, the
+loss and SiLU as one node each (`_decomposition_table`). `dynamic_dims={"b": 0, "s": 1}` marks those dimensions of every user input dynamic; the
 resulting export symbols are renamed to the user's names so ledgers come out in `b` and `s`.
 A list of equal blocks (a transformer's layers) is exported three blocks deep and the third
 block's graph copied for the others (`autopar/compiler/repeated_blocks.py`): tracing costs what the
@@ -59,6 +59,10 @@ def _decomposition_table() -> dict:
     # kept whole: autopar.compiler.rules.op_rules shards them (head/batch-sharded attention, vocab-parallel loss)
     for op in (torch.ops.aten.scaled_dot_product_attention.default, torch.ops.aten.nll_loss_forward.default):
         table.pop(op, None)
+    # kept whole as the model calls it: decomposed, SiLU becomes x * sigmoid(x) computed in fp32,
+    # and autograd keeps the fp32 input and sigmoid (4 bytes each per element of a bf16 model's
+    # SwiGLU width) where the whole op keeps its input; DTensor shards it as the pointwise op it is
+    table.pop(torch.ops.aten.silu.default, None)
     return table
 
 
