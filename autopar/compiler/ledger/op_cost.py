@@ -6,7 +6,8 @@ backward, on fake tensors of the rank's local shapes, no hook), in which `_OpRec
 dispatch mode, records each ATen call: its floating-point operations (PyTorch's own formulas,
 `torch.utils.flop_counter.flop_registry`: 2·m·n·k per matrix product, attention's products) and
 the bytes it touches (its tensor inputs and outputs). Views move no bytes; collectives are not
-compute (the communication ledger has them, exactly). Backward is what autograd runs for the
+compute (the communication ledger has them, exactly); an op that returns no tensor (`prim.device`,
+export's dtype checks) is no call at all. Backward is what autograd runs for the
 graph's outputs, so a recomputed region's forward appears again in it. The same run follows the
 storages backward allocates (`autopar/compiler/ledger/working_memory.py`): `RankOps.working`, the memory peak's
 backward working memory. Parameter gradients are taken as soon as they are accumulated (as the
@@ -129,7 +130,10 @@ def _kind(func: Any) -> "tuple[bool, bool, Any]":
     None), once per op: the recorder asks for every call."""
     if func not in _KINDS:
         returns = func._schema.returns
-        _KINDS[func] = (func.namespace not in _NOT_COMPUTE,
+        # an op that returns no tensor runs no kernel: a metadata query (`prim.device`, asked of
+        # every tensor a collective's wrapper or DTensor looks at) or export's dtype check
+        kernel = any("Tensor" in str(r.type) for r in returns)
+        _KINDS[func] = (func.namespace not in _NOT_COMPUTE and kernel,
                         any(r.alias_info is not None and not r.alias_info.is_write for r in returns),
                         flop_registry.get(func.overloadpacket))
     return _KINDS[func]
