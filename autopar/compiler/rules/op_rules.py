@@ -202,9 +202,12 @@ def slice_blocks_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx:
 def copy_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext) -> RuleResult | None:
     """`copy(self, src)` is `src`'s values in `self`'s shape (multi-head latent attention writes its
     rotary part into a fresh tensor this way). Equal shapes: the output is placed as `src` is and
-    `self` (overwritten) only needs the same local shape (sliced if sharded, else as it is); a
-    broadcast `src`: everything replicated. aten has no derivative for the functional copy, so
-    it runs as `local_ops.copy_values` (gradient to `src`, none to `self`)."""
+    `self` (overwritten) only needs the same local shape (sliced if sharded, else as it is). A
+    broadcast `src` (the rotary key of one head written into every head's) keeps each shard of a
+    dimension it does not broadcast (a batch shard: data and expert parallelism) on the same
+    dimension of the output, and is replicated over the other axes. aten has no derivative for
+    the functional copy, so it runs as `local_ops.copy_values` (gradient to `src`, summed over
+    the broadcast, none to `self`)."""
     destination, source = specs[:2]
     if destination is None or source is None:
         return None
@@ -213,12 +216,52 @@ def copy_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleCon
     if destination.tensor_meta.shape == source.tensor_meta.shape:
         placements = source.placements
         wanted = tuple(p if isinstance(p, Shard) else Replicate() for p in source.placements)
+        from_source = placements
     else:
-        placements = wanted = (Replicate(),) * len(ctx.mesh_names)
-    return RuleResult(output=spec_like(source, placements, node.meta["val"]),
-                      required=[spec_like(destination, wanted), spec_like(source, placements)]
+        placements, from_source = _broadcast_shards(source, destination.tensor_meta.shape)
+        wanted = placements
+    return RuleResult(output=spec_like(destination, placements, node.meta["val"]),
+                      required=[spec_like(destination, wanted), spec_like(source, from_source)]
                       + [None] * (len(specs) - 2),
                       local_kernel=local_ops.copy_values)
+
+
+def _broadcast_shards(source: DTensorSpec, shape: torch.Size) -> tuple[tuple, tuple]:
+    """(the output's placements, the source's required ones) for `source` broadcast to `shape`:
+    a shard of a dimension the broadcast keeps stays (on the output's dimension, aligned from the
+    right); every other placement becomes Replicate."""
+    offset = len(shape) - len(source.tensor_meta.shape)
+    out, required = [], []
+    for p in source.placements:
+        if isinstance(p, Shard) and offset >= 0 and source.tensor_meta.shape[p.dim] == shape[p.dim + offset]:
+            out.append(Shard(p.dim + offset))
+            required.append(p)
+        else:
+            out.append(Replicate())
+            required.append(Replicate())
+    return tuple(out), tuple(required)
+
+
+@register(aten.slice_scatter.default)
+def slice_scatter_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext) -> RuleResult | None:
+    """`slice_scatter(base, src, dim, start, end)` (an in-place write into a slice, as multi-head
+    latent attention assembles its queries and keys) keeps a shard of any other dimension that
+    `base` or `src` holds (slicing the other to match): locally the write is the same slice of the
+    rank's rows. A shard of `dim` itself, or a partial value, is replicated (DTensor's answer)."""
+    base, src = specs[:2]
+    if base is None or src is None:
+        return None
+    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % node.args[0].meta["val"].dim()
+    placements = []
+    for on_base, on_src in zip(base.placements, src.placements):
+        kept = [p for p in (on_base, on_src) if isinstance(p, Shard) and p.dim != dim]
+        agree = all(p in kept or isinstance(p, Replicate) for p in (on_base, on_src))
+        placements.append(kept[0] if kept and agree and len(set(kept)) == 1 else Replicate())
+    placements = tuple(placements)
+    if all(isinstance(p, Replicate) for p in placements):
+        return None
+    return RuleResult(output=spec_like(base, placements, node.meta["val"]),
+                      required=[spec_like(base, placements), spec_like(src, placements)] + [None] * (len(specs) - 2))
 
 
 @register(aten.sum.dim_IntList)
