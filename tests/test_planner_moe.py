@@ -22,6 +22,7 @@ from autopar.compiler.trace import reusing_traces
 from autopar.cost.cluster import GB
 from autopar.planner.search import search
 from examples import scale
+from examples.hf_models import tiny_causal_lm, token_batch
 
 pytest.importorskip("transformers")
 
@@ -68,3 +69,11 @@ def test_a_real_moe_model_that_fits_nowhere_says_what_binds_and_by_how_much(qwen
     peak, over = float(found.group(1)), float(found.group(3))
     assert over == pytest.approx(peak - 4.0, rel=1e-3)
     assert "recompute full" in found.group(2) and "activations" in found.group(5)
+
+
+def test_blocks_that_differ_are_refused_rather_than_priced_as_the_first():
+    """DeepSeek-V3's first blocks are dense and the others mixture-of-experts: pricing one block
+    for all would price every block as a dense one (what the search did before it checked)."""
+    model = tiny_causal_lm("deepseek_v3")  # its small config: block 0 dense, block 1 MoE
+    with pytest.raises(PlanError, match=r"not all alike: 1 of 2 \(first: model\.model\.layers\.1"):
+        search(model, Cluster.preset("h100x8"), example_inputs=token_batch(batch=64, seq=16), method="blocks")

@@ -127,7 +127,24 @@ def _blocks_path(model: torch.nn.Module) -> tuple[str, int]:
     if not lists:
         raise PlanError(f"{type(model).__name__} has no list of repeated blocks: the planner at scale prices one "
                         f"block and composes the layers; plan it with autopar.search(..., method='plans')")
-    return max(lists, key=lambda item: item[1])
+    path, count = max(lists, key=lambda item: item[1])
+    blocks = list(model.get_submodule(path))
+    first = _signature(blocks[0])
+    unlike = [index for index, block in enumerate(blocks) if _signature(block) != first]
+    if unlike:
+        raise PlanError(f"the blocks of {type(model).__name__}.{path} are not all alike: {len(unlike)} of {count} "
+                        f"(first: {path}.{unlike[0]}, {type(blocks[unlike[0]]).__name__}) hold other modules or "
+                        f"parameters than {path}.0; the planner at scale prices one block and composes the layers, "
+                        f"so it would price every block as the first; fix: plan candidates whole with "
+                        f"autopar.search(..., method='plans'), or search a model whose blocks are alike")
+    return path, count
+
+
+def _signature(block: torch.nn.Module) -> tuple:
+    """What two blocks must share to be priced as one: their modules' types and their parameters'
+    names, shapes and dtypes."""
+    return (tuple((name, type(module).__name__) for name, module in block.named_modules()),
+            tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters()))
 
 
 def _ops_difference(two: OpTotals, one: OpTotals) -> tuple[OpTotals, OpTotals]:
