@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import re
 import statistics
 import sys
 import time
