@@ -2,7 +2,7 @@
 dp=8 x tp=8 with FSDP + TP.
 
 The models are transformers' `LlamaForCausalLM` built from the released configurations, written
-out below (`CONFIGS`: Llama-3-8B, Llama-3-70B, and Llama-3.1-405B's sizes; no download), in
+in `examples/scale.py` (`LLAMA3`: Llama-3-8B, Llama-3-70B and Llama-3.1-405B; no download), in
 bf16, on the meta device, with the loss (`examples/hf_models.CausalLMLoss`). One process plans
 the whole model (`autopar.plan`, no process group) for a batch of 8K tokens (8 sequences of
 1,024) with a symbolic batch and sequence (`dynamic_dims={"b": 0, "s": 1}`), as
@@ -14,7 +14,7 @@ an earlier row; its own peak memory) and reports the seconds of each phase, from
 - decompose: `run_decompositions` to core ATen
 - replicate: the traced block copied for the other repeated blocks (`autopar/compiler/repeated_blocks.py`)
 - layout: the tensor-parallel layout found in the graph (`resolve_strategies`)
-- propagation: `drop_empty_concats` + `propagate_placements`
+- propagation: `drop_empty_concats` + `causal_masks` + `propagate_placements`
 - insertion: `insert_collectives`, `insert_grad_reductions`, `split_pipeline`, `shard_parameters`,
   `schedule_collectives`
 - ledger: gradient buckets and the communication ledger
@@ -41,21 +41,10 @@ import sys
 import time
 from pathlib import Path
 
-# the released configurations (config.json of meta-llama/Meta-Llama-3-8B, -70B, Llama-3.1-405B), the
-# fields a LlamaConfig reads; the 405B's rope scaling (llama3, factor 8) is left out: it changes
-# the rotary table's values, not the graph
-_LLAMA3 = dict(vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
-               hidden_act="silu", attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
-               bos_token_id=128000, eos_token_id=128001, initializer_range=0.02)
-CONFIGS = {
-    "8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8),
-    "70b": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                num_key_value_heads=8),
-    "405b": dict(_LLAMA3, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
-                 num_attention_heads=128, num_key_value_heads=8),
-}
-SHAPES = {shape: config["num_hidden_layers"] for shape, config in CONFIGS.items()}  # layers of the released model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` is not an installed package
+from examples import scale  # noqa: E402
+
+SHAPES = {shape: config["num_hidden_layers"] for shape, config in scale.LLAMA3.items()}  # layers of the released model
 BATCH = (8, 1024)  # 8K tokens: 8 sequences (one per data-parallel rank) of 1,024
 TARGETS = {"8b": 8.0, "70b": 12.0, "405b": 30.0}
 PHASES = {
@@ -63,7 +52,7 @@ PHASES = {
     "decompose": ("decompose",),
     "replicate": ("replicate_blocks",),
     "layout": ("resolve_strategies",),
-    "propagation": ("drop_empty_concats", "propagate_placements"),
+    "propagation": ("drop_empty_concats", "causal_masks", "propagate_placements"),
     "insertion": ("insert_collectives", "insert_grad_reductions", "split_pipeline", "shard_parameters",
                   "schedule_collectives"),
     "ledger": ("comm_ledger",),
@@ -74,16 +63,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def llama_on_meta(shape: str, layers: int):
-    """The released `shape` model (`CONFIGS`) with `layers` blocks, in bf16 on the meta device, with its loss."""
-    import torch
-    import transformers
-
-    from examples.hf_models import CausalLMLoss
-
-    config = transformers.LlamaConfig(**dict(CONFIGS[shape], num_hidden_layers=layers), use_cache=False,
-                                      attn_implementation="sdpa")
-    with torch.device("meta"):
-        return CausalLMLoss(transformers.LlamaForCausalLM(config)).to(torch.bfloat16)
+    """The released `shape` model (`examples/scale.py`) with `layers` blocks, in bf16 on the meta device, with its loss."""
+    return scale.llama3(shape, layers=layers, batch=BATCH[0], seq=BATCH[1])[0]
 
 
 def plan_once(shape: str, layers: int) -> dict[str, float]:
@@ -156,5 +137,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     main()

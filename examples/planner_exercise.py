@@ -14,11 +14,14 @@ cluster's numbers (`autopar/cost/cluster.py`: H100 SXM, NVLink 450 GB/s, InfiniB
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` is not an installed package
 from autopar.cost.cluster import Cluster
 from autopar.core.errors import PlanError
 from autopar.planner.layout_pricer import price_composed
@@ -44,20 +47,38 @@ def _h100(gpus: int) -> Cluster:
 
 
 def _published() -> list[tuple[str, object, Cluster, SearchSpace, list[Candidate]]]:
-    def llama(pp: int, dp: int, cp: int, micro: int) -> list[Candidate]:
-        degrees = tuple((a, n) for a, n in (("pp", pp), ("dp", dp), ("cp", cp), ("tp", 8)) if n > 1)
-        return [Candidate(degrees, zero=1, sequence_parallel=True, schedule=s, microbatches=micro, virtual=v,
-                          recompute=r) for s, v in (("1f1b", 1), ("interleaved_1f1b", 2)) for r in (None, "full")]
+    def dense(degrees: dict[str, int], micro: int, *, zero: int = 1, virtual: tuple[int, ...] = (1, 2),
+              recompute: tuple = (None, "full")) -> list[Candidate]:
+        mesh = tuple((a, n) for a, n in degrees.items() if n > 1)
+        if "pp" not in degrees:
+            return [Candidate(mesh, zero=zero, sequence_parallel=True, recompute=r) for r in recompute]
+        return [Candidate(mesh, zero=zero, sequence_parallel=True, schedule="1f1b" if v == 1 else "interleaved_1f1b",
+                          microbatches=micro, virtual=v, recompute=r) for v in virtual for r in recompute]
 
-    # 15360 sequences over dp × ep = 128 replicas: 120 each, one per micro-batch
+    # the batches: Llama 3's report (16M tokens at 8K; 128 sequences at 128K), torchtitan's 70B
+    # recipe (8 sequences per FSDP rank), Megatron-Bridge's 70B recipe (128 sequences, one per
+    # micro-batch, virtual stages of 4 blocks), Megatron's MoE table (256 sequences of 4K for
+    # Mixtral), DeepSeek-V3's report (15,360 sequences of 4K): micro-batches are counted per
+    # pipeline replica, one sequence each
     deepseek = [Candidate((("pp", 16), ("dp", 2), ("ep", 64)), zero=1, schedule="1f1b", microbatches=120, recompute=r)
-                for r in (None, "selective")]
+                for r in (None, "selective", "full")]
+    mixtral = [Candidate((("pp", 4), ("dp", 2), ("ep", 8), ("tp", 4)), zero=1, sequence_parallel=True,
+                         schedule="1f1b" if v == 1 else "interleaved_1f1b", microbatches=16, virtual=v, recompute=r)
+               for v in (1, 2) for r in (None, "full")]
     return [("Llama 3 405B, 8K tokens, 8192 GPUs (published: TP8 PP16 DP64)", scale.llama3_405b, _h100(8192), SPACE,
-             llama(16, 64, 1, 32)),
+             dense({"pp": 16, "dp": 64, "tp": 8}, 32, virtual=(1, 2, 4))),
             ("Llama 3 405B, 128K tokens, 8192 GPUs (published: TP8 CP16 PP16, DP fills)", scale.llama3_405b_128k,
-             _h100(8192), SPACE, llama(16, 4, 16, 32)),
-            ("DeepSeek-V3 shape, 4K tokens, 2048 GPUs (published: PP16 EP64 ZeRO-1)", scale.deepseek_v3, _h100(2048),
-             SPACE, deepseek)]
+             _h100(8192), SPACE, dense({"pp": 16, "dp": 4, "cp": 16, "tp": 8}, 32)),
+            ("Llama 3 70B, 8K tokens, 256 sequences, 256 GPUs (torchtitan: FSDP32 TP8)",
+             lambda: scale.llama3("70b", batch=256, seq=8192), _h100(256), SPACE,
+             dense({"dp": 32, "tp": 8}, 1, zero=3)),
+            ("Llama 3 70B, 8K tokens, 128 sequences, 64 GPUs (Megatron-Bridge: TP4 PP4 CP2 DP2, VP5)",
+             lambda: scale.llama3("70b", batch=128, seq=8192), _h100(64), SPACE,
+             dense({"pp": 4, "dp": 2, "cp": 2, "tp": 4}, 64, virtual=(1, 5))),
+            ("Mixtral 8x22B, 4K tokens, 256 sequences, 256 GPUs (published: TP4 PP4 EP8)", scale.mixtral_8x22b,
+             _h100(256), SPACE, mixtral),
+            ("DeepSeek-V3 with its 3 dense blocks as MoE blocks, 4K tokens, 15360 sequences, 2048 GPUs "
+             "(published: PP16 EP64 ZeRO-1)", lambda: scale.deepseek_v3(dense_blocks=0), _h100(2048), SPACE, deepseek)]
 
 
 def _case(title: str, build, cluster: Cluster, space: SearchSpace, published: list[Candidate], top: int) -> None:
@@ -94,13 +115,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("which", choices=("seed", "published"))
     parser.add_argument("--top", type=int, default=5)
+    parser.add_argument("--only", default=None, help="the cases whose title contains this text, e.g. 'Mixtral'")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.which == "seed":
-        for title, build, space in SEED:
-            _case(title, build, SEED_CLUSTER, space, [], args.top)
+        cases = [(title, build, SEED_CLUSTER, space, []) for title, build, space in SEED]
     else:
-        for title, build, cluster, space, published in _published():
+        cases = _published()
+    for title, build, cluster, space, published in cases:
+        if args.only is None or args.only in title:
             _case(title, build, cluster, space, published, args.top)
 
 

@@ -14,7 +14,7 @@ python3 -m venv "$work/env"
 "$work/env/bin/python" -m pip wheel --quiet --no-deps --wheel-dir "$work/dist" "$repo"
 "$work/env/bin/python" -m pip install --quiet "$work"/dist/autopar-*.whl
 mkdir -p "$work/user/examples"
-cp "$repo"/examples/{__init__,gpt,moe,scale}.py "$work/user/examples/"
+cp "$repo"/examples/{__init__,gpt,moe}.py "$work/user/examples/"
 cp "$repo"/scripts/smoke/plan_at_scale.py "$repo"/scripts/smoke/train_job.py "$work/user/"
 cd "$work/user"
 export PATH="$work/env/bin:$PATH" OMP_NUM_THREADS=1
