@@ -172,12 +172,12 @@ def test_a_copied_block_that_differs_is_run_and_its_failure_caught(monkeypatch):
 
 
 def test_the_nodes_after_a_differing_copy_run_so_its_backward_is_checked(monkeypatch):
-    """Block 3's sigmoid becomes a kernel whose backward is broken and whose forward keeps the
+    """Block 3's SiLU becomes a kernel whose backward is broken and whose forward keeps the
     shape: every node after it matches its counterpart in block 2, but reads what it computed, so
     runs too; backward then reaches the broken kernel. (Were those nodes given their counterparts'
     results, nothing would read the kernel's output and its backward would never run.)"""
     def alter(gm):
-        _first(gm, torch.ops.aten.sigmoid.default, 3).target = wrong_gradient_kernel
+        _first(gm, torch.ops.aten.silu.default, 3).target = wrong_gradient_kernel
 
     _alter_copied_block(monkeypatch, alter)
     with pytest.raises(PlanError) as error:

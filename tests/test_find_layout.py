@@ -92,7 +92,7 @@ def test_pattern_found_by_structure_with_a_fused_column():
     assert placements["trunk.0.w_in.bias"] == (_StridedShard(0, split_factor=2),)
     assert placements["trunk.0.w_out.weight"] == (Shard(1),) and placements["trunk.0.w_out.bias"] == (Replicate(),)
     assert placements["tokens.weight"] == placements["readout.weight"] == (Shard(0),)
-    assert "column of mlp pattern in trunk.0: w_in -> mul, sigmoid" in plan.strategy.param_origin("trunk.0.w_in.weight")
+    assert "column of mlp pattern in trunk.0: w_in -> mul, silu" in plan.strategy.param_origin("trunk.0.w_in.weight")
 
 
 def test_a_mixing_op_between_projections_leaves_that_block_replicated_with_the_reason():
