@@ -47,13 +47,17 @@ def _h100(gpus: int) -> Cluster:
 
 
 def _published() -> list[tuple[str, object, Cluster, SearchSpace, list[Candidate]]]:
-    def dense(degrees: dict[str, int], micro: int, *, zero: int = 1, virtual: tuple[int, ...] = (1, 2),
-              recompute: tuple = (None, "full")) -> list[Candidate]:
+    # each published layout as it is, with sequence parallelism's re-gather in backward (Megatron's
+    # default), and with full recomputation
+    savings = ((None, False), (None, True), ("full", False))
+
+    def dense(degrees: dict[str, int], micro: int, *, zero: int = 1, virtual: tuple[int, ...] = (1, 2)
+              ) -> list[Candidate]:
         mesh = tuple((a, n) for a, n in degrees.items() if n > 1)
         if "pp" not in degrees:
-            return [Candidate(mesh, zero=zero, sequence_parallel=True, recompute=r) for r in recompute]
+            return [Candidate(mesh, zero=zero, sequence_parallel=True, recompute=r, regather=g) for r, g in savings]
         return [Candidate(mesh, zero=zero, sequence_parallel=True, schedule="1f1b" if v == 1 else "interleaved_1f1b",
-                          microbatches=micro, virtual=v, recompute=r) for v in virtual for r in recompute]
+                          microbatches=micro, virtual=v, recompute=r, regather=g) for v in virtual for r, g in savings]
 
     # the batches: Llama 3's report (16M tokens at 8K; 128 sequences at 128K), torchtitan's 70B
     # recipe (8 sequences per FSDP rank), Megatron-Bridge's 70B recipe (128 sequences, one per
@@ -63,8 +67,9 @@ def _published() -> list[tuple[str, object, Cluster, SearchSpace, list[Candidate
     deepseek = [Candidate((("pp", 16), ("dp", 2), ("ep", 64)), zero=1, schedule="1f1b", microbatches=120, recompute=r)
                 for r in (None, "selective", "full")]
     mixtral = [Candidate((("pp", 4), ("dp", 2), ("ep", 8), ("tp", 4)), zero=1, sequence_parallel=True,
-                         schedule="1f1b" if v == 1 else "interleaved_1f1b", microbatches=16, virtual=v, recompute=r)
-               for v in (1, 2) for r in (None, "full")]
+                         schedule="1f1b" if v == 1 else "interleaved_1f1b", microbatches=16, virtual=v, recompute=r,
+                         regather=g)
+               for v in (1, 2) for r, g in savings]
     return [("Llama 3 405B, 8K tokens, 8192 GPUs (published: TP8 PP16 DP64)", scale.llama3_405b, _h100(8192), SPACE,
              dense({"pp": 16, "dp": 64, "tp": 8}, 32, virtual=(1, 2, 4))),
             ("Llama 3 405B, 128K tokens, 8192 GPUs (published: TP8 CP16 PP16, DP fills)", scale.llama3_405b_128k,

@@ -218,6 +218,22 @@ def test_recomputation_is_tried_where_memory_does_not_fit():
         assert [o.fits for o in result.outcomes] == [True] + [False] * (2 if chosen == "full" else 1)
 
 
+def test_the_sequence_parallel_regather_is_tried_before_recomputation():
+    """Between the peaks of tp2+SP with and without the re-gather in backward, the composed search
+    answers with the re-gather (cheaper than recomputing anything)."""
+    torch.manual_seed(0)
+    config = dataclasses.replace(CONFIG, d_model=64, d_ff=256, seq_len=64)
+    model, batch = GPT(config), example_batch(config, batch=8)
+    space = SearchSpace(axes=("tp",), sequence_parallel=(True,))
+    peaks = {regather: estimate(autopar.plan(model, "tp=2", strategies=[autopar.sequence_parallel(
+        regather_in_backward=regather)], example_inputs=batch), _two_ranks()).peak_bytes for regather in (False, True)}
+    assert peaks[True] < peaks[False]
+    between = (peaks[True] + peaks[False]) / 2 / 10 ** 9
+    result = autopar.search(model, _two_ranks(memory_gb=between), example_inputs=batch, space=space, method="blocks")
+    assert result.best.candidate.label == "tp2+sp regather"
+    assert [o.candidate.label for o in result.outcomes] == ["tp2+sp regather", "tp2+sp"]
+
+
 def test_a_model_that_fits_nowhere_names_the_smallest_memory_it_needs():
     torch.manual_seed(0)
     model, batch = GPT(CONFIG), example_batch(CONFIG, batch=4)

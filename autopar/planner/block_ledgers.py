@@ -70,6 +70,7 @@ class Layout:
     ep: int = 1
     sequence_parallel: bool = False
     recompute: str | None = None
+    regather: bool = False
 
     @property
     def degrees(self) -> tuple[tuple[str, int], ...]:
@@ -342,7 +343,8 @@ def layout_plans(model: torch.nn.Module, layout: Layout, *, example_inputs: Sequ
     tells its block apart (`_attributed_state`, `_measured`)."""
     path, _ = _blocks_path(model)
     args, kwargs = _layout_inputs(layout, example_inputs, example_kwargs)
-    candidate = Candidate(layout.degrees, sequence_parallel=layout.sequence_parallel, recompute=layout.recompute)
+    candidate = Candidate(layout.degrees, sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
+                          regather=layout.regather)
 
     def planned() -> Any:
         return make_plan(model, layout.mesh_spec, strategies=candidate.strategies(), example_inputs=args,

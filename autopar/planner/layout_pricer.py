@@ -8,7 +8,7 @@ search's traces) and every candidate sharing it is composed from those ledgers
 (`composed_cost.composed_estimate`, ~1 ms). A layout the compiler refuses (or PyTorch fails on)
 refuses every candidate that needs it, with the message. `price_composed` prices one given
 candidate the same way (a published configuration the search's rules would not enumerate).
-`prefetch(candidates, recompute=)` measures every layout of the search's first pass at once and
+`prefetch(candidates, ladder=)` measures every layout of the search's first pass at once and
 composes its candidates, split between this process and a forked copy
 (`autopar/planner/layout_workers.py`; each process composes the candidates of the layouts it measured,
 the copy's estimates come back with its ledgers), and while the copy works the recomputation
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -57,7 +57,8 @@ def global_batch(example_inputs: Sequence[Any], example_kwargs: dict | None = No
 
 def layout_of(candidate: Candidate) -> Layout:
     return Layout(tp=candidate.degree("tp"), cp=candidate.degree("cp"), ep=candidate.degree("ep"),
-                  sequence_parallel=candidate.sequence_parallel, recompute=candidate.recompute)
+                  sequence_parallel=candidate.sequence_parallel, recompute=candidate.recompute,
+                  regather=candidate.regather)
 
 
 def first_line(error: Exception) -> str:
@@ -89,12 +90,13 @@ class BlockPricer:
             self.layouts[layout] = self.measure(layout)
         return self.layouts[layout]
 
-    def prefetch(self, candidates: Iterable[Candidate], *, recompute: Sequence[str] = ()) -> None:
+    def prefetch(self, candidates: Iterable[Candidate], *,
+                 ladder: "Callable[[Candidate], list[Candidate]] | None" = None) -> None:
         """Measure every layout these candidates need that is not measured yet, and compose the
         candidates of each, on two processes where that is safe (`layout_workers.measured`: the
         copy sends back its layouts' ledgers and its candidates' estimates, composed on its core);
-        while the second works, the first measures its layouts' variants with each `recompute`
-        policy (what the search asks for next where a layout does not fit)."""
+        while the second works, the first measures its layouts' variants that `ladder` gives
+        (`search_space.memory_variants`: what the search asks for next where a layout does not fit)."""
         chosen = [c for c in candidates if self._splits(c) is None]
         wanted = [layout_of(c) for c in chosen]
         of_layout: dict[Layout, list[Candidate]] = {}
@@ -117,8 +119,7 @@ class BlockPricer:
             priced = [(c, self.estimates[c]) for c in chosen if c in self.estimates]
             bound = min((e.seconds for _, e in priced if e.fits), default=float("inf"))
             for seconds, twin in sorted(((e.seconds, c) for c, e in priced if not e.fits), key=lambda x: x[0]):
-                for policy in recompute if twin.recompute is None else ():
-                    variant = replace(twin, recompute=policy)
+                for variant in ladder(twin):
                     if seconds >= bound:
                         break
                     if self.cannot_fit(variant, measured_here.get(layout_of(twin), (None,))[0]) is not None:
@@ -140,7 +141,7 @@ class BlockPricer:
                 pass
 
         results = measured(measure_and_compose, [layout for layout in wanted if layout not in self.layouts],
-                           variants=variants if recompute else None, warm=export if wanted else None)
+                           variants=variants if ladder else None, warm=export if wanted else None)
         for layout, (ledgers, estimates) in results.items():
             self.layouts[layout] = ledgers
             for candidate, estimate in estimates.items():

@@ -5,7 +5,8 @@ the cluster's world, plans each one (`autopar.plan`: a candidate the compiler re
 that do not split, a batch that does not divide — is out, with the compiler's own message),
 prices the plan (`step_cost.estimate`: step time and peak memory per rank from the ledgers),
 and ranks them: those that fit the cluster's memory by predicted step time, then those that do
-not by peak memory. A candidate that does not fit is planned again with recomputation
+not by peak memory. A candidate that does not fit is planned again with sequence parallelism's
+re-gather in backward where it has SP (`SearchSpace.regather`), then with recomputation
 (`SearchSpace.recompute`, each policy in order until one fits) before it is given up, since
 memory is what recomputation buys — after every candidate has been priced without it, fastest
 first, and only while its time without recomputation is below the best that fits: recomputation
@@ -51,7 +52,8 @@ from autopar.cost.cluster import GB, Cluster
 from autopar.cost.step_cost import estimate
 from autopar.planner.layout_pricer import BlockPricer, first_line, input_dim
 from autopar.planner.search_report import answer, ranking_table, search_data
-from autopar.planner.search_space import Candidate, Enumeration, ModelFacts, Outcome, Pruned, SearchSpace, candidates
+from autopar.planner.search_space import (Candidate, Enumeration, ModelFacts, Outcome, Pruned, SearchSpace, candidates,
+                                          memory_variants)
 
 
 @dataclass
@@ -133,24 +135,24 @@ def search(model: torch.nn.Module, cluster: Cluster, *, example_inputs: Sequence
     best: Outcome | None = None
     with reusing_traces(), _collecting_cycles_after(composed):
         if composed:  # every layout the first pass needs, on both cores where that is safe
-            price.prefetch(enumeration.candidates, recompute=space.recompute)
+            price.prefetch(enumeration.candidates, ladder=lambda twin: memory_variants(twin, space))
         for candidate in enumeration.candidates:
             best = _recorded(price(candidate), outcomes, best, progress)
-        # recomputation, for the candidates that do not fit, fastest first: it only adds time (the
-        # forward again, its collectives again), so a candidate whose time without it is already no
-        # better than the best that fits cannot win with it and is not priced (its in-node layout
-        # with recomputation is then never measured: most of a composed search's cost)
+        # the re-gather in backward and recomputation (`memory_variants`), for the candidates that
+        # do not fit, fastest first: they only add time (an all-gather again; the forward again, its
+        # collectives again), so a candidate whose time without them is already no better than the
+        # best that fits cannot win with them and is not priced (its in-node layout with them is then
+        # never measured: most of a composed search's cost)
         unfit = sorted((o for o in outcomes if o.estimate is not None and not o.fits), key=lambda o: o.estimate.seconds)
         for twin in unfit:
-            for policy in space.recompute:
-                variant = replace(twin.candidate, recompute=policy)
+            for variant in memory_variants(twin.candidate, space):
                 if best is not None and twin.estimate.seconds >= best.estimate.seconds:
-                    pruned.append(Pruned(variant, f"without recomputation it does not fit and already takes "
+                    pruned.append(Pruned(variant, f"as it is it does not fit and already takes "
                                                   f"{twin.estimate.seconds * 1e3:,.2f} ms, no less than the best that "
                                                   f"fits ({best.candidate.label}, {best.estimate.seconds * 1e3:,.2f} ms)"))
                     continue
                 cannot = price.cannot_fit(variant) if composed else None
-                if cannot is not None:  # the next policy recomputes more
+                if cannot is not None:  # the next variant saves more
                     pruned.append(cannot)
                     continue
                 outcome = price(variant)

@@ -45,7 +45,8 @@ def search_data(result: "SearchResult") -> dict[str, Any]:
         "chosen": rows[0],
         "candidates": rows,
         "pruned": [{"candidate": p.candidate.label, "mesh": p.candidate.mesh_spec, "reason": p.reason,
-                    "recompute": p.candidate.recompute, "peak_at_least": p.peak_at_least} for p in result.pruned],
+                    "recompute": p.candidate.recompute, "regather": p.candidate.regather,
+                    "peak_at_least": p.peak_at_least} for p in result.pruned],
     }
 
 
@@ -58,7 +59,7 @@ def candidate_row(result: "SearchResult", outcome: "Outcome") -> dict[str, Any]:
         "layout": {"degrees": [[axis, size] for axis, size in candidate.degrees], "zero": candidate.zero,
                    "sequence_parallel": candidate.sequence_parallel, "schedule": candidate.schedule,
                    "microbatches": candidate.microbatches, "virtual_stages": candidate.virtual,
-                   "recompute": candidate.recompute},
+                   "recompute": candidate.recompute, "regather": candidate.regather},
         "strategies": [{"name": s.name, "axis": s.axis} for s in candidate.strategies(result.cluster.backend)
                        if isinstance(s, Strategy)],
         "estimate": None if priced is None else {
@@ -136,11 +137,15 @@ def _passed_over(data: dict[str, Any]) -> list[str]:
         lines.append(f"not fitting in memory: {len(unfit)} candidate(s), e.g. {unfit[0]['candidate']}: "
                      f"{unfit[0]['estimate']['binding']}")
     refused = [row for row in rows if row["refused"] is not None]
-    by_rules = [p for p in data["pruned"] if p["recompute"] is None]
+    by_rules = [p for p in data["pruned"] if p["recompute"] is None and not p.get("regather")]
     if refused or by_rules:
         example = (f"{by_rules[0]['candidate']}: {by_rules[0]['reason']}" if by_rules
                    else f"{refused[0]['candidate']}: {refused[0]['refused']}")
         lines.append(f"refused by the compiler: {len(refused)}, pruned by the rules: {len(by_rules)} (e.g. {example})")
+    regathering = [p for p in data["pruned"] if p.get("regather")]
+    if regathering:
+        lines.append(f"with the re-gather in backward, not priced: {len(regathering)} candidate(s), slower than the "
+                     f"winner already without it")
     bounded = [p for p in data["pruned"] if p["recompute"] is not None]
     if bounded:
         lines.append(f"with recomputation, not priced: {len(bounded)} candidate(s), slower than the winner "

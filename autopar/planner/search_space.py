@@ -27,7 +27,7 @@ Recomputation is not enumerated: the planner adds it to a candidate that does no
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 import torch
@@ -55,6 +55,9 @@ class Candidate:
     microbatches: int | None = None
     recompute: str | None = None
     virtual: int = 1  # pipeline stages per pp rank (interleaved_1f1b when > 1)
+    # with sequence parallelism: each SP linear keeps its input's sequence shard for backward and
+    # gathers it again there (Megatron's), instead of keeping the gathered input
+    regather: bool = False
 
     def degree(self, axis: str) -> int:
         return dict(self.degrees).get(axis, 1)
@@ -71,7 +74,7 @@ class Candidate:
             if axis == "dp" and self.zero:
                 text += f" zero{self.zero}"
             if axis == "tp" and self.sequence_parallel:
-                text += "+sp"
+                text += "+sp" + (" regather" if self.regather else "")
             if axis == "pp":
                 text += f" {self.schedule} m{self.microbatches}" + (f" v{self.virtual}" if self.virtual > 1 else "")
             parts.append(text)
@@ -88,7 +91,8 @@ class Candidate:
                 chosen.append(zero(stage=self.zero, reduce=gradient_exchange_kind("auto", backend),
                                    gather=parameter_gather_kind("auto", backend)) if self.zero else data_parallel())
             elif axis == "tp":
-                chosen.append(sequence_parallel() if self.sequence_parallel else tensor_parallel())
+                chosen.append(sequence_parallel(regather_in_backward=self.regather) if self.sequence_parallel
+                              else tensor_parallel())
             elif axis == "pp":
                 chosen.append(pipeline_parallel(schedule=self.schedule, microbatches=self.microbatches,
                                                 virtual_stages=self.virtual))
@@ -114,6 +118,10 @@ class SearchSpace:
     # recomputes the attention core, full the whole block: never faster in the cost model, and it
     # saves more memory), so the first that fits is the fastest that fits
     recompute: tuple[str, ...] = ("selective", "full")
+    # tried first, on a candidate with sequence parallelism that does not fit: the re-gather in
+    # backward (`Candidate.regather`) saves the gathered inputs of every SP linear for one more
+    # all-gather each in backward, usually less than recomputing anything
+    regather: bool = True
     cross_node_tp: bool = False
     context_tokens: int = 1024  # cp only while each rank keeps at least this many tokens of a sequence
 
@@ -142,6 +150,16 @@ class Pruned:
     candidate: Candidate
     reason: str
     peak_at_least: int | None = None  # bytes per rank it needs at least, where known (`BlockPricer.cannot_fit`)
+
+
+def memory_variants(twin: Candidate, space: SearchSpace) -> list[Candidate]:
+    """What the search tries, in order, on a candidate that does not fit, until one fits: the
+    re-gather in backward where it has sequence parallelism (`SearchSpace.regather`), then each
+    recomputation policy (`SearchSpace.recompute`); a variant already is one of these: none."""
+    if twin.recompute is not None or twin.regather:
+        return []
+    regathering = [replace(twin, regather=True)] if space.regather and twin.sequence_parallel else []
+    return regathering + [replace(twin, recompute=policy) for policy in space.recompute]
 
 
 @dataclass
