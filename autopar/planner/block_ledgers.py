@@ -128,7 +128,13 @@ def _blocks_path(model: torch.nn.Module) -> tuple[str, int]:
     if not lists:
         raise PlanError(f"{type(model).__name__} has no list of repeated blocks: the planner at scale prices one "
                         f"block and composes the layers; plan it with autopar.search(..., method='plans')")
-    path, count = max(lists, key=lambda item: item[1])
+    return max(lists, key=lambda item: item[1])
+
+
+def check_blocks_alike(model: torch.nn.Module) -> None:
+    """Refuse a model whose repeated blocks differ: the composed search prices one block for all
+    (once per search: `layout_pricer.BlockPricer`)."""
+    path, count = _blocks_path(model)
     blocks = list(model.get_submodule(path))
     first = _signature(blocks[0])
     unlike = [index for index, block in enumerate(blocks) if _signature(block) != first]
@@ -138,7 +144,6 @@ def _blocks_path(model: torch.nn.Module) -> tuple[str, int]:
                         f"parameters than {path}.0; the planner at scale prices one block and composes the layers, "
                         f"so it would price every block as the first; fix: plan candidates whole with "
                         f"autopar.search(..., method='plans'), or search a model whose blocks are alike")
-    return path, count
 
 
 def _signature(block: torch.nn.Module) -> tuple:

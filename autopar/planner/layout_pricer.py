@@ -32,7 +32,7 @@ from autopar.compiler.context import sharing_sharding_decisions
 from autopar.compiler.trace import reusing_traces
 from autopar.core.errors import PlanError
 from autopar.cost.cluster import GB, Cluster
-from autopar.planner.block_ledgers import BlockLedgers, Layout, measure_layout, traced_blocks
+from autopar.planner.block_ledgers import BlockLedgers, Layout, check_blocks_alike, measure_layout, traced_blocks
 from autopar.planner.composed_cost import composed_estimate
 from autopar.planner.layout_workers import measured
 from autopar.planner.search_space import Candidate, Outcome, Pruned
@@ -68,6 +68,7 @@ def first_line(error: Exception) -> str:
 class BlockPricer:
     def __init__(self, model: torch.nn.Module, cluster: Cluster, example_inputs: Sequence[Any],
                  example_kwargs: dict | None = None) -> None:
+        check_blocks_alike(model)
         self.model, self.cluster, self.args, self.kwargs = model, cluster, example_inputs, example_kwargs
         self.batch = global_batch(example_inputs, example_kwargs)
         self.layouts: dict[Layout, "BlockLedgers | str"] = {}

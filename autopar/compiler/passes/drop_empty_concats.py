@@ -33,16 +33,17 @@ def _is_empty_for(node: object, dim: int) -> bool:
 def erase_unused(node: torch.fx.Node) -> None:
     """Erase `node` and then its inputs, while they are unused computations (read by nothing but
     export's checks of their own dtype and device, which go with them)."""
-    stack = [node]
+    stack, erased = [node], set()
     while stack:
         current = stack.pop()
-        if current.op != "call_function" or current not in current.graph.nodes \
+        if current in erased or current.op != "call_function" \
                 or any(user.target is not _ASSERT_METADATA for user in current.users):
             continue
         for check in list(current.users):
             current.graph.erase_node(check)
         inputs = current.all_input_nodes
         current.graph.erase_node(current)
+        erased.add(current)
         stack.extend(inputs)
 
 

@@ -1,14 +1,15 @@
 """Which attention mask a graph computes from positions alone: "causal", "none" or unknown.
 
-Context parallelism lowers attention whose mask is the causal lower triangle or allows
-everything (`attention_rules.context_attention_rule`); Hugging Face models build that mask in the
-graph from `arange`s (and, since transformers 5, from the positions' document boundaries), so
-the rule evaluates the mask's ancestors on constants at plan time and compares the result.
+Hugging Face models build their causal mask in the graph from `arange`s (and, since
+transformers 5, from the positions' document boundaries). `passes/causal_masks.py` turns a mask
+read as causal or none into the flag (or no mask); context parallelism refuses any other
+(`attention_rules.context_attention_rule`). Both read it here: the mask's ancestors evaluated on
+constants at plan time, the result compared.
 
 A mask of the example's size is evaluated as it is. A larger one (a 128K-token sequence makes a
-mask of 2^34 entries per sequence) is evaluated at `_SMALL` positions instead: every integer
-in its ancestors equal to the sequence length (or within 2 of it, or its negative) is replaced by `_SMALL` (plus
-the same offset), every leading size (batch, heads) by 1. That is sound only where the mask's
+mask of 2^34 entries per sequence) is evaluated at `_SMALL` positions instead: every integer in
+its ancestors equal to the sequence length (or within 2 of it, or its negative) is replaced by
+`_SMALL` (plus the same offset), every leading size (batch, heads) by 1. That is sound only where the mask's
 shape is all the size enters: a constant that is neither a size nor below `_SMALL // 2` (a
 sliding window of 4,096, say, which at `_SMALL` positions would look causal) makes the mask
 unknown, and so refused by context parallelism, as before. A window below `_SMALL // 2` shows in
@@ -16,6 +17,7 @@ the smaller mask and is recognised for what it is.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -52,7 +54,7 @@ def _evaluate_mask_kind(mask: torch.fx.Node) -> str | None:
         return None
     shape = tuple(hint(size) for size in mask.meta["val"].shape)
     sizes: dict[int, int] = {}
-    if len(shape) >= 2 and _entries(shape) > _EVALUATED_ENTRIES:
+    if len(shape) >= 2 and math.prod(shape) > _EVALUATED_ENTRIES:
         sizes = _smaller_sizes(shape, ancestors)
         if not sizes:
             return None
@@ -88,13 +90,6 @@ def _evaluate_mask_kind(mask: torch.fx.Node) -> str | None:
         return "none"
     causal = torch.ones(rows, cols, dtype=torch.bool).tril()
     return "causal" if bool((allowed == causal).all()) else None
-
-
-def _entries(shape: tuple) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _smaller_sizes(shape: tuple, ancestors: set[torch.fx.Node]) -> dict[int, int]:
