@@ -3,7 +3,7 @@
 `trace_model` runs `torch.export.export(strict=False)` (which also works on meta-device models
 and under FakeTensorMode, so models far larger than the planning host's memory can be planned), then
 decomposes to core ATen with DTensor-friendly ops, keeping `scaled_dot_product_attention`, the
-loss and SiLU as one node each (`_decomposition_table`). `dynamic_dims={"b": 0, "s": 1}` marks those dimensions of every user input dynamic; the
+loss and SiLU as one node each (`autopar/compiler/decompositions.py`). `dynamic_dims={"b": 0, "s": 1}` marks those dimensions of every user input dynamic; the
 resulting export symbols are renamed to the user's names so ledgers come out in `b` and `s`.
 A list of equal blocks (a transformer's layers) is exported three blocks deep and the third
 block's graph copied for the others (`autopar/compiler/repeated_blocks.py`): tracing costs what the
@@ -30,6 +30,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from autopar.compiler.context import PlaceholderInfo
+from autopar.compiler.decompositions import decomposition_table
 from autopar.compiler.planning_errors import planning_error
 from autopar.compiler.repeated_blocks import TRACED, drop_last_block, find_repeated_blocks, replicate_blocks, truncated
 from autopar.core.errors import PlanError
@@ -52,18 +53,6 @@ class TracedProgram:
     state_keys: tuple[str, ...] = ()
     aliases: dict[str, str] = field(default_factory=dict)
     shortened: bool = False  # a longer model's trace less its last block (`reuse_shortened`), not exported
-
-
-def _decomposition_table() -> dict:
-    table = torch.export.default_decompositions()
-    # kept whole: autopar.compiler.rules.op_rules shards them (head/batch-sharded attention, vocab-parallel loss)
-    for op in (torch.ops.aten.scaled_dot_product_attention.default, torch.ops.aten.nll_loss_forward.default):
-        table.pop(op, None)
-    # kept whole as the model calls it: decomposed, SiLU becomes x * sigmoid(x) computed in fp32,
-    # and autograd keeps the fp32 input and sigmoid (4 bytes each per element of a bf16 model's
-    # SwiGLU width) where the whole op keeps its input; DTensor shards it as the pointwise op it is
-    table.pop(torch.ops.aten.silu.default, None)
-    return table
 
 
 def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims: dict[str, int]) -> Any:
@@ -94,7 +83,7 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims: dic
             f"  module: {type(model).__name__} (its forward)") from error
     seconds["export"] = seconds.get("export", 0.0) + time.perf_counter() - start
     start = time.perf_counter()
-    program = program.run_decompositions(_decomposition_table())
+    program = program.run_decompositions(decomposition_table())
     seconds["decompose"] = seconds.get("decompose", 0.0) + time.perf_counter() - start
     return program
 
