@@ -10,8 +10,9 @@ shipped (`use_cache`, tied embeddings, padding index, attention implementation).
 small config forces are set to fit it (`_fit_sizes`): a head dimension of hidden/heads, key/value
 heads (2 where the architecture ships grouped-query attention, else one per query head), a
 padding index or rotary width that would lie outside the small vocabulary or head, and each
-architecture's own size fields (`_ZOO_EXTRA`). Dropout is set to 0: random masks cannot be
-compared with one device.
+architecture's own size fields (`_ZOO_EXTRA`), and any size a caller names (`tiny_causal_lm(...,
+num_experts=8)`: more or wider experts for a planner to weigh). Dropout is set to 0: random masks
+cannot be compared with one device.
 """
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ def _field(config, name: str) -> bool:
     return hasattr(config, name) and not isinstance(getattr(type(config), name, None), property)
 
 
-def _fit_sizes(config, model_type: str) -> None:
+def _fit_sizes(config, model_type: str, sizes: dict) -> None:
     """Size fields the small config forces (module docstring); nothing else is changed."""
     shipped = type(config)()
     heads = config.num_attention_heads
@@ -99,19 +100,20 @@ def _fit_sizes(config, model_type: str) -> None:
         config.pad_token_id = config.vocab_size - 1
     if getattr(config, "rotary_dim", None) and config.rotary_dim > config.hidden_size // heads:
         config.rotary_dim = config.hidden_size // heads // 2
-    for name, value in _ZOO_EXTRA.get(model_type, {}).items():
+    for name, value in {**_ZOO_EXTRA.get(model_type, {}), **sizes}.items():
         setattr(config, name, value)
     for name, value in list(config.to_dict().items()):
         if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float) and value > 0:
             setattr(config, name, 0.0)
 
 
-def tiny_causal_lm(model_type: str, dtype: torch.dtype = torch.float32) -> CausalLMLoss:
+def tiny_causal_lm(model_type: str, dtype: torch.dtype = torch.float32, **sizes: int) -> CausalLMLoss:
     """A small `model_type` causal LM (e.g. "gpt2", "qwen3") with the shipped defaults (see above),
-    its floating-point parameters and buffers in `dtype`."""
+    its floating-point parameters and buffers in `dtype`; `sizes`: size fields set over the small
+    config's (e.g. `num_experts=8, moe_intermediate_size=64`)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    config = CONFIG_MAPPING[model_type](**ZOO_SIZES, **_ZOO_EXTRA.get(model_type, {}))
-    _fit_sizes(config, model_type)
+    config = CONFIG_MAPPING[model_type](**{**ZOO_SIZES, **_ZOO_EXTRA.get(model_type, {}), **sizes})
+    _fit_sizes(config, model_type, sizes)
     return CausalLMLoss(AutoModelForCausalLM.from_config(config)).to(dtype)

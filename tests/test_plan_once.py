@@ -6,7 +6,8 @@
   a rank whose model differs from rank 0's makes every rank raise an error naming the rank and
   the field.
 - In one process: the encoded plan decodes to the same rank graphs and ledgers (ZeRO-3 + TP:
-  units, release calls), plan files that are not runnable or do not fit the model are refused.
+  units, release calls), a plan the planner chose crosses with its ranking and without weights,
+  plan files that are not runnable or do not fit the model are refused.
 """
 from __future__ import annotations
 
@@ -99,6 +100,23 @@ def test_a_decoded_plan_emits_the_same_graphs_and_ledgers():
         assert decoded.memory(rank=rank).table() == plan.memory(rank=rank).table()
     assert decoded.comm.by_key(rank=1) == plan.comm.by_key(rank=1)
     assert "release_unit" in decoded.rank_graph(0).code
+
+
+def test_a_chosen_plan_crosses_with_its_ranking_and_without_weights():
+    """A plan the planner chose keeps its ranking (`Plan.search`), whose winner is the plan itself:
+    it crosses without the weights there too (it once carried rank 0's whole model to every rank,
+    which held it as long as its plan), and the decoded ranking's winner is the decoded plan."""
+    cluster = autopar.Cluster(nodes=1, gpus_per_node=2, memory_gb=1.0, intra_gbps=1.0, inter_gbps=1.0,
+                              peak_tflops=0.05, backend="gloo")
+    plan = autopar.plan(build(), cluster=cluster, example_inputs=BATCH,
+                        space=autopar.SearchSpace(axes=("dp",), zero_stages=(0, 1)))
+    assert plan.search.best.plan is plan and plan.traced.state
+    decoded = decode_plan(encode_plan(plan))
+    winner = decoded.search.best.plan
+    assert winner is decoded, f"the ranking's winner crossed as a second plan, {len(winner.traced.state)} tensors held"
+    assert not {k for k, v in decoded.traced.state.items() if k not in plan.context.placeholders}, "weights crossed"
+    assert [o.plan for o in decoded.search.outcomes[1:]] == [None] * (len(plan.search.outcomes) - 1)
+    assert [o.candidate.label for o in decoded.search.outcomes] == [o.candidate.label for o in plan.search.outcomes]
 
 
 def test_plan_files_that_cannot_run_here_are_refused(tmp_path):

@@ -8,7 +8,8 @@ shards by the parameters' placements, binds ZeRO units and gradient buckets, and
 graph's node meta. So everything in the Plan crosses as rank 0 made it — except the weights:
 `traced.state` is reduced to the constants the trace lifted (an empty KV cache, a tensor created
 in forward), which are part of the program; each rank takes its parameters and buffers from its
-own model (`plan_once.state_from_model`).
+own model (`plan_once.state_from_model`). A plan the planner chose keeps its ranking
+(`Plan.search`), which crosses without the candidates' plans: the winner's is the plan itself.
 
 How the parts that plain pickling cannot carry cross (`encode_plan` / `decode_plan`):
 
@@ -155,10 +156,17 @@ class _Decoder(pickle.Unpickler):
 
 
 def _without_weights(plan: Any) -> Any:
-    """A shallow copy whose traced state holds only the lifted constants (no parameters or buffers)."""
+    """A shallow copy whose traced state holds only the lifted constants (no parameters or buffers),
+    and whose planner's ranking (`plan.search`, a plan chosen by `plan(model, cluster=...)`) holds
+    no plan: its winner's plan is the original `plan`, weights and all, and crossed with it — every
+    receiving rank then held a whole copy of rank 0's parameters for as long as its plan lived
+    (`tests/test_planner_moe_peak.py`: 0.96 MB over the predicted peak, on a 2.8 MB rank)."""
     constants = {info.target for info in plan.context.placeholders.values() if info.kind == "constant"}
     traced = dataclasses.replace(plan.traced, state={k: v for k, v in plan.traced.state.items() if k in constants})
-    return dataclasses.replace(plan, traced=traced, _document=None, _fake_runs={})
+    search = plan.search
+    if search is not None:
+        search = dataclasses.replace(search, outcomes=[dataclasses.replace(o, plan=None) for o in search.outcomes])
+    return dataclasses.replace(plan, traced=traced, search=search, _document=None, _fake_runs={})
 
 
 def encode_plan(plan: Any) -> bytes:
@@ -171,6 +179,10 @@ def encode_plan(plan: Any) -> bytes:
 
 
 def decode_plan(data: bytes) -> Any:
-    """The Plan `encode_plan` wrote; `traced.state` holds the lifted constants only."""
+    """The Plan `encode_plan` wrote; `traced.state` holds the lifted constants only. A chosen plan's
+    ranking has its winner's plan again: the decoded plan, as on the rank that searched."""
     with unset_fake_temporarily():
-        return _Decoder(io.BytesIO(data)).load()
+        plan = _Decoder(io.BytesIO(data)).load()
+    if plan.search is not None and plan.search.outcomes:
+        plan.search.best.plan = plan
+    return plan
