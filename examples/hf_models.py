@@ -57,6 +57,38 @@ def token_batch(*, batch: int = 8, seq: int = 16, vocab: int = 128, seed: int = 
     return ids, ids.clone()
 
 
+class PackedCausalLMLoss(nn.Module):
+    """A causal LM trained on packed sequences as Hugging Face passes them: several documents
+    concatenated in one row, `position_ids` restarting at 0 where each document begins (what
+    `DataCollatorWithFlattening` gives); transformers builds the document mask from them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, position_ids=position_ids, labels=labels).loss
+
+
+def packed_llama(**sizes: int) -> PackedCausalLMLoss:
+    """`tiny_llama(**sizes)` trained on packed sequences."""
+    return PackedCausalLMLoss(tiny_llama(**sizes).model)
+
+
+def packed_token_batch(*, batch: int = 8, seq: int = 16, vocab: int = 128, documents: int = 3,
+                       seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input ids, position ids, labels): each row `documents` documents of random, uneven lengths
+    (at least one token each), positions restarting at each."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=generator)
+    positions = torch.empty(batch, seq, dtype=torch.long)
+    for row in range(batch):
+        cuts = sorted((torch.randperm(seq - 1, generator=generator)[:documents - 1] + 1).tolist())
+        edges = [0, *cuts, seq]
+        positions[row] = torch.cat([torch.arange(end - start) for start, end in zip(edges, edges[1:])])
+    return ids, positions, ids.clone()
+
+
 def example_llama() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(0)
     return tiny_llama(), token_batch()
