@@ -1,8 +1,8 @@
 """The planner's layouts measured by this process and a forked copy (`autopar/planner/layout_workers.py`):
 the same results as one process, what the copy does not return measured here, a copy that hangs
 killed, and a composed search that forks ranks the same candidates the same way as one that
-does not (in a fresh interpreter: a pytest-xdist worker runs its channel's thread, so the search
-itself would not fork here)."""
+does not, and a copy forked after parallel tensor ops runs (both in a fresh interpreter: what
+earlier tests in this process ran would otherwise decide)."""
 from __future__ import annotations
 
 import os
@@ -192,6 +192,41 @@ def test_a_search_that_forks_ranks_every_candidate_as_one_that_does_not():
                           env=dict(os.environ, PYTHONPATH=root))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "same" in done.stdout
+
+
+AFTER_PARALLEL_OPS = textwrap.dedent('''
+    import os, time
+    import torch
+    from autopar.planner import layout_workers
+
+    torch.set_num_threads(2)
+    a = torch.randn(256, 256)
+    for _ in range(20):  # this process's OpenMP pool started, as by any training step before planning
+        (a @ a).exp_().sum()
+
+    def measure(n):
+        b = torch.randn(256, 256)
+        return float((b @ b).exp().sum() > -1), os.getpid()
+
+    start = time.perf_counter()
+    results = layout_workers.measured(measure, list(range(12)), fork=True)
+    print("copy answered", len({pid for _, pid in results.values()}) == 2, "seconds", time.perf_counter() - start)
+''')
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or layout_workers.usable_cpus() < 2,
+                    reason="forks on Linux with two CPUs only")
+def test_a_copy_forked_after_parallel_tensor_ops_runs_its_kernels():
+    """A fork copies the calling thread alone: in a process whose OpenMP pool has started, the
+    copy's first parallel kernel waited for ever for workers it does not have, and the planner
+    waited out the copy's timeout (a composed search of the Qwen3-MoE test: 75 s instead of 8,
+    after one matmul). The copy runs on one thread (`layout_workers._one_thread`); fresh
+    interpreter: a pytest worker has run tensor ops of its own."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", AFTER_PARALLEL_OPS], cwd=root, capture_output=True, text=True,
+                          timeout=200, env=dict(os.environ, PYTHONPATH=root))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "copy answered True" in done.stdout, done.stdout
 
 
 def test_a_rank_of_an_initialised_process_group_does_not_fork(monkeypatch):

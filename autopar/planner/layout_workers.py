@@ -19,9 +19,9 @@ orders them. The copy sends its results back pickled over a pipe and exits.
 It forks only where that is safe and pays: on Linux (macOS's system libraries are not
 fork-safe, which is why Python spawns there), where this process runs no other Python
 thread but tqdm's monitor (a fork copies the calling thread alone: a lock another thread held
-would never be released in the copy; a pytest-xdist worker has its channel's thread, so tests
-measure serially unless run in a process of their own; tqdm's monitor only takes tqdm's lock,
-which the copy replaces, `_own_progress_lock`), no process group is initialised here (gloo's and
+would never be released in the copy; tqdm's monitor only takes tqdm's lock, which the copy
+replaces, `_own_progress_lock`; the threads of an OpenMP pool this process started are not
+Python's to see, and the copy runs its kernels on one thread, `_one_thread`), no process group is initialised here (gloo's and
 NCCL's threads live in C++), more than one CPU is usable, and at least `MIN_FORKED`
 layouts are left. The copy's numbers are the ones this process would compute (the fake runs are
 deterministic; `tests/test_layout_workers.py` compares both ways). If the copy dies, or does not
@@ -47,6 +47,7 @@ import threading
 import time
 from typing import Callable, Hashable, Iterable, Sequence, TypeVar
 
+import torch
 import torch.distributed as dist
 
 Item = TypeVar("Item", bound=Hashable)
@@ -88,6 +89,14 @@ def _own_progress_lock() -> None:
     except ImportError:
         return
     tqdm.set_lock(threading.RLock())
+
+
+def _one_thread() -> None:
+    """The copy runs its kernels on its own thread: a fork copies the calling thread alone, and
+    an OpenMP pool the parent started (any earlier multi-threaded tensor op in this process) is
+    gone in the copy, whose first parallel region would wait for its workers for ever (the parent
+    then waited out the copy's timeout, over a minute). Two processes on two cores want one each."""
+    torch.set_num_threads(1)
 
 
 def timeout(own_seconds: float) -> float:
@@ -209,6 +218,7 @@ def measured(measure: Callable[[Item], object], items: Sequence[Item], *, fork: 
         if pid == 0:  # the copy: claim groups, send what it has, leave without the parent's exit handlers
             os.close(reader)
             _own_progress_lock()
+            _one_thread()
             _serve(measure, shared, claims, writer)
         os.close(writer)
         start = time.perf_counter()
