@@ -95,7 +95,7 @@ def _one_thread() -> None:
     """The copy runs its kernels on its own thread: a fork copies the calling thread alone, and
     an OpenMP pool the parent started (any earlier multi-threaded tensor op in this process) is
     gone in the copy, whose first parallel region would wait for its workers for ever (the parent
-    then waited out the copy's timeout, over a minute). Two processes on two cores want one each."""
+    then waited out the copy's timeout, over a minute). Each of the two processes runs one thread."""
     torch.set_num_threads(1)
 
 
