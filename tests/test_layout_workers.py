@@ -184,14 +184,19 @@ SEARCH = textwrap.dedent('''
 ''')
 
 
+def _fresh_interpreter(script: str) -> str:
+    """`script`'s standard output, run by a new Python in the repository (it must exit 0)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=200,
+                          env=dict(os.environ, PYTHONPATH=root))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux") or layout_workers.usable_cpus() < 2,
                     reason="forks on Linux with two CPUs only")
 def test_a_search_that_forks_ranks_every_candidate_as_one_that_does_not():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", SEARCH], cwd=root, capture_output=True, text=True, timeout=200,
-                          env=dict(os.environ, PYTHONPATH=root))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "same" in done.stdout
+    assert "same" in _fresh_interpreter(SEARCH)
 
 
 AFTER_PARALLEL_OPS = textwrap.dedent('''
@@ -222,11 +227,8 @@ def test_a_copy_forked_after_parallel_tensor_ops_runs_its_kernels():
     waited out the copy's timeout (a composed search of the Qwen3-MoE test: 75 s instead of 8,
     after one matmul). The copy runs on one thread (`layout_workers._one_thread`); fresh
     interpreter: a pytest worker has run tensor ops of its own."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", AFTER_PARALLEL_OPS], cwd=root, capture_output=True, text=True,
-                          timeout=200, env=dict(os.environ, PYTHONPATH=root))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "copy answered True" in done.stdout, done.stdout
+    output = _fresh_interpreter(AFTER_PARALLEL_OPS)
+    assert "copy answered True" in output, output
 
 
 def test_a_rank_of_an_initialised_process_group_does_not_fork(monkeypatch):

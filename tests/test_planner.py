@@ -23,10 +23,11 @@ from autopar import Cluster, PlanError, SearchSpace
 from autopar.cost.comm_cost import comm_time
 from autopar.compiler.ledger.fake_run import rank_ops
 from autopar.cost.step_cost import estimate
+from autopar.measure.storages import LiveStorages
 from examples.gpt import GPT, GPTConfig, example_batch
 from autopar.runtime.launch import launch
 from tests.cli_in_process import run_cli
-from tests.numerics import EPS, LR, single_device
+from tests.numerics import EPS, LR, single_device, step_peaks
 from tests.numerics_checks import max_relative_error
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32, d_ff=64)
@@ -346,29 +347,17 @@ def _measured_peaks(rank: int, world: int, candidates: str, config: GPTConfig, b
     """Each candidate's steps after the first (zero_grad, train_step, AdamW) under `LiveStorages`:
     the most live bytes, the batch taken out, the lowest of three steps (gloo's worker threads let
     a finished collective's tensors go a moment late, at random) — measured from outside, nothing
-    asked of the runtime."""
-    import gc
-
-    from autopar.measure.storages import LiveStorages, distinct_storage_bytes
-
+    asked of the runtime (`tests/numerics.step_peaks`)."""
     torch.set_num_threads(1)
     peaks = []
     for mesh, strategies in globals()[candidates]:
         storages = LiveStorages()
         storages.track(list(batch))
-        steps = []
         with storages:
             torch.manual_seed(0)
             module = autopar.parallelize(GPT(config), mesh, strategies=strategies(), example_inputs=batch)
             optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
-            local = module.local_batch(*batch)
-            for _ in range(4):
-                gc.collect()
-                storages.reset_peak()
-                optimizer.zero_grad(set_to_none=True)
-                module.train_step(*local)
-                optimizer.step()
-                steps.append(storages.peak_bytes - distinct_storage_bytes(list(batch) + list(local)))
+            steps = step_peaks(module, optimizer, batch, storages)
         peaks.append(min(steps[1:]))
         del module, optimizer
     return peaks

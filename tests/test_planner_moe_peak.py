@@ -16,16 +16,15 @@ second copy of the model (0.96 MB) as long as its plan lived (`autopar/artifacts
 """
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
 import autopar
 from autopar import Cluster, SearchSpace
+from autopar.measure.storages import LiveStorages
 from autopar.runtime.launch import launch
 from examples.hf_models import tiny_causal_lm, token_batch
-from tests.numerics import LR
+from tests.numerics import LR, step_peaks
 
 # eight experts of 64 (the zoo's small Qwen3-MoE has four of 32): the experts are 82% of the
 # parameters (197K of 239K), so that replicating them (with their gradients and Adam's two moments) is what
@@ -49,24 +48,14 @@ def _two_ranks_of_3_mb() -> Cluster:
 def _chosen_and_measured(rank: int, world: int, batch: tuple) -> dict:
     """`parallelize(cluster=)` on this rank (rank 0 searches, both run the winner), then four steps
     (zero_grad, train_step, AdamW) under `LiveStorages`: the most live bytes of each, the batch
-    taken out; rank 0 also returns its search's verdict on every candidate."""
-    from autopar.measure.storages import LiveStorages, distinct_storage_bytes
-
+    taken out (`tests/numerics.step_peaks`); rank 0 also returns its search's verdict on every candidate."""
     torch.set_num_threads(1)
     storages = LiveStorages()
     storages.track(list(batch))
-    steps = []
     with storages:
         module = autopar.parallelize(_model(), cluster=_two_ranks_of_3_mb(), space=SPACE, example_inputs=batch)
         optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
-        local = module.local_batch(*batch)
-        for _ in range(4):
-            gc.collect()
-            storages.reset_peak()
-            optimizer.zero_grad(set_to_none=True)
-            module.train_step(*local)
-            optimizer.step()
-            steps.append(storages.peak_bytes - distinct_storage_bytes(list(batch) + list(local)))
+        steps = step_peaks(module, optimizer, batch, storages)
     result = {"mesh": str(module.plan.mesh), "steps": steps}
     search = getattr(module.plan, "search", None)
     if search is not None:  # rank 0: the one that searched

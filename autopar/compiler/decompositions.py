@@ -15,7 +15,7 @@ torch.export's default table (core ATen), with three changes:
 """
 from __future__ import annotations
 
-import functools
+import math
 
 import torch
 from torch._prims_common import is_contiguous_or_false
@@ -29,20 +29,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.dim() > 2 and not is_contiguous_or_false(x):
         out = aten.matmul.default(x, aten.t.default(weight))
         return out if bias is None else aten.add.Tensor(out, bias)
-    lead = x.shape[:-1]
-    # the product of the leading sizes is a node of its own under symbolic shapes: made where ATen makes it
-    rows = functools.partial(functools.reduce, lambda a, b: a * b, lead, 1)
+    lead = x.shape[:-1]  # their product is a node of its own under symbolic sizes: made below where ATen makes it
     if bias is None:
         transposed = aten.permute.default(weight, [1, 0])
         if x.dim() == 1:
             return aten.squeeze.dims(aten.mm.default(aten.unsqueeze.default(x, 0), transposed), [0])
         if x.dim() == 2:
             return aten.mm.default(x, transposed)
-        folded = aten.mm.default(aten.view.default(x, [rows(), x.shape[-1]]), transposed)
+        folded = aten.mm.default(aten.view.default(x, [math.prod(lead), x.shape[-1]]), transposed)
         return aten.view.default(folded, [*lead, weight.shape[0]])
     if x.dim() == 2:
         return aten.addmm.default(bias, x, aten.permute.default(weight, [1, 0]))
-    flat = aten.view.default(x, [rows(), x.shape[-1]])
+    flat = aten.view.default(x, [math.prod(lead), x.shape[-1]])
     folded = aten.addmm.default(bias, flat, aten.permute.default(weight, [1, 0]))
     return aten.view.default(folded, [*lead, weight.shape[0]])
 
