@@ -4,7 +4,9 @@ at plan time as causal, `mask_kind.static_mask_kind`): autopar on gloo
 processes equals the single-device model (loss, whole gradients and parameters after each of 3
 AdamW steps, fp32 rel err <= 1e-5); the ledger equals the collectives and point-to-point messages
 each step hands to the process groups, and the memory ledger the bytes held and left by the
-forward (measured from outside, `tests/numerics_checks.py`). Plus the plan-time refusals."""
+forward (measured from outside, `tests/numerics_checks.py`). On two ranks also attention under
+masks read from the data (a sliding window, padding with whole rows and chunks padded), which the
+kernels take whole and cut per block. Plus the plan-time refusals."""
 from __future__ import annotations
 
 import dataclasses
@@ -72,9 +74,53 @@ def gqa_llama():
     return CausalLMLoss(LlamaForCausalLM(LlamaConfig(**ZOO_SIZES, num_key_value_heads=2)))
 
 
-BUILDS = {"gpt": (build, BATCHES), "gpt_noncausal": (build_noncausal, BATCHES), "llama": (gqa_llama, LLAMA_BATCHES)}
+class WindowedAttention(torch.nn.Module):
+    """Causal attention within a window of 8 positions (a sliding-window mask built from positions:
+    neither causal nor none, so passed whole) or under a padding mask read from an input; `dropout`
+    > 0 adds attention dropout. The loss is the attention output's sum."""
+
+    def __init__(self, kind: str = "window", dropout: float = 0.0) -> None:
+        super().__init__()
+        self.kind, self.dropout = kind, dropout
+        self.embed = torch.nn.Embedding(128, 32)
+        # no bias: a key bias shifts every score of a row alike, so its gradient is zero up to rounding,
+        # and AdamW turns rounding into steps (lr * g / (|g| + eps)) no tolerance can hold
+        self.qkv = torch.nn.Linear(32, 96, bias=False)
+
+    def forward(self, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        batch, seq = ids.shape
+        q, k, v = self.qkv(self.embed(ids)).view(batch, seq, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        positions = torch.arange(seq, device=ids.device)
+        if self.kind == "window":
+            distance = positions[:, None] - positions[None, :]
+            mask = (distance >= 0) & (distance < 8)
+        else:
+            mask = keep[:, None, None, :].bool()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout).sum()
+
+
+
+
+def _padded_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, keep) of 4 rows of 64: keys kept at random, row 0's last 16 positions (a whole chunk at
+    cp=2 with load balancing: ring blocks the mask allows nothing of) and row 1 entirely padded
+    (rows allowed nothing: one device's kernel gives them zeros)."""
+    generator = torch.Generator().manual_seed(seed)
+    keep = (torch.rand(4, 64, generator=generator) > 0.3).long()
+    keep[0, 48:], keep[1] = 0, 0
+    return torch.randint(0, 128, (4, 64), generator=generator), keep
+
+
+MASKED_BATCHES = [_padded_batch(step) for step in range(STEPS)]
+
+BUILDS = {"gpt": (build, BATCHES), "gpt_noncausal": (build_noncausal, BATCHES), "llama": (gqa_llama, LLAMA_BATCHES),
+          "window": (functools.partial(WindowedAttention, "window"), MASKED_BATCHES),
+          "padding": (functools.partial(WindowedAttention, "padding"), MASKED_BATCHES)}
 GPT_RUNS = [("gpt_noncausal" if name.endswith("noncausal") else "gpt", name) for name in CASES]
 LLAMA_RUNS = [("llama", name) for name in LLAMA_CASES]
+# masks read from the data (a window, padding): passed whole and cut per block, on two ranks
+MASK_RUNS = [("window", "cp2_ring"), ("window", "cp2_alltoall"), ("padding", "cp2_ring"),
+             ("padding", "cp2_allgather")]
 
 
 def _world(name: str) -> int:
@@ -108,6 +154,12 @@ def _check_runs(runs: list[tuple[str, str]], world: int) -> None:
         try:
             assert_matches(reference(model), results)
             assert_ledger_equals_measured(results)
+            if model in ("window", "padding"):
+                # attention alone: its peak is the attention kernels' own temporaries (gathered heads,
+                # K/V and their fp32 gradients), which neither the ledger's moments nor its bound
+                # model (8% over the largest moment measured, 2026-12-07). Memory under a mask read
+                # from the data is checked on a whole model: tests/test_packed_sequences.py
+                continue
             # HF Llama's peak sits up to 4.4% above the ledger's largest moment (2026-12-06, 4 ranks;
             # cause not analysed yet): checked against the ledger's bound only
             assert_memory_equals_ledger(results, reference(model),
@@ -118,8 +170,9 @@ def _check_runs(runs: list[tuple[str, str]], world: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_context_parallel_gpt_matches_single_device(world):
-    """Example GPT: every case of CASES on `world` ranks, causal and not."""
-    _check_runs(GPT_RUNS, world)
+    """Example GPT: every case of CASES on `world` ranks, causal and not; on 2 ranks also attention
+    under a sliding-window and a padding mask."""
+    _check_runs(GPT_RUNS + MASK_RUNS, world)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -130,41 +183,10 @@ def test_context_parallel_llama_matches_single_device(world, transformers):
 
 # ---- plan-time refusals: each names the attention node, its module and source line, and the fix
 
-class WindowedAttention(torch.nn.Module):
-    """Causal attention within a window of 8 positions (a sliding-window mask built from positions)
-    or under a padding mask read from an input; `dropout` > 0 adds attention dropout."""
-
-    def __init__(self, kind: str = "window", dropout: float = 0.0) -> None:
-        super().__init__()
-        self.kind, self.dropout = kind, dropout
-        self.embed = torch.nn.Embedding(128, 32)
-        self.qkv = torch.nn.Linear(32, 96)
-
-    def forward(self, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        batch, seq = ids.shape
-        q, k, v = self.qkv(self.embed(ids)).view(batch, seq, 3, 4, 8).permute(2, 0, 3, 1, 4)
-        positions = torch.arange(seq, device=ids.device)
-        if self.kind == "window":
-            distance = positions[:, None] - positions[None, :]
-            mask = (distance >= 0) & (distance < 8)
-        else:
-            mask = keep[:, None, None, :].bool()
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout).sum()
-
-
 def _plan_attention(model: torch.nn.Module, seq: int, **declared) -> None:
     ids = torch.zeros(2, seq, dtype=torch.long)
     autopar.plan(model, autopar.Mesh(cp=2), strategies=[autopar.context_parallel(**declared)],
                  example_inputs=(ids, torch.ones(2, seq, dtype=torch.long)))
-
-
-@pytest.mark.parametrize("kind", ["window", "padding"])
-def test_a_mask_that_is_not_causal_is_refused(kind):
-    with pytest.raises(PlanError) as error:
-        _plan_attention(WindowedAttention(kind), 64)
-    text = str(error.value)
-    assert "cannot be localised" in text and "scaled_dot_product_attention" in text
-    assert "test_context_parallel.py" in text and "fix:" in text
 
 
 def test_attention_dropout_is_refused():

@@ -5,7 +5,8 @@ Batch- or head-sharded attention keeps that sharding (`sdpa_rule`; with dropout_
 the rank's piece of one device's mask, `_attention_dropout`); attention on sequence shards
 over a context-parallel axis is lowered to ring / all-gather / all-to-all attention
 (`context_attention_rule`, `autopar/core/ops/context_attention.py`), its mask recognised at plan time as
-causal or absent (`mask_kind.static_mask_kind`) and its collectives declared for the ledger
+causal or absent (`mask_kind.static_mask_kind`) or else passed whole along the sequence (a
+document, padding or sliding-window mask read from the data), and its collectives declared for the ledger
 (`_context_collectives`). Registered in `autopar.compiler.rules.registry`; importing `autopar.compiler.rules` loads this module.
 """
 from __future__ import annotations
@@ -50,20 +51,26 @@ def sdpa_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleCon
     chosen_t = tuple(chosen)
     required: list[DTensorSpec | None] = [spec_like(s, chosen_t) for s in (q, k, v)]
     if mask is not None:
-        mask_val = node.args[3].meta["val"]
-        offset = node.args[0].meta["val"].dim() - mask_val.dim()  # the mask broadcasts from the right
-
-        def on_mask(p: Placement) -> Placement:
-            if isinstance(p, Shard) and p.dim >= offset and hint(mask_val.shape[p.dim - offset]) > 1:
-                return Shard(p.dim - offset)
-            return Replicate()
-        mask_placements = tuple(on_mask(p) for p in chosen_t)
-        required.append(spec_like(mask, mask_placements))
+        required.append(spec_like(mask, _mask_placements(node, chosen_t)))
     required += [None] * (len(specs) - len(required))
     output = spec_like(q, chosen_t, node.meta["val"])
     if not draws(node) or all(isinstance(p, Replicate) for p in chosen_t):
         return RuleResult(output=output, required=required)
     return RuleResult(output=output, required=required, **_attention_dropout(node, chosen_t, ctx))
+
+
+def _mask_placements(node: torch.fx.Node, chosen: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """The attention mask's placements for attention computed on `chosen`: the batch and head
+    shards where the mask has those dims (it broadcasts from the right), whole elsewhere (a
+    sequence shard of the query leaves the mask whole: the context kernels cut it per block)."""
+    mask_val = node.args[3].meta["val"]
+    offset = node.args[0].meta["val"].dim() - mask_val.dim()
+
+    def on_mask(p: Placement) -> Placement:
+        if isinstance(p, Shard) and p.dim in (0, 1) and p.dim >= offset and hint(mask_val.shape[p.dim - offset]) > 1:
+            return Shard(p.dim - offset)
+        return Replicate()
+    return tuple(on_mask(p) for p in chosen)
 
 
 def _attention_dropout(node: torch.fx.Node, chosen: tuple[Placement, ...], ctx: RuleContext) -> dict[str, Any]:
@@ -100,15 +107,20 @@ def context_attention_rule(node: torch.fx.Node, specs: list[DTensorSpec | None],
         chosen.append(placement if keep else Replicate())
     chosen_t = tuple(chosen)
     required: list[DTensorSpec | None] = [spec_like(s, chosen_t) for s in specs[:3]]
-    required += [None] * (len(specs) - len(required))  # a static mask is read as "causal" or "none"
+    # a mask computed from positions is read as "causal" or "none" and not passed; one read from the
+    # data (documents, padding, a window) is passed whole along the sequence (context_attention.py)
+    kind = "absent" if mask is None else static_mask_kind(mask) or "tensor"
+    if kind == "tensor":
+        required.append(spec_like(specs[3], _mask_placements(node, chosen_t)))
+    required += [None] * (len(specs) - len(required))
     return RuleResult(
         output=spec_like(q, chosen_t, node.meta["val"]), required=required,
         local_kernel=context_attention.context_attention,
         kernel_kwargs={"group": ("group", axis), "size": ("size", axis), "index": ("index", axis),
                        "method": ("value", declaration.method), "layout": ("value", declaration.layout),
-                       "mask": ("value", static_mask_kind(mask) if mask is not None else "absent")},
+                       "mask": ("value", kind)},
         internal=_context_collectives(node, chosen_t, axis, declaration.method, ctx),
-        unread_args=(3,) if len(node.args) > 3 and node.args[3] is not None else ())
+        unread_args=(3,) if kind in ("causal", "none") else ())
 
 
 def _refuse_unlocalisable(node: torch.fx.Node, axis: str, declaration: Any, size: int) -> None:
@@ -117,12 +129,9 @@ def _refuse_unlocalisable(node: torch.fx.Node, axis: str, declaration: Any, size
     where = f"attention on sequence shards over {axis!r} (context_parallel, method={declaration.method!r})"
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
-    if mask is not None and static_mask_kind(mask) is None:
-        raise PlanError.at(node, f"{where}: its attention mask ({mask.name}) is not the causal mask or no mask "
-                                 f"computed from positions alone (a padding, sliding-window or document mask, or "
-                                 f"one read from an input), and cannot be localised to the rank's chunks",
-                           fix="build the model so attention is causal or unmasked (is_causal=True, no attn_mask; "
-                               "for Hugging Face models pass no attention_mask), or leave context_parallel out")
+    if mask is not None and len(node.args) <= 3:  # aten's graphs pass it by position; kept out of the rule's specs
+        raise PlanError.at(node, f"{where}: its attention mask ({mask.name}) is passed by keyword, which the "
+                                 f"context-parallel rule cannot place", fix="pass attn_mask by position")
     if dropout:
         raise PlanError.at(node, f"{where} does not support attention dropout (dropout_p={dropout})",
                            fix="set the attention dropout to 0 (e.g. config.attention_dropout = 0.0)")

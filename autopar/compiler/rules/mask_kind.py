@@ -2,9 +2,9 @@
 
 Hugging Face models build their causal mask in the graph from `arange`s (and, since
 transformers 5, from the positions' document boundaries). `passes/causal_masks.py` turns a mask
-read as causal or none into the flag (or no mask); context parallelism refuses any other
-(`attention_rules.context_attention_rule`). Both read it here: the mask's ancestors evaluated on
-constants at plan time, the result compared.
+read as causal or none into the flag (or no mask); context parallelism passes any other whole
+to its kernels (`attention_rules.context_attention_rule`). Both read it here: the mask's
+ancestors evaluated on constants at plan time, the result compared.
 
 A mask of the example's size is evaluated as it is. A larger one (a 128K-token sequence makes a
 mask of 2^34 entries per sequence) is evaluated at `_SMALL` positions instead: every integer in
@@ -12,7 +12,7 @@ its ancestors equal to the sequence length (or within 2 of it, or its negative) 
 `_SMALL` (plus the same offset), every leading size (batch, heads) by 1. That is sound only where the mask's
 shape is all the size enters: a constant that is neither a size nor below `_SMALL // 2` (a
 sliding window of 4,096, say, which at `_SMALL` positions would look causal) makes the mask
-unknown, and so refused by context parallelism, as before. A window below `_SMALL // 2` shows in
+unknown, and so kept as a tensor. A window below `_SMALL // 2` shows in
 the smaller mask and is recognised for what it is.
 """
 from __future__ import annotations

@@ -15,6 +15,14 @@ are merged by log-sum-exp in fp32 (online softmax: the outputs so far weighted b
 sigmoid(lse so far - the block's lse), one `lerp`). Backward runs the block kernel's backward
 with the merged output and log-sum-exp, which gives each block's exact share of dQ, dK and dV
 (the softmax of a row is normalised by the merged log-sum-exp).
+
+An attention mask read from the data (`mask="tensor"`: a document, padding or sliding-window
+mask) arrives whole on every rank of the axis, in the sequence's natural order (what the rule
+asks for). Each block then takes its piece (`_MaskBlocks`: the rows of its query chunk, the
+columns of its key chunk), every pair of chunks is computed, and a block the mask allows nothing
+of is skipped (at run time; at plan time, on fake tensors, every block is computed). A row its
+block allows nothing of has log-sum-exp -inf and weighs nothing in the merge; a row the whole
+mask allows nothing of ends as one device's kernel leaves it, zero.
 - ring (`_RingExchange`): forward passes K/V to the next rank and receives the previous rank's
   while the current block computes (N-1 transfers); backward passes K/V again together with the
   dK/dV accumulated for them, and one last send returns each accumulator to its owner:
@@ -40,8 +48,37 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autopar.core.ops import collective_calls, collectives
 from autopar.core.ops.attention_blocks import block_kernel
-from autopar.core.sequence_chunks import chunk_ids, natural_order, rank_order
+from autopar.core.sequence_chunks import chunk_ids, chunks_total, natural_order, rank_order
 
+
+
+class _MaskBlocks:
+    """The blocks of an attention mask given whole ([batch or 1, heads or 1, seq, seq], or fewer
+    leading dims), in the sequence's natural order: block (a, b) is the rows of query chunk a and
+    the columns of key chunk b (a dim of size 1 broadcasts and is not cut), additive in `dtype`."""
+
+    def __init__(self, mask: torch.Tensor, total: int, dtype: torch.dtype) -> None:
+        self.mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        self.total, self.dtype = total, dtype
+        self.fake = isinstance(mask, FakeTensor)
+
+    def _cut(self, t: torch.Tensor, dim: int, chunk: int) -> torch.Tensor:
+        return t if t.shape[dim] == 1 else t.chunk(self.total, dim=dim)[chunk]
+
+    def block(self, a: int, b: int) -> torch.Tensor:
+        piece = self._cut(self._cut(self.mask, 2, a), 3, b)
+        if piece.dtype == torch.bool:
+            return torch.zeros(piece.shape, dtype=self.dtype, device=piece.device).masked_fill(~piece, float("-inf"))
+        return piece.to(self.dtype)
+
+    def empty(self, block: torch.Tensor) -> bool:
+        """The block allows nothing (skipped); never so at plan time (fake tensors hold no values)."""
+        return not self.fake and not bool((block > float("-inf")).any())
+
+    @staticmethod
+    def unmatched_rows(lse: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+        """The block's log-sum-exp with -inf on the rows it allows nothing of (the CPU kernel says 0)."""
+        return lse.masked_fill(~(block > float("-inf")).any(-1), float("-inf"))
 
 
 def _pairs(q_ids: list[int], kv_ids: list[int], causal: bool):
@@ -153,10 +190,11 @@ def _sum_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
 
 class _ContextAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, exchange, layout):
-        kernel = block_kernel(q, k, v)
+    def forward(ctx, q, k, v, causal, scale, exchange, layout, mask):
+        kernel = block_kernel(q, k, v, masked=mask is not None)
         size, index = exchange.size, exchange.index
         groups = q.shape[1] // k.shape[1]
+        blocks = None if mask is None else _MaskBlocks(mask, chunks_total(size, layout), q.dtype)
         q_ids = chunk_ids(index, size, layout)
         q_chunks = q.chunk(len(q_ids), dim=2)
         outs: list[torch.Tensor | None] = [None] * len(q_ids)
@@ -164,27 +202,43 @@ class _ContextAttention(torch.autograd.Function):
         for source, k_blk, v_blk in exchange.forward_blocks(k, v):
             kv_ids, k_chunks, v_chunks = _kv_chunks(source, k_blk, v_blk, size, layout, groups)
             for i, j, diagonal in _pairs(q_ids, kv_ids, causal):
-                out, lse = kernel.forward(q_chunks[i], k_chunks[j], v_chunks[j], diagonal, scale)
+                extra = {}
+                if blocks is not None:
+                    extra["mask"] = blocks.block(q_ids[i], kv_ids[j])
+                    if blocks.empty(extra["mask"]):
+                        continue
+                out, lse = kernel.forward(q_chunks[i], k_chunks[j], v_chunks[j], diagonal, scale, **extra)
                 out = out.float()
+                if blocks is not None:
+                    lse = blocks.unmatched_rows(lse, extra["mask"])
                 if outs[i] is None:
                     outs[i], lses[i] = out, lse
                     continue
                 # the earlier blocks' share of the merged softmax is exp(lse_a - logaddexp(lse_a, lse_b)),
                 # i.e. sigmoid(lse_a - lse_b): one weight and one lerp instead of two exps and a sum
-                weight = torch.sigmoid(lses[i] - lse).unsqueeze(-1)
-                outs[i] = torch.lerp(out, outs[i], weight)
+                weight = torch.sigmoid(lses[i] - lse)
+                if blocks is not None:  # a row this block allows nothing of keeps what it had (-inf - -inf is NaN)
+                    weight = weight.masked_fill(lse == float("-inf"), 1.0)
+                outs[i] = torch.lerp(out, outs[i], weight.unsqueeze(-1))
                 lses[i] = torch.logaddexp(lses[i], lse)
+        for i, chunk in enumerate(q_chunks):  # every block of the chunk skipped: the mask allows it nothing
+            if outs[i] is None:
+                outs[i] = torch.zeros(chunk.shape[:-1] + v.shape[-1:], dtype=torch.float32, device=q.device)
+                lses[i] = torch.full(chunk.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         out = torch.cat(outs, dim=2).to(q.dtype)
         lse = torch.cat(lses, dim=2)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.args = (causal, scale, exchange, layout, groups, q_ids)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, mask = ctx.saved_tensors
         causal, scale, exchange, layout, groups, q_ids = ctx.args
-        kernel = block_kernel(q, k, v)
+        kernel = block_kernel(q, k, v, masked=mask is not None)
+        blocks = None if mask is None else _MaskBlocks(mask, chunks_total(exchange.size, layout), q.dtype)
+        if blocks is not None:  # rows allowed nothing: probabilities exp(-inf - 0) = 0, no gradient
+            lse = lse.masked_fill(lse == float("-inf"), 0.0)
         count = len(q_ids)
         q_chunks, out_chunks = q.chunk(count, dim=2), out.chunk(count, dim=2)
         dout_chunks, lse_chunks = dout.contiguous().chunk(count, dim=2), lse.chunk(count, dim=2)
@@ -195,24 +249,32 @@ class _ContextAttention(torch.autograd.Function):
             kv_ids, k_chunks, v_chunks = _kv_chunks(source, k_blk, v_blk, exchange.size, layout, groups)
             dk_chunks, dv_chunks = dk_acc.chunk(len(kv_ids), dim=2), dv_acc.chunk(len(kv_ids), dim=2)
             for i, j, diagonal in _pairs(q_ids, kv_ids, causal):
+                extra = {}
+                if blocks is not None:
+                    extra["mask"] = blocks.block(q_ids[i], kv_ids[j])
+                    if blocks.empty(extra["mask"]):
+                        continue
                 dq_b, dk_b, dv_b = kernel.backward(dout_chunks[i], q_chunks[i], k_chunks[j], v_chunks[j],
-                                                   out_chunks[i], lse_chunks[i], diagonal, scale)
+                                                   out_chunks[i], lse_chunks[i], diagonal, scale, **extra)
                 dq_chunks[i].add_(dq_b)
                 dk_chunks[j].add_(_sum_heads(dk_b, groups))
                 dv_chunks[j].add_(_sum_heads(dv_b, groups))
 
         dk, dv = exchange.backward_blocks(k, v, accumulate)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
-def _ulysses(q, k, v, causal, scale, enable_gqa, group, size, layout):
-    """Heads scattered and the sequence gathered by all-to-all, attention over the whole sequence, and back."""
+def _ulysses(q, k, v, causal, scale, enable_gqa, group, size, index, layout, mask):
+    """Heads scattered and the sequence gathered by all-to-all, attention over the whole sequence
+    (under the whole mask, cut to the rank's heads where it has them), and back."""
     def to_heads(t):
         gathered = collectives.all_to_all(t, group=group, size=size, from_dim=2, to_dim=1)
         return natural_order(gathered, 2, size, layout)
 
-    out = F.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), is_causal=causal, scale=scale,
-                                         enable_gqa=enable_gqa)
+    if mask is not None and mask.dim() >= 3 and mask.shape[-3] > 1:
+        mask = mask.chunk(size, dim=-3)[index]  # the all-to-all gives rank r the r-th block of heads
+    out = F.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), attn_mask=mask, is_causal=causal,
+                                         scale=scale, enable_gqa=enable_gqa)
     return collectives.all_to_all(rank_order(out, 2, size, layout), group=group, size=size, from_dim=1, to_dim=2)
 
 
@@ -222,14 +284,16 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_ma
                       layout: str, mask: str = "absent") -> torch.Tensor:
     """scaled_dot_product_attention of the rank's query positions over the whole sequence (module
     docstring). `mask`: what the planner read the attention mask as ("causal", "none": a mask built
-    from positions alone, `mask_kind.static_mask_kind`; then `attn_mask` is ignored), or "absent"."""
-    if mask != "absent":
+    from positions alone, `mask_kind.static_mask_kind`; then `attn_mask` is ignored), "tensor" (a
+    mask read from the data, given whole in `attn_mask`), or "absent"."""
+    if mask in ("causal", "none"):
         is_causal, attn_mask = mask == "causal", None
-    if attn_mask is not None or dropout_p:
-        raise RuntimeError("context_attention takes no attention mask and no dropout (refused at plan time)")
+    if (attn_mask is not None) != (mask == "tensor") or dropout_p:
+        raise RuntimeError("context_attention takes a whole mask only where the plan says so, and no dropout "
+                           "(refused at plan time)")
     if method == "alltoall":
-        return _ulysses(q, k, v, is_causal, scale, enable_gqa, group, size, layout)
-    return _blockwise(q, k, v, is_causal, scale, group, size, index, method, layout)
+        return _ulysses(q, k, v, is_causal, scale, enable_gqa, group, size, index, layout, attn_mask)
+    return _blockwise(q, k, v, is_causal, scale, group, size, index, method, layout, attn_mask)
 
 
 # Compiled rank graphs (`parallelize(compile=True)`) run the blockwise attention eagerly, a graph
@@ -240,9 +304,9 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_ma
 # the ring's sends and receives are Python-side exchanges dynamo cannot trace anyway. Ulysses'
 # all-to-alls are plain functional collectives and compile with the graph.
 @torch._dynamo.disable
-def _blockwise(q, k, v, is_causal, scale, group, size, index, method, layout):
+def _blockwise(q, k, v, is_causal, scale, group, size, index, method, layout, mask):
     if method == "ring":
         exchange = _RingExchange(group, size, index, shapes_only=isinstance(q, FakeTensor))
     else:
         exchange = _GatheredExchange(group, size, index)
-    return _ContextAttention.apply(q, k, v, is_causal, scale, exchange, layout)
+    return _ContextAttention.apply(q, k, v, is_causal, scale, exchange, layout, mask)
