@@ -30,15 +30,11 @@ import autopar
 from autopar.runtime.launch import RankKilled, launch
 from tests.numerics import distributed_rank, single_device
 from tests.numerics_checks import assert_ledger_equals_measured, assert_matches, max_relative_error
+from tests.zoo_architectures import DENSE, MOE
 
 transformers = pytest.importorskip("transformers")
 from examples.hf_models import tiny_causal_lm, token_batch  # noqa: E402
 
-DENSE = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "opt", "gpt_neox",
-         "gptj", "phi", "starcoder2", "granite", "stablelm", "olmo", "olmo2", "smollm3", "cohere", "falcon", "bloom",
-         "gpt_neo", "codegen", "persimmon", "nemotron", "helium", "glm", "biogpt", "xglm", "gpt_bigcode", "mpt",
-         "exaone4", "internlm3", "ernie4_5", "seed_oss")
-MOE = ("mixtral", "qwen3_moe", "deepseek_v3")
 FULL_CONFIGS = {
     "dp2": ("dp=2", [autopar.data_parallel()]),
     "tp2": ("tp=2", [autopar.tensor_parallel()]),
