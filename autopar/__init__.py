@@ -20,6 +20,7 @@ from autopar.compiler.strategies.recompute import recompute
 from autopar.compiler.strategies.schedule import schedule
 from autopar.compiler.strategies.tensor_parallel import sequence_parallel, tensor_parallel
 from autopar.compiler.strategies.zero import fsdp, hsdp, zero
+from autopar.core.document_balance import balance_documents
 from autopar.core.errors import CheckpointError, PlanError
 from autopar.core.mesh import Mesh
 from autopar.cost.cluster import Cluster
@@ -28,5 +29,5 @@ from autopar.cost.step_cost import estimate
 from autopar.planner.search import search
 from autopar.planner.search_space import SearchSpace
 
-__all__ = ["Cluster", "Mesh", "calibrate", "comm_time", "estimate", "search", "SearchSpace", "ParallelModule", "Plan", "PlanError", "CheckpointError", "context_parallel", "data_parallel", "expert_parallel", "fsdp", "hsdp", "mixed_precision", "parallelize",
+__all__ = ["Cluster", "Mesh", "balance_documents", "calibrate", "comm_time", "estimate", "search", "SearchSpace", "ParallelModule", "Plan", "PlanError", "CheckpointError", "context_parallel", "data_parallel", "expert_parallel", "fsdp", "hsdp", "mixed_precision", "parallelize",
            "pipeline_parallel", "plan", "recompute", "register_grouped_matmul", "replicated", "save_runnable_plan", "schedule", "sequence_parallel", "tensor_parallel", "zero"]

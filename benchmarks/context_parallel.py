@@ -25,7 +25,18 @@ Table 2, load balance of causal ring attention: the time each rank spends in the
 kernels (the CPU flash kernel's forward and backward, from `torch.profiler`, not the runtime)
 during one step (the least of 5), with and without `load_balance`, and the largest over the mean.
 
-Run: python benchmarks/context_parallel.py [--seq 2048] [--cp 2,4] [--steps 3] [--tables step,balance] [--quick]
+Table 3, packed sequences: Hugging Face Llama (`examples/hf_models.packed_llama`, `--d-model`,
+`--heads`, `--layers`) on one row of `--seq` tokens holding 6 documents of random, uneven lengths
+(their first labels ignored, as `DataCollatorWithFlattening` gives; one row per rank, as long-
+context training runs), cp ring with the causal zig-zag, against the same row with its documents
+reordered by the document balancer (`autopar/core/document_balance.py`). Per rank: the attention
+blocks it computes (query chunk x key chunk the document mask allows anything of: `attention_work`,
+counted from the positions), the query-key pairs the mask allows it (`attention_pairs`), and the
+milliseconds in the attention kernels during one step (least of 5, as Table 2); the largest over
+the mean of each; and the step time (median over `--steps` of the slowest rank's forward and
+backward). Seeds 0 and 1 of the documents' lengths.
+
+Run: python benchmarks/context_parallel.py [--seq 2048] [--cp 2,4] [--steps 3] [--tables step,balance,packed] [--quick]
 At cp=2 each rank has a core of this 2-core machine; at cp=4 four ranks share two cores.
 """
 from __future__ import annotations
@@ -47,7 +58,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples`, `ben
 import autopar  # noqa: E402
 from autopar.measure.storages import LiveStorages  # noqa: E402
 from autopar.runtime.launch import launch  # noqa: E402
+from autopar.core.document_balance import attention_pairs, attention_work, balance_documents, imbalance  # noqa: E402
 from examples.gpt import GPT, GPTConfig, example_batch  # noqa: E402
+from examples.hf_models import packed_llama, packed_token_batch  # noqa: E402
 
 MIB = 1 << 20
 FLASH_KERNELS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -160,6 +173,56 @@ def attention_time(rank: int, world: int, settings: Settings, balanced: bool, re
     return min(spent)
 
 
+def _packed_batch(settings: Settings, world: int, balanced: bool, seed: int) -> tuple[torch.Tensor, ...]:
+    batch = packed_token_batch(batch=1, seq=settings.seq, documents=6, seed=seed, separated=True)
+    if not balanced:
+        return batch
+    index = balance_documents(batch[1], size=world)
+    return tuple(t.gather(1, index) for t in batch)
+
+
+def packed_attention(rank: int, world: int, settings: Settings, balanced: bool, seed: int,
+                     repeats: int = 5) -> dict[str, Any]:
+    """This rank's attention blocks and pairs, milliseconds in the attention kernels (least of
+    `repeats` profiled steps) and forward-and-backward times on a packed row, zig-zag or balanced."""
+    batch = _packed_batch(settings, world, balanced, seed)
+    torch.manual_seed(0)
+    model = packed_llama(layers=settings.layers, hidden=settings.d_model, heads=settings.heads,
+                         positions=settings.seq)
+    module = autopar.parallelize(model, f"cp={world}", strategies=[autopar.context_parallel()], example_inputs=batch)
+    local = module.local_batch(*batch)
+    module(*local).backward()  # warm-up
+    spent, times = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            module(*local).backward()
+        spent.append(sum(e.self_cpu_time_total for e in profiler.key_averages() if e.key in FLASH_KERNELS) / 1000)
+    for _ in range(settings.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        module(*local).backward()
+        times.append(time.perf_counter() - start)
+    return {"blocks": attention_work(batch[1], size=world)[rank], "pairs": attention_pairs(batch[1], size=world)[rank],
+            "kernel_ms": min(spent), "times": times}
+
+
+def packed_table(settings: Settings, sizes: list[int]) -> list[list[Any]]:
+    rows = []
+    for cp in sizes:
+        for seed in (0, 1):
+            for balanced in (False, True):
+                per_rank = launch(packed_attention, cp, settings, balanced, seed, timeout_s=900)
+                blocks, pairs = [r["blocks"] for r in per_rank], [r["pairs"] for r in per_rank]
+                kernel = [r["kernel_ms"] for r in per_rank]
+                rows.append([cp, seed, "documents balanced" if balanced else "causal zig-zag",
+                             " / ".join(map(str, blocks)), f"{imbalance(blocks):.2f}",
+                             " / ".join(f"{p / 1e3:.0f}K" for p in pairs), f"{imbalance(pairs):.2f}",
+                             " / ".join(f"{t:.0f}" for t in kernel), f"{imbalance(kernel):.2f}",
+                             f"{_median_ms(per_rank):.0f}"])
+    return rows
+
+
 def _median_ms(per_rank: list[dict[str, Any]]) -> float:
     return 1000 * statistics.median(max(times) for times in zip(*(r["times"] for r in per_rank)))
 
@@ -220,7 +283,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--cp", default="2,4", help="comma-separated context-parallel sizes")
-    parser.add_argument("--tables", default="step,balance", help="which tables: step, balance or both")
+    parser.add_argument("--tables", default="step,balance,packed", help="which tables: step, balance, packed")
     parser.add_argument("--quick", action="store_true", help="seq 256, cp 2, 2 steps: a smoke run")
     args = parser.parse_args()
     if args.quick:
@@ -235,11 +298,16 @@ def main() -> None:
         for note in notes:
             print("note:", note)
         print()
-    if "balance" not in args.tables:
-        return
-    print("Causal ring attention: milliseconds in the attention kernels per rank, one step (least of 5)")
-    print(tabulate(balance_table(settings, sizes),
-                   headers=["cp", "sequence held", *[f"rank {r}" for r in range(max(sizes))], "max/mean"]))
+    if "balance" in args.tables:
+        print("Causal ring attention: milliseconds in the attention kernels per rank, one step (least of 5)")
+        print(tabulate(balance_table(settings, sizes),
+                       headers=["cp", "sequence held", *[f"rank {r}" for r in range(max(sizes))], "max/mean"]))
+        print()
+    if "packed" in args.tables:
+        print(f"Packed sequences (HF Llama, one row of {settings.seq} tokens, 6 documents), cp ring: per rank")
+        print(tabulate(packed_table(settings, sizes),
+                       headers=["cp", "seed", "layout", "blocks", "max/mean", "pairs", "max/mean", "kernel ms",
+                                "max/mean", "fwd+bwd ms"]))
 
 
 if __name__ == "__main__":

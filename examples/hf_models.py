@@ -76,9 +76,11 @@ def packed_llama(**sizes: int) -> PackedCausalLMLoss:
 
 
 def packed_token_batch(*, batch: int = 8, seq: int = 16, vocab: int = 128, documents: int = 3,
-                       seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       seed: int = 0, separated: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input ids, position ids, labels): each row `documents` documents of random, uneven lengths
-    (at least one token each), positions restarting at each."""
+    (at least one token each), positions restarting at each. `separated`: each document's first
+    label is -100 (ignored), as `DataCollatorWithFlattening` gives, so no token predicts across a
+    document boundary (and the order of a row's documents changes nothing the loss sums)."""
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, seq), generator=generator)
     positions = torch.empty(batch, seq, dtype=torch.long)
@@ -86,7 +88,10 @@ def packed_token_batch(*, batch: int = 8, seq: int = 16, vocab: int = 128, docum
         cuts = sorted((torch.randperm(seq - 1, generator=generator)[:documents - 1] + 1).tolist())
         edges = [0, *cuts, seq]
         positions[row] = torch.cat([torch.arange(end - start) for start, end in zip(edges, edges[1:])])
-    return ids, positions, ids.clone()
+    labels = ids.clone()
+    if separated:
+        labels[positions == 0] = -100
+    return ids, positions, labels
 
 
 def example_llama() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:

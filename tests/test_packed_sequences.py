@@ -5,7 +5,9 @@ parallelism, equal to one device after each of 3 AdamW steps (whole gradients an
 ledger equal to the collectives measured and the memory ledger to the bytes measured (without a
 pipeline). Every row holds 3 documents of random, uneven lengths: under context parallelism a
 rank's chunks hold pieces of several documents, some pairs of chunks share none (the ring skips
-those blocks) and some query rows of a block meet no key of their document."""
+those blocks) and some query rows of a block meet no key of their document. The balanced case
+trains on the batch's documents reordered by the document balancer (`autopar/core/document_balance.py`),
+against one device on the batch as it was: equal, since no label crosses a document boundary."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 
 import autopar
 from autopar.runtime.launch import launch
+from autopar.core.document_balance import balance_documents
 from examples.hf_models import packed_llama, packed_token_batch
 from tests.numerics import STEPS, distributed_rank, single_device, train_step
 from tests.numerics_checks import assert_ledger_equals_measured, assert_matches, assert_memory_equals_ledger
@@ -20,7 +23,12 @@ from tests.numerics_checks import assert_ledger_equals_measured, assert_matches,
 pytestmark = pytest.mark.usefixtures("transformers")
 
 BATCHES = [packed_token_batch(batch=8, seq=16, seed=step) for step in range(STEPS)]
-# name -> (mesh, strategies, micro-batches)
+# documents' first labels ignored (DataCollatorWithFlattening's): one device trains on these, a
+# balanced case's ranks on the same documents reordered by the document balancer
+SEPARATED = [packed_token_batch(batch=8, seq=16, seed=step, separated=True) for step in range(STEPS)]
+BALANCED = [tuple(t.gather(1, balance_documents(batch[1], size=2)) for t in batch) for batch in SEPARATED]
+DATA = {"packed": (BATCHES, BATCHES), "balanced": (SEPARATED, BALANCED)}  # (one device's, the ranks')
+# name -> (mesh, strategies, micro-batches[, data])
 CASES = {
     "dp2": ("dp=2", [autopar.data_parallel()], 1),
     "tp2": ("tp=2", [autopar.tensor_parallel()], 1),
@@ -28,6 +36,7 @@ CASES = {
     "cp2_ring": ("cp=2", [autopar.context_parallel()], 1),
     "cp2_allgather": ("cp=2", [autopar.context_parallel(method="allgather")], 1),
     "cp2_alltoall": ("cp=2", [autopar.context_parallel(method="alltoall")], 1),
+    "cp2_ring_balanced": ("cp=2", [autopar.context_parallel()], 1, "balanced"),
     "dp2_tp2_sp": ("dp=2,tp=2", [autopar.data_parallel(), autopar.sequence_parallel()], 1),
     "cp2_tp2": ("cp=2,tp=2", [autopar.context_parallel(), autopar.tensor_parallel()], 1),
 }
@@ -42,9 +51,10 @@ def run_cases(rank: int, world: int, names: list[str]) -> list[dict]:
     """Every case of one world size in one set of processes, one after another."""
     results = []
     for name in names:
-        mesh, strategies, microbatches = CASES[name]
+        mesh, strategies, microbatches, *data = CASES[name]
         step = pipeline_step if microbatches > 1 else train_step
-        results.append(distributed_rank(rank, world, packed_llama, BATCHES, mesh, strategies, step))
+        ranks_batches = DATA[data[0] if data else "packed"][1]
+        results.append(distributed_rank(rank, world, packed_llama, ranks_batches, mesh, strategies, step))
     return results
 
 
@@ -62,17 +72,19 @@ def test_the_batches_are_packed():
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_packed_batch_trains_as_on_one_device(world):
-    names = [name for name, (mesh, _, _) in CASES.items() if autopar.Mesh.parse(mesh).world_size == world]
+    names = [name for name, (mesh, *_) in CASES.items() if autopar.Mesh.parse(mesh).world_size == world]
     per_rank = launch(run_cases, world, names, timeout_s=150 * len(names))
-    references = {m: single_device(packed_llama, BATCHES, microbatches=m) for m in {CASES[n][2] for n in names}}
+    wanted = {(CASES[n][2], CASES[n][3] if len(CASES[n]) > 3 else "packed") for n in names}
+    references = {(m, data): single_device(packed_llama, DATA[data][0], microbatches=m) for m, data in wanted}
     for index, name in enumerate(names):
         results = [rank_results[index] for rank_results in per_rank]
         microbatches = CASES[name][2]
+        reference = references[microbatches, CASES[name][3] if len(CASES[name]) > 3 else "packed"]
         try:
-            assert_matches(references[microbatches], results)
+            assert_matches(reference, results)
             assert_ledger_equals_measured(results)
             # a schedule's forward is not the harness's to measure (tests/test_pipeline_numerics.py)
             if microbatches == 1:
-                assert_memory_equals_ledger(results, references[microbatches])
+                assert_memory_equals_ledger(results, reference)
         except AssertionError as error:
             raise AssertionError(f"{name} ({CASES[name][0]}): {error}") from None
