@@ -11,6 +11,7 @@ from torch import nn
 import autopar
 from autopar import PlanError
 from examples.gpt import GPT, GPTConfig, example_batch
+from examples.hf_models import CausalLMLoss, token_batch
 
 
 def plan_gpt(mesh: str, strategies: list, config: GPTConfig = GPTConfig()):
@@ -48,9 +49,26 @@ class DataDependent(nn.Module):
         return x.mean()
 
 
-def test_untraceable_model_is_a_plan_error():
-    with pytest.raises(PlanError, match=r"DataDependent could not be traced by torch.export.*\n  fix:"):
+def test_untraceable_model_is_a_plan_error_naming_the_module_and_line():
+    with pytest.raises(PlanError, match=r"DataDependent could not be traced by torch.export.*\n  fix:") as error:
         autopar.plan(DataDependent(), "dp=2", strategies=[autopar.data_parallel()], example_inputs=(torch.ones(2, 4),))
+    text = str(error.value)
+    assert "module: the model (DataDependent)" in text and "test_plan_errors.py:" in text, text
+    assert "if self.linear(x).sum() > 0:" in text, text
+
+
+def test_flex_attention_on_the_cpu_is_refused_with_the_attention_module_and_the_fix(transformers):
+    """PyTorch's FlexAttention has no CPU backward: the refusal names the attention module and says sdpa."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # an optional dependency: the fixture skips without it
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         vocab_size=128, max_position_embeddings=64, attn_implementation="flex_attention")
+    with pytest.raises(PlanError) as error:
+        autopar.plan(CausalLMLoss(LlamaForCausalLM(config)), "dp=2", strategies=[autopar.data_parallel()],
+                     example_inputs=token_batch())
+    text = str(error.value)
+    assert 'attn_implementation="sdpa"' in text and "module: model.model.layers.0.self_attn (LlamaAttention)" in text
+    assert "line: " in text and "flex_attention" in text, text
 
 
 @torch.library.custom_op("autopar_test::mystery", mutates_args=())

@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.compiler.context import PlaceholderInfo
 from autopar.compiler.decompositions import decomposition_table
+from autopar.compiler.export_errors import untraceable
 from autopar.compiler.planning_errors import planning_error
 from autopar.compiler.repeated_blocks import TRACED, drop_last_block, find_repeated_blocks, replicate_blocks, truncated
 from autopar.core.errors import PlanError
@@ -74,13 +75,7 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims: dic
     try:
         program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception as error:
-        raise PlanError(
-            f"{type(model).__name__} could not be traced by torch.export (non-strict): {type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}\n"
-            f"  fix: make forward traceable (no data-dependent Python control flow on tensor values, no "
-            f"unsupported side effects; for HF models set use_cache=False), or trace a wrapper that returns "
-            f"the loss\n"
-            f"  module: {type(model).__name__} (its forward)") from error
+        raise untraceable(model, error) from error
     seconds["export"] = seconds.get("export", 0.0) + time.perf_counter() - start
     start = time.perf_counter()
     program = program.run_decompositions(decomposition_table())
