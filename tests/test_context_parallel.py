@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from autopar.core.errors import PlanError
 from autopar.measure.activations import measure_saved_activations
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
-from examples.hf_models import ZOO_SIZES, CausalLMLoss, token_batch
+from examples.hf_models import ZOO_SIZES, CausalLMLoss, packed_llama, packed_token_batch, token_batch
 from tests.numerics import STEPS, distributed_rank, single_device
 from tests.numerics_checks import (PEAK_TOLERANCE, assert_ledger_equals_measured, assert_matches,
                                    assert_memory_equals_ledger)
@@ -269,7 +270,20 @@ def test_saved_activations_scale_as_one_over_cp_at_sequence_4096(cp):
         assert per_rank <= whole / cp * 1.10, f"{per_rank} bytes saved per rank vs {whole} on one device (cp={cp})"
 
 
-# ---- a dynamic sequence: planned at 64, run at 32; a length the load-balanced chunks do not divide is refused
+# ---- a dynamic sequence: planned at 64, run at 32; a length the load-balanced chunks do not divide is refused;
+# Hugging Face Llama (its causal mask read at plan time) and packed (a document mask passed whole) likewise
+
+PACKED_AT = {16: packed_token_batch(batch=4, seq=16, seed=0), 32: packed_token_batch(batch=4, seq=32, seed=1)}
+
+
+def _dynamic_loss(build: Callable[[], torch.nn.Module], example: tuple, batch: tuple) -> torch.Tensor:
+    torch.manual_seed(0)
+    module = autopar.parallelize(build(), "cp=2", strategies=[autopar.context_parallel()],
+                                 example_inputs=example, dynamic_dims={"s": 1})
+    loss = module(*module.local_batch(*batch))
+    loss.backward()
+    return loss.detach()
+
 
 def _dynamic_rank(rank: int, world: int) -> dict:
     from autopar.runtime.input_shapes import InputShapeError
@@ -286,12 +300,20 @@ def _dynamic_rank(rank: int, world: int) -> dict:
         refused = ""
     except InputShapeError as error:
         refused = str(error)
-    return {"loss": loss.detach(), "refused": refused}
+    llama = _dynamic_loss(gqa_llama, LLAMA_BATCHES[0], tuple(t[:, :32].contiguous() for t in LLAMA_BATCHES[1]))
+    packed = _dynamic_loss(packed_llama, PACKED_AT[16], PACKED_AT[32])
+    return {"loss": loss.detach(), "refused": refused, "llama": llama, "packed": packed}
 
 
-def test_a_dynamic_sequence_runs_at_another_length_and_an_indivisible_one_is_refused():
+def test_a_dynamic_sequence_runs_at_another_length_and_an_indivisible_one_is_refused(transformers):
     torch.manual_seed(0)
     expected = GPT(CONFIG)(*(t[:, :32] for t in BATCHES[1])).detach()
-    for result in launch(_dynamic_rank, 2, timeout_s=120):
+    torch.manual_seed(0)
+    llama = gqa_llama()(*(t[:, :32] for t in LLAMA_BATCHES[1])).detach()
+    torch.manual_seed(0)
+    packed = packed_llama()(*PACKED_AT[32]).detach()
+    for result in launch(_dynamic_rank, 2, timeout_s=240):
         assert torch.allclose(result["loss"], expected, rtol=1e-5, atol=0), (result["loss"], expected)
+        assert torch.allclose(result["llama"], llama, rtol=1e-5, atol=0), (result["llama"], llama)
+        assert torch.allclose(result["packed"], packed, rtol=1e-5, atol=0), (result["packed"], packed)
         assert "does not split over the 2 ranks of cp (4 load-balanced chunks)" in result["refused"], result["refused"]

@@ -15,7 +15,8 @@ tensor (`aten.sym_size.int`, `aten.sym_numel`) by the shard degree of that dimen
 tensor's placements; every size computed from them is then global, as planned. Where DTensor
 rewrote a symbolic shape argument to a local size (at the example's sizes), `_localize_args`
 divides the global size by the same ratio (`g // (g_example / l_example)`, the shard degree); a
-ratio that is not a whole number cannot be a shard degree and is refused naming the node. The
+ratio that is not a whole number cannot be a shard degree and is refused naming the node. A view's
+-1 or an expand's -1, which DTensor resolves at the example's sizes, stays -1 where the shape is symbolic. The
 result is an ordinary `torch.fx.GraphModule` over local tensors, whose code (`gm.code`,
 generated when first read or run) reads like the hand-written per-rank program.
 
@@ -79,15 +80,27 @@ def _localize_args(node: torch.fx.Node) -> None:
     if len(local_leaves) != len(leaves):
         raise AssertionError(f"local arguments of {node.format_node()} do not line up with its arguments")
     merged = []
+    symbolic = _has_symbolic_shape(node)
     for leaf, local in zip(leaves, local_leaves):
         value = leaf.meta.get("val") if isinstance(leaf, torch.fx.Node) else None
         if isinstance(value, torch.Tensor):
             merged.append(leaf)
         elif isinstance(value, torch.SymInt) and isinstance(local, int):
             merged.append(_local_size(node, leaf, local))
+        elif symbolic and leaf == -1 and type(leaf) is int and node.target in _SHAPED:
+            # DTensor resolved the inferred size at the example's values; the local shard infers its own
+            merged.append(-1)
         else:
             merged.append(local)
     node.args, node.kwargs = pytree.tree_unflatten(merged, tree)
+
+
+_SHAPED = (*_VIEWS, torch.ops.aten.reshape.default, torch.ops.aten.expand.default)  # -1: inferred, or kept
+
+
+def _has_symbolic_shape(node: torch.fx.Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and any(isinstance(size, torch.SymInt) for size in value.shape)
 
 
 def _shard_degree(spec: object, dims: "set[int]", mesh_shape: tuple[int, ...]) -> int:
