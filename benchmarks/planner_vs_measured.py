@@ -23,7 +23,6 @@ Run: python benchmarks/planner_vs_measured.py [--world 4,8] [--steps 5] [--quick
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autopar  # noqa: E402
+from autopar.measure.step_peaks import step_peaks  # noqa: E402
 from autopar.measure.storages import LiveStorages  # noqa: E402
 from autopar.planner.search import search  # noqa: E402
 from autopar.runtime.launch import launch  # noqa: E402
@@ -44,14 +44,6 @@ from examples.gpt import GPT, GPTConfig, example_batch  # noqa: E402
 
 # context_tokens=1: the example GPT's sequences are 16 tokens, and the benchmark runs cp candidates too
 SPACES = {4: SearchSpace(context_tokens=1), 8: SearchSpace(zero_stages=(0, 1, 3), schedules=("1f1b",), context_tokens=1)}
-
-
-def _storage_bytes(tensors: list) -> int:
-    seen = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
 
 
 PEAK_STEPS = 3  # steps after the first whose peaks are read
@@ -65,20 +57,13 @@ def _build(candidate, config: GPTConfig, batch: tuple) -> tuple:
     (8 ranks on 2); the lowest is the program's own peak, the highest shows the lag."""
     storages = LiveStorages()
     storages.track(list(batch))
-    peaks = []
     with storages:
         torch.manual_seed(0)
         module = autopar.parallelize(GPT(config), candidate.mesh_spec, strategies=candidate.strategies(),
                                      example_inputs=batch)
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
-        local = module.local_batch(*batch)
-        for _ in range(1 + PEAK_STEPS):
-            gc.collect()
-            storages.reset_peak()
-            optimizer.zero_grad(set_to_none=True)
-            module.train_step(*local)
-            optimizer.step()
-            peaks.append(storages.peak_bytes - _storage_bytes(list(batch) + list(local)))
+        peaks = step_peaks(module, optimizer, batch, storages, steps=1 + PEAK_STEPS)
+    local = module.local_batch(*batch)
     ours = torch.tensor([min(peaks[1:]), max(peaks[1:])], dtype=torch.int64)
     dist.all_reduce(ours, op=dist.ReduceOp.MAX)
     return module, optimizer, local, (int(ours[0]), int(ours[1]))

@@ -112,24 +112,6 @@ def single_device(build: Callable[[], torch.nn.Module], batches: list[tuple], *,
     return result
 
 
-def step_peaks(module: Any, optimizer: Any, batch: tuple, storages: LiveStorages, steps: int = 4) -> list[int]:
-    """The most live bytes of each of `steps` training steps (zero_grad, train_step, optimizer
-    step) under `storages` (entered by the caller, which made the module inside it), the global
-    batch and its local slices taken out: the peak measured from outside, nothing asked of the
-    runtime. Callers compare the lowest after the first (gloo's worker threads let a finished
-    collective's tensors go a moment late, at random; the first step has no optimizer state)."""
-    local = module.local_batch(*batch)
-    peaks = []
-    for _ in range(steps):
-        gc.collect()
-        storages.reset_peak()
-        optimizer.zero_grad(set_to_none=True)
-        module.train_step(*local)
-        optimizer.step()
-        peaks.append(storages.peak_bytes - distinct_storage_bytes(list(batch) + list(local)))
-    return peaks
-
-
 # ---- the step body (replaceable) and how the harness watches it
 def train_step(module: Any, local: list[Any]) -> torch.Tensor:
     """One forward and backward; the default step body."""

@@ -28,19 +28,18 @@ BATCHES = [packed_token_batch(batch=8, seq=16, seed=step) for step in range(STEP
 SEPARATED = [packed_token_batch(batch=8, seq=16, seed=step, separated=True) for step in range(STEPS)]
 BALANCED = [tuple(t.gather(1, balance_documents(batch[1], size=2)) for t in batch) for batch in SEPARATED]
 DATA = {"packed": (BATCHES, BATCHES), "balanced": (SEPARATED, BALANCED)}  # (one device's, the ranks')
-# name -> (mesh, strategies, micro-batches[, data])
+# name -> (mesh, strategies, micro-batches, data)
 CASES = {
-    "dp2": ("dp=2", [autopar.data_parallel()], 1),
-    "tp2": ("tp=2", [autopar.tensor_parallel()], 1),
-    "pp2": ("pp=2", [autopar.pipeline_parallel(schedule="1f1b", microbatches=2)], 2),
-    "cp2_ring": ("cp=2", [autopar.context_parallel()], 1),
-    "cp2_allgather": ("cp=2", [autopar.context_parallel(method="allgather")], 1),
-    "cp2_alltoall": ("cp=2", [autopar.context_parallel(method="alltoall")], 1),
+    "dp2": ("dp=2", [autopar.data_parallel()], 1, "packed"),
+    "tp2": ("tp=2", [autopar.tensor_parallel()], 1, "packed"),
+    "pp2": ("pp=2", [autopar.pipeline_parallel(schedule="1f1b", microbatches=2)], 2, "packed"),
+    "cp2_ring": ("cp=2", [autopar.context_parallel()], 1, "packed"),
+    "cp2_allgather": ("cp=2", [autopar.context_parallel(method="allgather")], 1, "packed"),
+    "cp2_alltoall": ("cp=2", [autopar.context_parallel(method="alltoall")], 1, "packed"),
     "cp2_ring_balanced": ("cp=2", [autopar.context_parallel()], 1, "balanced"),
-    "dp2_tp2_sp": ("dp=2,tp=2", [autopar.data_parallel(), autopar.sequence_parallel()], 1),
-    "cp2_tp2": ("cp=2,tp=2", [autopar.context_parallel(), autopar.tensor_parallel()], 1),
+    "dp2_tp2_sp": ("dp=2,tp=2", [autopar.data_parallel(), autopar.sequence_parallel()], 1, "packed"),
+    "cp2_tp2": ("cp=2,tp=2", [autopar.context_parallel(), autopar.tensor_parallel()], 1, "packed"),
 }
-
 
 def pipeline_step(module, local):
     """The step body of a pipelined module: every micro-batch's forward and backward."""
@@ -51,10 +50,9 @@ def run_cases(rank: int, world: int, names: list[str]) -> list[dict]:
     """Every case of one world size in one set of processes, one after another."""
     results = []
     for name in names:
-        mesh, strategies, microbatches, *data = CASES[name]
+        mesh, strategies, microbatches, data = CASES[name]
         step = pipeline_step if microbatches > 1 else train_step
-        ranks_batches = DATA[data[0] if data else "packed"][1]
-        results.append(distributed_rank(rank, world, packed_llama, ranks_batches, mesh, strategies, step))
+        results.append(distributed_rank(rank, world, packed_llama, DATA[data][1], mesh, strategies, step))
     return results
 
 
@@ -74,12 +72,12 @@ def test_the_batches_are_packed():
 def test_a_packed_batch_trains_as_on_one_device(world):
     names = [name for name, (mesh, *_) in CASES.items() if autopar.Mesh.parse(mesh).world_size == world]
     per_rank = launch(run_cases, world, names, timeout_s=150 * len(names))
-    wanted = {(CASES[n][2], CASES[n][3] if len(CASES[n]) > 3 else "packed") for n in names}
-    references = {(m, data): single_device(packed_llama, DATA[data][0], microbatches=m) for m, data in wanted}
+    references = {(m, data): single_device(packed_llama, DATA[data][0], microbatches=m)
+                  for m, data in {CASES[n][2:] for n in names}}
     for index, name in enumerate(names):
         results = [rank_results[index] for rank_results in per_rank]
         microbatches = CASES[name][2]
-        reference = references[microbatches, CASES[name][3] if len(CASES[name]) > 3 else "packed"]
+        reference = references[CASES[name][2:]]
         try:
             assert_matches(reference, results)
             assert_ledger_equals_measured(results)

@@ -27,7 +27,8 @@ from autopar.measure.storages import LiveStorages
 from examples.gpt import GPT, GPTConfig, example_batch
 from autopar.runtime.launch import launch
 from tests.cli_in_process import run_cli
-from tests.numerics import EPS, LR, single_device, step_peaks
+from autopar.measure.step_peaks import step_peaks
+from tests.numerics import EPS, LR, single_device
 from tests.numerics_checks import max_relative_error
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32, d_ff=64)
@@ -347,7 +348,7 @@ def _measured_peaks(rank: int, world: int, candidates: str, config: GPTConfig, b
     """Each candidate's steps after the first (zero_grad, train_step, AdamW) under `LiveStorages`:
     the most live bytes, the batch taken out, the lowest of three steps (gloo's worker threads let
     a finished collective's tensors go a moment late, at random) — measured from outside, nothing
-    asked of the runtime (`tests/numerics.step_peaks`)."""
+    asked of the runtime (`autopar/measure/step_peaks.py`)."""
     torch.set_num_threads(1)
     peaks = []
     for mesh, strategies in globals()[candidates]:

@@ -24,7 +24,8 @@ from autopar import Cluster, SearchSpace
 from autopar.measure.storages import LiveStorages
 from autopar.runtime.launch import launch
 from examples.hf_models import tiny_causal_lm, token_batch
-from tests.numerics import LR, step_peaks
+from autopar.measure.step_peaks import step_peaks
+from tests.numerics import LR
 
 # eight experts of 64 (the zoo's small Qwen3-MoE has four of 32): the experts are 82% of the
 # parameters (197K of 239K), so that replicating them (with their gradients and Adam's two moments) is what
@@ -48,7 +49,7 @@ def _two_ranks_of_3_mb() -> Cluster:
 def _chosen_and_measured(rank: int, world: int, batch: tuple) -> dict:
     """`parallelize(cluster=)` on this rank (rank 0 searches, both run the winner), then four steps
     (zero_grad, train_step, AdamW) under `LiveStorages`: the most live bytes of each, the batch
-    taken out (`tests/numerics.step_peaks`); rank 0 also returns its search's verdict on every candidate."""
+    taken out (`autopar/measure/step_peaks.py`); rank 0 also returns its search's verdict on every candidate."""
     torch.set_num_threads(1)
     storages = LiveStorages()
     storages.track(list(batch))

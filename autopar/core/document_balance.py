@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from typing import Iterator
 
 import torch
 
@@ -54,18 +55,25 @@ def _pairs(first: int, last: int) -> int:
     return (last * (last + 1) - first * (first + 1)) // 2
 
 
-def _rank_of_chunk(size: int, layout: str) -> list[int]:
+def _owners(position_ids: torch.Tensor, size: int, load_balance: bool) -> list[int]:
+    """The rank holding each chunk of the sequence under `context_parallel(load_balance=...)`'s
+    layout, the positions checked to be [batch, seq] with seq a whole number of chunks."""
+    layout = "balanced" if load_balance else "contiguous"
     owner = [0] * chunks_total(size, layout)
+    if position_ids.dim() != 2 or position_ids.shape[1] % len(owner):
+        raise ValueError(f"position_ids of shape {tuple(position_ids.shape)}: expected [batch, seq] with seq "
+                         f"divisible by {len(owner)} chunks")
     for rank in range(size):
         for chunk in chunk_ids(rank, size, layout):
             owner[chunk] = rank
     return owner
 
 
-def _row_spans(lengths: list[int], seq: int, chunks: int) -> list[tuple[int, list[tuple[int, int, int]]]]:
-    """Per document: (its first chunk, [(chunk, first position, last position + 1) of its tokens in each chunk])."""
+def _row_pieces(lengths: list[int], seq: int, chunks: int) -> list[list[tuple[int, int, int]]]:
+    """Per document of one row (in the order of `lengths`): (chunk, first position, last position
+    + 1) of its tokens in each chunk it reaches."""
     size = seq // chunks
-    spans, start = [], 0
+    documents, start = [], 0
     for length in lengths:
         pieces, position = [], 0
         while position < length:
@@ -73,25 +81,24 @@ def _row_spans(lengths: list[int], seq: int, chunks: int) -> list[tuple[int, lis
             take = min(length - position, (index + 1) * size - (start + position))
             pieces.append((index, position, position + take))
             position += take
-        spans.append((pieces[0][0], pieces))
+        documents.append(pieces)
         start += length
-    return spans
+    return documents
 
 
-def _row_blocks(lengths: list[int], seq: int, chunks: int) -> set[tuple[int, int]]:
+def _row_blocks(documents: list[list[tuple[int, int, int]]]) -> set[tuple[int, int]]:
     """The (query chunk, key chunk) blocks one row's document mask allows something of."""
     blocks = set()
-    for _, pieces in _row_spans(lengths, seq, chunks):
+    for pieces in documents:
         held = [index for index, _, _ in pieces]
         blocks.update((a, b) for a in held for b in held if b <= a)
     return blocks
 
 
-def _row_pairs(lengths: list[int], seq: int, size: int, layout: str) -> list[int]:
-    """Each rank's allowed query-key pairs for one row whose documents have `lengths`, in that order."""
-    owner = _rank_of_chunk(size, layout)
+def _row_pairs(documents: list[list[tuple[int, int, int]]], owner: list[int], size: int) -> list[int]:
+    """Each rank's allowed query-key pairs in one row."""
     work = [0] * size
-    for _, pieces in _row_spans(lengths, seq, len(owner)):
+    for pieces in documents:
         for index, first, last in pieces:
             work[owner[index]] += _pairs(first, last)
     return work
@@ -104,36 +111,29 @@ def _per_rank(blocks: set[tuple[int, int]], owner: list[int], size: int) -> list
     return counts
 
 
+def _rows(position_ids: torch.Tensor, owner: list[int]) -> Iterator[list[list[tuple[int, int, int]]]]:
+    for row in position_ids.tolist():
+        yield _row_pieces([length for _, length in _documents(row)], len(row), len(owner))
+
+
 def attention_work(position_ids: torch.Tensor, *, size: int, load_balance: bool = True) -> list[int]:
     """Each context-parallel rank's attention blocks (query chunk x key chunk, the whole batch's,
     that the document mask allows something of) for a packed batch ([batch, seq] positions) under
     the layout `context_parallel(load_balance=...)` gives (module docstring)."""
-    layout = "balanced" if load_balance else "contiguous"
-    _check_divisible(position_ids, size, layout)
-    owner = _rank_of_chunk(size, layout)
+    owner = _owners(position_ids, size, load_balance)
     blocks: set[tuple[int, int]] = set()
-    for row in position_ids.tolist():
-        blocks |= _row_blocks([length for _, length in _documents(row)], len(row), len(owner))
+    for documents in _rows(position_ids, owner):
+        blocks |= _row_blocks(documents)
     return _per_rank(blocks, owner, size)
 
 
 def attention_pairs(position_ids: torch.Tensor, *, size: int, load_balance: bool = True) -> list[int]:
     """Each rank's query-key pairs the document mask allows (module docstring)."""
-    layout = "balanced" if load_balance else "contiguous"
-    _check_divisible(position_ids, size, layout)
+    owner = _owners(position_ids, size, load_balance)
     totals = [0] * size
-    for row in position_ids.tolist():
-        lengths = [length for _, length in _documents(row)]
-        for rank, pairs in enumerate(_row_pairs(lengths, len(row), size, layout)):
-            totals[rank] += pairs
+    for documents in _rows(position_ids, owner):
+        totals = [t + w for t, w in zip(totals, _row_pairs(documents, owner, size))]
     return totals
-
-
-def _check_divisible(position_ids: torch.Tensor, size: int, layout: str) -> None:
-    parts = chunks_total(size, layout)
-    if position_ids.dim() != 2 or position_ids.shape[1] % parts:
-        raise ValueError(f"position_ids of shape {tuple(position_ids.shape)}: expected [batch, seq] with seq "
-                         f"divisible by {parts} chunks")
 
 
 def _orders(count: int, lengths: list[int], seed: int) -> list[tuple[int, ...]]:
@@ -154,10 +154,8 @@ def balance_documents(position_ids: torch.Tensor, *, size: int, load_balance: bo
     """The gather index ([batch, seq], long) that reorders each row's documents to balance the
     ranks' attention work (module docstring): `t.gather(1, index)` for every [batch, seq] tensor
     of the batch (input ids, positions, labels)."""
-    layout = "balanced" if load_balance else "contiguous"
-    _check_divisible(position_ids, size, layout)
+    owner = _owners(position_ids, size, load_balance)
     seq = position_ids.shape[1]
-    owner = _rank_of_chunk(size, layout)
     blocks: set[tuple[int, int]] = set()
     pairs = [0] * size
     rows = []
@@ -166,9 +164,9 @@ def balance_documents(position_ids: torch.Tensor, *, size: int, load_balance: bo
         lengths = [length for _, length in spans]
         best = None
         for order in _orders(len(spans), lengths, seed + row_index):
-            ordered = [lengths[d] for d in order]
-            row_blocks = blocks | _row_blocks(ordered, seq, len(owner))
-            row_pairs = [t + w for t, w in zip(pairs, _row_pairs(ordered, seq, size, layout))]
+            documents = _row_pieces([lengths[d] for d in order], seq, len(owner))
+            row_blocks = blocks | _row_blocks(documents)
+            row_pairs = [t + w for t, w in zip(pairs, _row_pairs(documents, owner, size))]
             key = (max(_per_rank(row_blocks, owner, size)), len(row_blocks), max(row_pairs),
                    sum(w * w for w in row_pairs))
             if best is None or key < best[0]:

@@ -81,14 +81,18 @@ class _MaskBlocks:
         return lse.masked_fill(~(block > float("-inf")).any(-1), float("-inf"))
 
 
-def _pairs(q_ids: list[int], kv_ids: list[int], causal: bool):
-    """(i, j, diagonal) for every query chunk q_ids[i] that attends to key chunk kv_ids[j]: all of
-    them without a causal mask; under it the earlier key chunks whole and the same chunk with the
-    causal (top-left) mask; later key chunks not at all."""
+def _pairs(q_ids: list[int], kv_ids: list[int], causal: bool, blocks: _MaskBlocks | None):
+    """(i, j, diagonal, the block's mask or None) for every query chunk q_ids[i] that attends to key
+    chunk kv_ids[j]: all of them without a causal mask; under it the earlier key chunks whole and
+    the same chunk with the causal (top-left) mask; later key chunks not at all. Under a mask given
+    whole (`blocks`), every pair but those it allows nothing of."""
     for i, a in enumerate(q_ids):
         for j, b in enumerate(kv_ids):
-            if not causal or b <= a:
-                yield i, j, causal and b == a
+            if causal and b > a:
+                continue
+            piece = None if blocks is None else blocks.block(a, b)
+            if piece is None or not blocks.empty(piece):
+                yield i, j, causal and b == a, piece
 
 
 def _kv_chunks(source: int, k: torch.Tensor, v: torch.Tensor, size: int, layout: str, groups: int):
@@ -201,16 +205,11 @@ class _ContextAttention(torch.autograd.Function):
         lses: list[torch.Tensor | None] = [None] * len(q_ids)
         for source, k_blk, v_blk in exchange.forward_blocks(k, v):
             kv_ids, k_chunks, v_chunks = _kv_chunks(source, k_blk, v_blk, size, layout, groups)
-            for i, j, diagonal in _pairs(q_ids, kv_ids, causal):
-                extra = {}
-                if blocks is not None:
-                    extra["mask"] = blocks.block(q_ids[i], kv_ids[j])
-                    if blocks.empty(extra["mask"]):
-                        continue
-                out, lse = kernel.forward(q_chunks[i], k_chunks[j], v_chunks[j], diagonal, scale, **extra)
+            for i, j, diagonal, piece in _pairs(q_ids, kv_ids, causal, blocks):
+                out, lse = kernel.forward(q_chunks[i], k_chunks[j], v_chunks[j], diagonal, scale, mask=piece)
                 out = out.float()
-                if blocks is not None:
-                    lse = blocks.unmatched_rows(lse, extra["mask"])
+                if piece is not None:
+                    lse = blocks.unmatched_rows(lse, piece)
                 if outs[i] is None:
                     outs[i], lses[i] = out, lse
                     continue
@@ -248,14 +247,9 @@ class _ContextAttention(torch.autograd.Function):
         def accumulate(source, k_blk, v_blk, dk_acc, dv_acc):
             kv_ids, k_chunks, v_chunks = _kv_chunks(source, k_blk, v_blk, exchange.size, layout, groups)
             dk_chunks, dv_chunks = dk_acc.chunk(len(kv_ids), dim=2), dv_acc.chunk(len(kv_ids), dim=2)
-            for i, j, diagonal in _pairs(q_ids, kv_ids, causal):
-                extra = {}
-                if blocks is not None:
-                    extra["mask"] = blocks.block(q_ids[i], kv_ids[j])
-                    if blocks.empty(extra["mask"]):
-                        continue
+            for i, j, diagonal, piece in _pairs(q_ids, kv_ids, causal, blocks):
                 dq_b, dk_b, dv_b = kernel.backward(dout_chunks[i], q_chunks[i], k_chunks[j], v_chunks[j],
-                                                   out_chunks[i], lse_chunks[i], diagonal, scale, **extra)
+                                                   out_chunks[i], lse_chunks[i], diagonal, scale, mask=piece)
                 dq_chunks[i].add_(dq_b)
                 dk_chunks[j].add_(_sum_heads(dk_b, groups))
                 dv_chunks[j].add_(_sum_heads(dv_b, groups))
