@@ -26,11 +26,13 @@ HF_OFFSETS), left open.
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
 
 import autopar
+from autopar.compiler.strategies.expert import ExpertParallel
 from autopar.core.errors import PlanError
 from autopar.core.ops import moe
 from autopar.runtime.launch import launch
@@ -50,6 +52,18 @@ CASES = {
     "ep4": ("ep=4", [autopar.expert_parallel()]),
     "ep2_dp2": ("dp=2,ep=2", [autopar.data_parallel(), autopar.expert_parallel()]),
     "ep2_tp2": ("ep=2,tp=2", [autopar.expert_parallel(), autopar.tensor_parallel()]),
+    # folded: the experts over all 4 ranks (ep × tp or dp × ep), the rest as declared on tp / dp
+    "ep2_tp2_folded": ("ep=2,tp=2", [autopar.expert_parallel(fold=("tp",)), autopar.tensor_parallel()]),
+    "ep2_tp2sp_folded": ("ep=2,tp=2", [autopar.expert_parallel(fold=("tp",)),
+                                       autopar.tensor_parallel(sequence_parallel=True)]),
+    "dp2_ep2_folded": ("dp=2,ep=2", [autopar.data_parallel(), autopar.expert_parallel(fold=("dp",))]),
+    # 8 ranks, attention on 4-way data (ep) × 2-way tensor parallelism: experts on ep=8 (folded onto
+    # tp, no expert-tensor split), and on ep=4 × etp=2 (each expert's FFN split on tp)
+    "ep4_tp2_folded": ("ep=4,tp=2", [autopar.expert_parallel(fold=("tp",)), autopar.tensor_parallel()]),
+    "ep4_tp2": ("ep=4,tp=2", [autopar.expert_parallel(), autopar.tensor_parallel()]),
+    # attention dp=4 (dp × ep) × tp=2+SP, experts ep=4 (ep × tp) × edp=2 (replicated on dp)
+    "dp2_ep2_tp2sp_folded": ("dp=2,ep=2,tp=2", [autopar.data_parallel(), autopar.expert_parallel(fold=("tp",)),
+                                                autopar.tensor_parallel(sequence_parallel=True)]),
     # a capacity no expert can exceed (factor E): the capacity path runs and drops nothing
     "ep2_capacity": ("ep=2", [autopar.expert_parallel(capacity_factor=4.0)]),
     "fsdp_dp2_ep2": ("dp=2,ep=2", [autopar.fsdp(), autopar.expert_parallel()]),
@@ -60,24 +74,30 @@ CASES = {
     "ep2_dp2_recompute_experts": ("dp=2,ep=2", [autopar.data_parallel(), autopar.expert_parallel(),
                                                 autopar.recompute(["layers.*.moe"])]),
 }
-EXAMPLE_ONLY = {"ep2_capacity", "fsdp_dp2_ep2", "pp2_ep2", "dp2_recompute_full", "ep2_dp2_recompute_experts"}  # compositions, run on the example model
+# cases run on one model only: compositions on the example; each folded layout on one model (the
+# lowering is the same for all three), the 8-rank ones on a Qwen3-MoE with 8 experts
+ONLY_ON = {**dict.fromkeys(("ep2_capacity", "fsdp_dp2_ep2", "pp2_ep2", "dp2_recompute_full",
+                            "ep2_dp2_recompute_experts", "dp2_ep2_folded"), "example"),
+           "ep2_tp2_folded": "qwen3_moe", "ep2_tp2sp_folded": "mixtral",
+           "ep4_tp2_folded": "qwen3_moe_8", "ep4_tp2": "qwen3_moe_8", "dp2_ep2_tp2sp_folded": "qwen3_moe"}
 PIPELINED = {"pp2_ep2": (2, 2)}  # case -> (micro-batches, data ranks): one device's micro-batches cut the same way
 
 
-def hf_moe(model_type: str):
+def hf_moe(model_type: str, **sizes: int):
     from examples.hf_models import tiny_causal_lm
 
-    model = tiny_causal_lm(model_type)
+    model = tiny_causal_lm(model_type, **sizes)
     model.model.config.output_router_logits = True  # the router's load-balancing loss in the loss
     return model
 
 
 BUILDS = {"example": (functools.partial(MoEGPT, EXAMPLE), [example_batch(EXAMPLE, batch=4, seed=s) for s in range(STEPS)]),
           "qwen3_moe": (functools.partial(hf_moe, "qwen3_moe"), None),
-          "mixtral": (functools.partial(hf_moe, "mixtral"), None)}
+          "mixtral": (functools.partial(hf_moe, "mixtral"), None),
+          "qwen3_moe_8": (functools.partial(hf_moe, "qwen3_moe", num_experts=8), None)}  # experts over 8 ranks
 # hidden size, experts, layers of each model (bytes of a routed row, of a counts exchange; HF_OFFSETS)
 ACTIVATIONS_EXACT = {"example"}
-SIZES = {"example": (32, 4, 2), "qwen3_moe": (64, 4, 2), "mixtral": (64, 4, 2)}
+SIZES = {"example": (32, 4, 2), "qwen3_moe": (64, 4, 2), "mixtral": (64, 4, 2), "qwen3_moe_8": (64, 8, 2)}
 
 
 def _batches(model: str) -> list:
@@ -144,12 +164,13 @@ def assert_comm_equals_ledger_and_routing(results: list[dict], model: str, name:
     all-to-alls' bytes equal what the step's routing implies (module docstring). Under ep×tp the
     experts' rows are also replicated on tp, so the gradient of the dispatched rows is all-reduced
     over tp (Megatron's f, once per block): its bytes follow the rows received, not the ledger's
-    uniform routing — the ledger's plus (rows received - rows routed) · d · 4 per block. A ZeRO
+    uniform routing — the ledger's plus (rows received - rows routed) · d · 4 per block (not when
+    the experts are folded onto tp: each tp rank then routes rows of its own). A ZeRO
     unit's gradients exchanged by an all-to-all (`zero(reduce=)`, gloo's default) add the ledger's
     bytes of that exchange to backward's, whatever the routing. `element_bytes`: of the routed rows'
     dtype (2 under bf16 mixed precision)."""
     hidden, experts, _ = SIZES[model]
-    tensor_parallel = "tp" in autopar.Mesh.parse(CASES[name][0]).names
+    tensor_parallel = "tp" in autopar.Mesh.parse(CASES[name][0]).names and "tp" not in _folded(name)
     for result in results:
         expected = expected_by_phase(result["ledger"])
         exchanged = {("all_to_all", axis): nbytes for (phase, kind, axis), (_, nbytes) in result["ledger"].items()
@@ -199,10 +220,17 @@ def _hf_offsets(model: str, name: str) -> int:
         return 0
     _, experts, layers = SIZES[model]
     mesh = autopar.Mesh.parse(CASES[name][0])
-    return layers * experts // (mesh.size("ep") if "ep" in mesh.names else 1) * 4
+    ranks = math.prod(mesh.size(axis) for axis in ("ep", *_folded(name)) if axis in mesh.names)
+    return layers * experts // ranks * 4
 
 
-RUNS = [(model, name) for model in BUILDS for name in CASES if name not in EXAMPLE_ONLY or model == "example"]
+def _folded(name: str) -> tuple[str, ...]:
+    """The axes a case folds its experts onto (`expert_parallel(fold=)`)."""
+    return next((s.fold for s in CASES[name][1] if isinstance(s, ExpertParallel)), ())
+
+
+RUNS = [(model, name) for model in BUILDS for name in CASES if ONLY_ON.get(name, model) == model
+        and (model != "qwen3_moe_8" or name in ONLY_ON)]
 
 
 def _world(name: str) -> int:
@@ -212,8 +240,11 @@ def _world(name: str) -> int:
 RECOMPUTED = {name for name in CASES if "recompute" in name}
 
 
-@pytest.mark.parametrize("recomputed", [False, True], ids=["", "recomputed"])
-@pytest.mark.parametrize("world", [2, 4])
+LAUNCHES = sorted({(_world(name), name in RECOMPUTED) for _, name in RUNS})
+
+
+@pytest.mark.parametrize("world,recomputed", LAUNCHES,
+                         ids=[f"{world}" + ("-recomputed" if again else "") for world, again in LAUNCHES])
 def test_moe_matches_single_device(world, recomputed, transformers):
     """Every case of one world size in one launch (recomputed MoE blocks in a launch of their own)."""
     chosen = [run for run in RUNS if _world(run[1]) == world and (run[1] in RECOMPUTED) == recomputed]
@@ -246,6 +277,31 @@ def test_experts_that_do_not_divide_over_ep_are_refused():
 def test_an_ep_axis_that_also_carries_another_strategy_is_refused():
     with pytest.raises(PlanError, match="carved from the data axes"):
         _plan_example("tp=2", [autopar.expert_parallel(axis="tp"), autopar.tensor_parallel()])
+
+
+def test_experts_that_do_not_divide_over_a_folded_group_are_refused():
+    with pytest.raises(PlanError) as error:
+        _plan_example("ep=4,tp=2", [autopar.expert_parallel(fold=("tp",)), autopar.tensor_parallel()])
+    text = str(error.value)
+    assert "4 experts do not divide over the 8 ranks of expert-parallel axes 'ep+tp' (folded)" in text
+    assert "choose ep × tp sizes whose product divides 4" in text
+
+
+@pytest.mark.parametrize("mesh,strategies,why", [
+    ("dp=2,ep=2", [autopar.zero(stage=3), autopar.expert_parallel(fold=("dp",))], "zero3 shards the training state"),
+    ("pp=2,ep=2", [autopar.pipeline_parallel(microbatches=2), autopar.expert_parallel(fold=("pp",))],
+     "holds pipeline stages"),
+], ids=["zero", "pipeline"])
+def test_folding_experts_onto_sharded_state_or_stages_is_refused(mesh, strategies, why):
+    with pytest.raises(PlanError) as error:
+        _plan_example(mesh, strategies)
+    text = str(error.value)
+    assert "the experts cannot be folded onto" in text and why in text and "fix:" in text
+
+
+def test_folding_the_expert_axis_into_itself_is_refused():
+    with pytest.raises(PlanError, match="the expert axis not among the folded ones"):
+        autopar.expert_parallel(axis="ep", fold=("ep",))
 
 
 def test_expert_parallel_without_experts_is_refused():

@@ -11,7 +11,7 @@ Two tables:
 - `STEPS`: the graph steps that move a tensor (functions of `autopar.core.ops.collectives` and
   `autopar.core.ops.p2p`), each with the kind it issues in forward, its conjugate kind in
   backward, and how its keyword arguments bind to one rank (`BINDINGS`): `group` (axis name ->
-  process-group name), `index` (axis name -> the rank's coordinate on it), `size`, `groups`
+  process-group name), `index` (axis name or group key -> the rank's place in its group), `size`, `groups`
   (comma-separated axes -> names), `peer` ((axis, offset) -> the global rank of that neighbour),
   `none`, `value` (a constant, as declared). The emitter binds steps and lowered kernels (`op_rules.RuleResult.kernel_kwargs`) with
   the same table.
@@ -136,8 +136,8 @@ def _bind_peer(value: Any, mesh: Mesh, rank: int, groups: dict[str, str]) -> int
 BINDINGS: dict[str, Callable[[Any, Mesh, int, dict[str, str]], Any]] = {
     "group": lambda axis, mesh, rank, groups: groups[axis],
     "groups": lambda axes, mesh, rank, groups: tuple(groups[a] for a in axes.split(",") if a),
-    "index": lambda axis, mesh, rank, groups: mesh.coordinate(rank, axis),
-    "size": lambda axis, mesh, rank, groups: mesh.size(axis),
+    "index": lambda axis, mesh, rank, groups: mesh.group_index(rank, axis),
+    "size": lambda axis, mesh, rank, groups: mesh.group_size(axis),
     "peer": _bind_peer,
     "none": lambda value, mesh, rank, groups: None,
     "value": lambda value, mesh, rank, groups: value,  # a constant of the lowering (a method's name)

@@ -165,6 +165,15 @@ class Mesh:
             return len(coordinates)
         return math.prod(self.size(part) for part in axis.split(JOIN))
 
+    def group_index(self, rank: int, key: str) -> int:
+        """`rank`'s position in its group of `key`: its coordinate on a plain axis; over several
+        axes (`ep+tp`), row-major over them in mesh order, which is its place in the group's
+        ascending ranks (how nested Shard(0)s over those axes cut a tensor)."""
+        axis, coordinates = self.split_group(key)
+        if coordinates is None and JOIN not in axis:
+            return self.coordinate(rank, axis)
+        return next(group.index(rank) for group in self.group_slices(key) if rank in group)
+
     def sync_keys(self, axes: "tuple[str, ...] | list[str]") -> tuple[str, ...]:
         """The group keys a gradient partial over `axes` is all-reduced over, one after the other.
 

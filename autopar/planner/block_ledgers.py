@@ -71,6 +71,7 @@ class Layout:
     sequence_parallel: bool = False
     recompute: str | None = None
     regather: bool = False
+    fold_experts: bool = False  # experts over ep × tp (`Candidate.fold_experts`)
 
     @property
     def degrees(self) -> tuple[tuple[str, int], ...]:
@@ -349,7 +350,7 @@ def layout_plans(model: torch.nn.Module, layout: Layout, *, example_inputs: Sequ
     path, _ = _blocks_path(model)
     args, kwargs = _layout_inputs(layout, example_inputs, example_kwargs)
     candidate = Candidate(layout.degrees, sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
-                          regather=layout.regather)
+                          regather=layout.regather, fold_experts=layout.fold_experts)
 
     def planned() -> Any:
         return make_plan(model, layout.mesh_spec, strategies=candidate.strategies(), example_inputs=args,

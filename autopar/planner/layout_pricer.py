@@ -58,7 +58,7 @@ def global_batch(example_inputs: Sequence[Any], example_kwargs: dict | None = No
 def layout_of(candidate: Candidate) -> Layout:
     return Layout(tp=candidate.degree("tp"), cp=candidate.degree("cp"), ep=candidate.degree("ep"),
                   sequence_parallel=candidate.sequence_parallel, recompute=candidate.recompute,
-                  regather=candidate.regather)
+                  regather=candidate.regather, fold_experts=candidate.fold_experts)
 
 
 def first_line(error: Exception) -> str:

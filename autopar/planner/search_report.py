@@ -59,7 +59,8 @@ def candidate_row(result: "SearchResult", outcome: "Outcome") -> dict[str, Any]:
         "layout": {"degrees": [[axis, size] for axis, size in candidate.degrees], "zero": candidate.zero,
                    "sequence_parallel": candidate.sequence_parallel, "schedule": candidate.schedule,
                    "microbatches": candidate.microbatches, "virtual_stages": candidate.virtual,
-                   "recompute": candidate.recompute, "regather": candidate.regather},
+                   "recompute": candidate.recompute, "regather": candidate.regather,
+                   "fold_experts": candidate.fold_experts},
         "strategies": [{"name": s.name, "axis": s.axis} for s in candidate.strategies(result.cluster.backend)
                        if isinstance(s, Strategy)],
         "estimate": None if priced is None else {

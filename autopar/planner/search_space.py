@@ -12,7 +12,9 @@ world into the space's axes (degree-1 axes left out of the mesh), then per axis 
   `one_sequence_microbatches` also one sequence per micro-batch), and with
   `virtual_stages` > 1 the interleaved 1F1B schedule with that many stages per rank;
 - cp: the ring lowering (load-balanced), while each rank keeps `context_tokens` of a sequence;
-- ep: the experts split over the axis (only for a model with experts, `ModelFacts.experts`).
+- ep: the experts split over the axis (only for a model with experts, `ModelFacts.experts`); with
+  tp too, each expert's FFN split over tp (expert-tensor parallelism) or, `fold_experts`, the
+  experts split over ep × tp with no expert-tensor split (`expert_parallel(fold=("tp",))`).
 
 The lecture's hard rules prune before anything is planned, each pruned candidate keeping its
 reason: tensor and expert parallelism stay inside a node (their collectives sit on the critical
@@ -58,6 +60,7 @@ class Candidate:
     # with sequence parallelism: each SP linear keeps its input's sequence shard for backward and
     # gathers it again there (Megatron's), instead of keeping the gathered input
     regather: bool = False
+    fold_experts: bool = False  # the experts split over ep × tp, not each expert over tp (`expert_parallel(fold=)`)
 
     def degree(self, axis: str) -> int:
         return dict(self.degrees).get(axis, 1)
@@ -78,6 +81,8 @@ class Candidate:
             if axis == "pp":
                 text += f" {self.schedule} m{self.microbatches}" + (f" v{self.virtual}" if self.virtual > 1 else "")
             parts.append(text)
+        if self.fold_experts:
+            parts.append("experts on ep·tp")
         if self.recompute:
             parts.append(f"recompute {self.recompute}")
         return " × ".join(parts) or "one rank"
@@ -99,7 +104,7 @@ class Candidate:
             elif axis == "cp":
                 chosen.append(context_parallel())
             elif axis == "ep":
-                chosen.append(expert_parallel())
+                chosen.append(expert_parallel(fold=("tp",) if self.fold_experts else ()))
         if self.recompute:
             chosen.append(recompute(self.recompute))
         return chosen
@@ -124,6 +129,7 @@ class SearchSpace:
     regather: bool = True
     cross_node_tp: bool = False
     context_tokens: int = 1024  # cp only while each rank keeps at least this many tokens of a sequence
+    fold_experts: tuple[bool, ...] = (False, True)  # with ep and tp: experts split over tp, or over ep × tp
 
 
 @dataclass(frozen=True)
@@ -195,11 +201,13 @@ def _options(degrees: tuple[tuple[str, int], ...], space: SearchSpace, facts: Mo
         finest = facts.batch // replicas if facts.batch and facts.batch % replicas == 0 else 0
         if space.one_sequence_microbatches and finest >= sizes["pp"] and finest not in {m for _, m, _ in pipelines}:
             pipelines += [(s, finest, 1) for s in space.schedules]
+    folds = space.fold_experts if "ep" in sizes and "tp" in sizes else (False,)
     for z in zeros:
         for sp in sps:
             for schedule, micro, virtual in pipelines:
-                yield Candidate(degrees, zero=z, sequence_parallel=sp, schedule=schedule, microbatches=micro,
-                                virtual=virtual)
+                for fold in folds:
+                    yield Candidate(degrees, zero=z, sequence_parallel=sp, schedule=schedule, microbatches=micro,
+                                    virtual=virtual, fold_experts=fold)
 
 
 def candidates(world: int, cluster: Cluster, space: SearchSpace, facts: ModelFacts) -> Enumeration:

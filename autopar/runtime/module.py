@@ -27,6 +27,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
 from autopar.core.ir import shard_dim
+from autopar.core.mesh import JOIN
 from autopar.core.ops.collective_calls import raw_all_gather, raw_all_reduce
 from autopar.core.shards import shard
 from autopar.core.zero_units import shard_of
@@ -68,11 +69,14 @@ def _unshard(tensor: torch.Tensor, placement: Any, group: str, size: int) -> tor
 
 
 def sync_groups(plan: Plan) -> dict[str, str]:
-    """Process groups for the gradient reductions' keys that are no mesh axis: `pp@i,j` (a
-    parameter held by several pipeline stages), `dp+cp` (several axes at once, `Mesh.sync_keys`).
+    """Process groups for the keys that are no mesh axis: `pp@i,j` (a parameter held by several
+    pipeline stages), `dp+cp` (a gradient reduction over several axes at once, `Mesh.sync_keys`),
+    `ep+tp` (experts folded onto another strategy's axis, `expert_parallel(fold=)`).
     Created on every rank in the same order (torch.distributed.new_group is collective); name by key."""
     keys = sorted(({key for stage in plan.stages for bucket in stage.buckets for key in bucket.axes}
-                   | {key for unit in plan.units for key in unit.extra_axes}) - set(plan.mesh.names))
+                   | {key for unit in plan.units for key in unit.extra_axes}
+                   | {entry.axis for entry in plan.comm.entries if JOIN in entry.axis})  # folded experts' exchange
+                  - set(plan.mesh.names))
     names = {}
     for key in keys:
         slices = plan.mesh.group_slices(key)

@@ -184,12 +184,19 @@ def _grouped_matmuls_on_the_rank_device(graph: torch.fx.Graph) -> None:
         node.target, node.args, node.kwargs = grouped_matmul, tuple(values), {"traced": target}
 
 
+class _KeysAsNames(dict):
+    """Process-group names while planning: every group key names itself."""
+
+    def __missing__(self, key: str) -> str:
+        return key
+
+
 def emit_rank_graph(gm: torch.fx.GraphModule, ctx: CompileContext, *, rank: int,
                     groups: dict[str, str] | None = None, recompute: bool = True) -> torch.fx.GraphModule:
-    """The graph rank `rank` runs. `groups` maps axis -> process-group name (axis names when planning).
-    `recompute=False` leaves the recomputed regions inline (what they save once their forward runs
-    again: the memory ledger's transient)."""
-    groups = groups or {axis: axis for axis in ctx.mesh.names}
+    """The graph rank `rank` runs. `groups` maps group key (an axis, `ep+tp`) -> process-group name
+    (the keys themselves when planning). `recompute=False` leaves the recomputed regions inline
+    (what they save once their forward runs again: the memory ledger's transient)."""
+    groups = groups or _KeysAsNames()
     graph = torch.fx.Graph()
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)

@@ -242,11 +242,15 @@ def _check_experts_divide(block: ExpertBlock, expert_axes: tuple[str, ...], ctx:
                                                  f"tokens routed beyond it would be dropped (one device drops none)",
                                fix="pass expert_parallel(..., drop_tokens=True) to accept dropped tokens, or leave "
                                    "capacity_factor out (dropless)")
-        size = ctx.mesh.size(axis)
+        group = ctx.strategy.expert_group(axis)
+        size = ctx.mesh.group_size(group)
         if block.num_experts % size:
+            over = (f"expert-parallel axis {axis!r} of size {size}" if group == axis else
+                    f"the {size} ranks of expert-parallel axes {group!r} (folded)")
             raise PlanError.at(block.grouped[0], f"mixture-of-experts block {block.path!r}: {block.num_experts} "
-                                                 f"experts do not divide over expert-parallel axis {axis!r} of size {size}",
-                               fix=f"choose an {axis} size dividing {block.num_experts}")
+                                                 f"experts do not divide over {over}",
+                               fix=f"choose an {axis} size dividing {block.num_experts}" if group == axis else
+                               f"choose {group.replace('+', ' × ')} sizes whose product divides {block.num_experts}")
         if block.ids_sorted is not None and block.ids_sorted in {a for n in block.experts for a in n.all_input_nodes}:
             raise PlanError.at(block.grouped[0], f"mixture-of-experts block {block.path!r}: its experts read the "
                                                  f"sorted expert ids (per-expert biases), which expert parallelism "
@@ -339,9 +343,10 @@ def _rewrite(block: ExpertBlock, graph: torch.fx.Graph, expert_axes: tuple[str, 
         feeds[block.ids_sorted] = ids
     exchange = None
     if expert_axes:
-        (axis,) = expert_axes
-        size = ctx.mesh.size(axis)
-        factor = ctx.strategy.expert_declaration(axis).capacity_factor or 0.0
+        (declared,) = expert_axes
+        axis = ctx.strategy.expert_group(declared)  # the group key: the axis, and the axes folded into it
+        size = ctx.mesh.group_size(axis)
+        factor = ctx.strategy.expert_declaration(declared).capacity_factor or 0.0
         received_val = block.offsets.meta["val"].new_zeros((size, block.num_experts // size), dtype=torch.long)
         dispatch_vals = [block.x_perm.meta["val"], block.offsets.meta["val"], received_val]
         with graph.inserting_after(ids):
@@ -366,6 +371,9 @@ def _rewrite(block: ExpertBlock, graph: torch.fx.Graph, expert_axes: tuple[str, 
         out = _call(graph, moe.moe_unpermute, (result, order, block.weights),
                     {"top_k": block.top_k, "dtype": block.output.meta["val"].dtype}, block.output,
                     block.output.meta["val"])
+    if exchange is not None:
+        with graph.inserting_after(out):
+            out = _call(graph, moe.moe_rejoin, (out,), {}, block.output, block.output.meta["val"])
     removed = set(block.removed)
     block.output.replace_all_uses_with(out, delete_user_cb=lambda user: user not in removed)
     for node in reversed(block.removed):

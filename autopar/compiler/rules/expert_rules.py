@@ -16,10 +16,11 @@ redistributed. Per mesh axis:
 |                    | rows Partial, weights R                  | Partial                         |
 |                    | rows S(0), weights sharded otherwise     | rows S(0), weights gathered     |
 |                    | anything else                            | both replicated first           |
-| moe_permute        | tokens and top-k ids sharded alike by rows | rows S(0), offsets R, order S(0), ids S(0) |
+| moe_permute        | tokens and top-k ids sharded alike by rows (S(0) on every axis of a folded exchange) | rows S(0), offsets R, order S(0), ids S(0) |
 | moe_unpermute      | rows S(0) / R / Partial, router weights  | the router weights' row placement; Partial stays Partial |
-| moe_dispatch       | rows S(0) on the expert axis             | rows S(0), offsets S(0) (local experts), counts R |
-| moe_combine        | rows S(0) on the expert axis             | rows S(0)                       |
+| moe_dispatch       | rows S(0) on the expert axis (every axis of `ep+tp`) | rows S(0), offsets S(0) (local experts), counts R |
+| moe_combine        | rows S(0) on the expert axis (every axis of `ep+tp`) | rows S(0)                       |
+| moe_rejoin         | tokens as `moe_unpermute` returns them   | as they entered `moe_permute` where it cut them (a gather) |
 
 The exchange records its all-to-alls for the comm ledger under uniform routing (every rank
 sends and receives as many rows as it routes); a run's exact bytes follow from the row counts
@@ -37,7 +38,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from autopar.compiler.rules.registry import InternalCollective, RuleContext, RuleResult, register, spec_like
-from autopar.core.ir import ARG_SPECS, local_numel, shard_dim, simplified
+from autopar.core.ir import ARG_SPECS, SPEC, local_numel, shard_dim, simplified
+from autopar.core.mesh import JOIN
 from autopar.core.ops import moe
 
 # grouped matmul ops by name: rows [N, K] sorted by expert, weights [E, K, M], cumulative offsets [E]
@@ -94,12 +96,17 @@ def register_grouped_matmul(op: Any) -> None:
 
 @register(moe.moe_permute)
 def permute_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext) -> RuleResult:
+    """Tokens keep their row shards. On an axis of the expert exchange's group where they are not
+    sharded by rows (folded onto tensor parallelism without sequence parallelism: replicated), each
+    rank routes its 1/n of them, Shard(0): a local slice; `moe_unpermute` returns them so sharded."""
     x, ids = specs[:2]
+    dispatch = _exchange_of(node)
+    exchanged = _exchange_axes(dispatch, ctx)[0] if dispatch is not None else set()
     token, rows, counts = [], [], []
-    for px in x.placements:
-        keep = px if _rows(px) else Replicate()
+    for index, px in enumerate(x.placements):
+        keep = px if _rows(px) else Shard(0) if index in exchanged else Replicate()
         token.append(keep)
-        rows.append(Shard(0) if _rows(px) else Replicate())
+        rows.append(Shard(0) if _rows(keep) else Replicate())
         counts.append(Replicate())
     vals = node.meta["val"]
     rows_t, counts_t = tuple(rows), tuple(counts)
@@ -127,9 +134,35 @@ def unpermute_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: Ru
                       required=[spec_like(y, tuple(y_required)), order, spec_like(weights, tuple(w_required))])
 
 
-def _exchange_axis(node: torch.fx.Node, ctx: RuleContext) -> tuple[int, str]:
-    axis = node.kwargs["group"]
-    return ctx.mesh_names.index(axis), axis
+@register(moe.moe_rejoin)
+def rejoin_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext) -> RuleResult:
+    """The tokens back with the placement they entered `moe_permute` with on every axis where it
+    sliced them for a folded exchange (`permute_rule`): an all-gather of the [T, d] tokens there.
+    Tokens a folded axis holds as a sequence cut of flattened [batch, seq] rows (sequence
+    parallelism: `_StridedShard(0)`) are gathered too: DTensor cannot always unflatten rows cut
+    by two axes back into [batch, seq] (not when one sequence per rank is cut over 4 ranks), and
+    the block's output is reshaped right after; the next op cuts them again where it wants them."""
+    (tokens,) = specs[:1]
+    permute = node.args[0].args[1].args[0]  # moe_rejoin(moe_unpermute(y, order := permute[2], ...))
+    entered = permute.args[0].meta[SPEC].placements
+    sliced = permute.meta[ARG_SPECS][0].placements
+    dispatch = _exchange_of(permute)
+    exchanged = _exchange_axes(dispatch, ctx)[0] if dispatch is not None else set()
+    placements = tuple(before if before != cut and not _rows(before) else
+                       Replicate() if index in exchanged and isinstance(now, _StridedShard) else now
+                       for index, (before, cut, now) in enumerate(zip(entered, sliced, tokens.placements)))
+    return RuleResult(output=spec_like(tokens, placements, node.meta["val"]), required=[spec_like(tokens, placements)])
+
+
+def _exchange_axes(node: torch.fx.Node, ctx: RuleContext) -> tuple[set[int], str]:
+    """(mesh-axis indices, group key) of an exchange: one axis, or several folded (`ep+tp`)."""
+    key = node.kwargs["group"]
+    return {ctx.mesh_names.index(axis) for axis in key.split(JOIN)}, key
+
+
+def _exchange_of(permute: torch.fx.Node) -> torch.fx.Node | None:
+    """The `moe_dispatch` reading a `moe_permute`'s rows (through its getitem), if any."""
+    return next((user for item in permute.users for user in item.users if user.target is moe.moe_dispatch), None)
 
 
 def _row_bytes(value: torch.Tensor, placements: tuple[Placement, ...], ctx: RuleContext) -> sympy.Expr:
@@ -139,9 +172,9 @@ def _row_bytes(value: torch.Tensor, placements: tuple[Placement, ...], ctx: Rule
 @register(moe.moe_dispatch)
 def dispatch_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext) -> RuleResult:
     rows, offsets = specs[:2]
-    index, axis = _exchange_axis(node, ctx)
-    placements = tuple(Shard(0) if i == index else p for i, p in enumerate(rows.placements))
-    local_experts = tuple(Shard(0) if i == index else Replicate() for i in range(len(ctx.mesh_names)))
+    indices, axis = _exchange_axes(node, ctx)
+    placements = tuple(Shard(0) if i in indices else p for i, p in enumerate(rows.placements))
+    local_experts = tuple(Shard(0) if i in indices else Replicate() for i in range(len(ctx.mesh_names)))
     vals = node.meta["val"]
     replicated = (Replicate(),) * len(ctx.mesh_names)
     experts = vals[1].shape[0]
@@ -164,8 +197,8 @@ def dispatch_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: Rul
 @register(moe.moe_combine)
 def combine_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleContext) -> RuleResult:
     rows, received, offsets = specs[:3]
-    index, axis = _exchange_axis(node, ctx)
-    placements = tuple(Shard(0) if i == index else p for i, p in enumerate(rows.placements))
+    indices, axis = _exchange_axes(node, ctx)
+    placements = tuple(Shard(0) if i in indices else p for i, p in enumerate(rows.placements))
     value = node.meta["val"]
     nbytes = _row_bytes(value, placements, ctx)
     why = "expert parallelism"

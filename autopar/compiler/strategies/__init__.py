@@ -31,7 +31,7 @@ from autopar.compiler.strategies.recompute import RecomputeDeclaration
 from autopar.compiler.strategies.schedule import ScheduleDeclaration
 from autopar.compiler.strategies.token_shard import TokenShard
 from autopar.core.errors import PlanError
-from autopar.core.mesh import Mesh
+from autopar.core.mesh import JOIN, Mesh
 
 if TYPE_CHECKING:
     import torch.fx
@@ -170,6 +170,12 @@ class ResolvedStrategy:
     def expert_axes(self) -> tuple[str, ...]:
         """Every expert-parallel axis (not of size 1)."""
         return tuple(axis for axis in self.mesh.names for s in self._for_axis(axis) if s.experts is not None)
+
+    def expert_group(self, axis: str) -> str:
+        """The group key the experts of expert-parallel `axis` are exchanged over: the axis and the
+        axes folded into it (`autopar/compiler/strategies/expert.py`)."""
+        fold = self.expert_declaration(axis).fold
+        return JOIN.join(a for a in self.mesh.names if a == axis or (a in fold and self.mesh.size(a) > 1))
 
     def sequence_layout(self, axis: str) -> str:
         """How a dimension sharded on `axis` is cut (`autopar.core.sequence_chunks`)."""
@@ -358,6 +364,9 @@ def resolve_strategies(mesh: Mesh, strategies: "list[Strategy] | tuple[Strategy,
         mesh.require_axis(deferred.axis, wanted_by=f"strategy {deferred.name!r}")
     strategies = [s.bind(mesh=mesh, graph_module=graph_module, placeholders=placeholders) if hasattr(s, "bind") else s
                   for s in flat]
+    for folding in (s for s in flat if hasattr(s, "fold_onto")):  # expert_parallel(fold=...): after every bind
+        strategies = folding.fold_onto(mesh=mesh, strategies=strategies, graph_module=graph_module,
+                                       placeholders=placeholders)
     for strategy in strategies:
         if not isinstance(strategy, Strategy):
             raise PlanError(f"{strategy!r} is not a Strategy; build one with autopar.compiler.strategies "

@@ -75,6 +75,14 @@ def moe_unpermute(y_perm: torch.Tensor, order: torch.Tensor, top_k_weights: torc
     return weighted[inverse].view(tokens, top_k, y_perm.shape[-1]).sum(dim=1).to(dtype)
 
 
+def moe_rejoin(tokens: torch.Tensor) -> torch.Tensor:
+    """The tokens `moe_unpermute` returned, unchanged: the graph point where tokens that the
+    exchange of folded experts had each rank route a slice of are joined again (its sharding rule
+    asks for the placement they had before `moe_permute`, so the gather lands on the [T, d] tokens,
+    before the block reshapes them)."""
+    return tokens
+
+
 def _rows_all_to_all(x: torch.Tensor, send: list[int], receive: list[int], group: str) -> torch.Tensor:
     out = _c10d.all_to_all_single(x.contiguous(), receive, send, group)
     return _c10d.wait_tensor(out)
