@@ -10,16 +10,18 @@ micro-batches and train on the same global batch:
 | 1f1b             | schedule="1f1b"                       | Schedule1F1B                                    |
 | interleaved_1f1b | schedule="interleaved_1f1b", v=2      | ScheduleInterleaved1F1B, two stages per rank    |
 | zb_h1            | schedule="zb_h1"                      | ScheduleInterleavedZeroBubble, one stage a rank |
+| dualpipev        | schedule="dualpipev" (2 stages a rank)| ScheduleDualPipeV, stages s and 2p-1-s on rank s |
 
 ZB-H1 has no class of its own in PyTorch: `ScheduleInterleavedZeroBubble` is the paper's ZB1P
 (zero bubble over several stages per rank) and accepts a one-stage list, which is ZB-H1. The
 `same order` column says whether PyTorch's stages executed exactly autopar's action list on every
-rank and step (`record_actions`; PyTorch's input-gradient backward counted as autopar's B).
+rank and step (`record_actions`; PyTorch's input-gradient backward counted as autopar's B, and
+under a split-backward schedule its full backward as autopar's B then W).
 
 The cut: autopar balances the stages (`stages=None`: blocks by forward FLOPs, the first stage
 also carrying the embeddings, the last the final norm, lm_head and loss) and the PyTorch stages
 are built by hand from the same model with that cut (`module.plan.pipeline.starts`, `GPTStage`);
-stage s runs on pp rank s mod p on both sides. PyTorch's last stage returns logits and the
+stage s runs on pp rank s mod p on both sides (DualPipeV: in a V, stages c and 2p-1-c on rank c). PyTorch's last stage returns logits and the
 schedule's `loss_fn` (cross-entropy over the micro-batch's tokens, a mean) makes the loss;
 `scale_grads=True` divides the accumulated gradients by m. autopar seeds each micro-batch's
 backward with 1/m. Every micro-batch has the same number of tokens, so both train the
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -66,13 +69,14 @@ from tabulate import tabulate
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed._tools.mod_tracker import ModTracker
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                          ScheduleInterleavedZeroBubble)
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples`, `benchmarks` are not installed
 
 import autopar  # noqa: E402
+from autopar.core import schedules  # noqa: E402
 from benchmarks.compare_fsdp import Program, adamw, memory_step, ratio, track_program  # noqa: E402
 from benchmarks.compare_step_time import alternate_steps, as_float, build_model, median_step_ms, mib  # noqa: E402
 from benchmarks.row_runs import run_rows  # noqa: E402
@@ -105,6 +109,7 @@ ROWS = {
                             "ScheduleInterleaved1F1B, stages s and s+p on rank s"),
     "zb_h1": Row("zb_h1", 1, ScheduleInterleavedZeroBubble,
                  "ScheduleInterleavedZeroBubble (ZB1P) with one stage per rank, i.e. ZB-H1"),
+    "dualpipev": Row("dualpipev", 2, ScheduleDualPipeV, "ScheduleDualPipeV, stages c and 2p-1-c on rank c"),
 }
 
 
@@ -208,10 +213,11 @@ def pytorch_side(row: Row, settings: Settings, global_batch: tuple, rank: int, b
     stage; the others return NaN."""
     model = build_model(settings)
     count = settings.pp * row.virtual
-    indices = [rank + chunk * settings.pp for chunk in range(row.virtual)]
+    indices = (list(schedules.v_stages(settings.pp, rank)) if row.schedule in schedules.V_SHAPED
+               else [rank + chunk * settings.pp for chunk in range(row.virtual)])
     modules = nn.ModuleList(GPTStage(model, bounds[s], bounds[s + 1]) for s in indices)
     stages = [PipelineStage(module, s, count, torch.device("cpu")) for module, s in zip(modules, indices)]
-    record_actions(stages, executed)
+    record_actions(stages, executed, split=row.schedule in schedules.SPLIT_BACKWARD)
     multi = issubclass(row.pytorch_schedule, PipelineScheduleMulti)
     schedule = row.pytorch_schedule(stages if multi else stages[0], n_microbatches=settings.microbatches,
                                     loss_fn=token_cross_entropy, scale_grads=True)
@@ -247,17 +253,20 @@ def measure(programs: dict[str, PipelineProgram], settings: Settings) -> dict[st
     return results
 
 
-def record_actions(stages: list[PipelineStage], log: list[str]) -> None:
+def record_actions(stages: list[PipelineStage], log: list[str], *, split: bool = False) -> None:
     """Append every compute action the stages run to `log`, as autopar's `str(Action)` ('F2.5';
-    PyTorch's input-gradient backward is autopar's B). PyTorch's own `_get_pipeline_order` is
-    not what its single-stage schedules execute (for 1F1B's last rank it lists micro-batches
+    PyTorch's input-gradient backward is autopar's B; with `split`, a schedule whose backwards
+    autopar splits, its full backward is autopar's B then W). PyTorch's own `_get_pipeline_order`
+    is not what its single-stage schedules execute (for 1F1B's last rank it lists micro-batches
     1..m), so the executed calls are what is compared."""
     for stage in stages:
         for method, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"),
                              ("backward_weight_one_chunk", "W")):
-            def recorded(chunk: int, *args: Any, _run=getattr(stage, method), _name=f"{kind}{stage.stage_index}",
+            def recorded(chunk: int, *args: Any, _run=getattr(stage, method), _kind=kind, _stage=stage.stage_index,
                          **kwargs: Any) -> Any:
-                log.append(f"{_name}.{chunk}")
+                log.append(f"{_kind}{_stage}.{chunk}")
+                if split and _kind == "B" and kwargs.get("full_backward", True):
+                    log.append(f"W{_stage}.{chunk}")
                 return _run(chunk, *args, **kwargs)
 
             setattr(stage, method, recorded)
@@ -286,7 +295,9 @@ def summarize_row(row_name: str, ranks: list[dict[str, Any]], *,
     autopar_ms, pytorch_ms = median_step_ms(autopar), median_step_ms(pytorch)
     autopar_peak = max(side["memory"]["peak"] for side in autopar)
     pytorch_peak = max(side["memory"]["peak"] for side in pytorch)
-    autopar_losses, pytorch_losses = autopar[0]["losses"], pytorch[-1]["losses"]  # PyTorch: the last stage's rank
+    # PyTorch: the losses of the last stage's rank (the last rank; under DualPipeV the first)
+    autopar_losses = autopar[0]["losses"]
+    pytorch_losses = next(side["losses"] for side in reversed(pytorch) if not math.isnan(side["losses"][0]))
     gaps = [abs(a - p) / abs(p) for a, p in zip(autopar_losses, pytorch_losses)]
     notes = []
     if any(len(set(side["losses"])) != len(side["losses"]) for side in autopar[:1]):

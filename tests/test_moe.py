@@ -3,8 +3,10 @@
 Models: the example MoE (`examples/moe.py`: load-balancing and z auxiliary losses in the loss),
 Hugging Face Qwen3-MoE and Mixtral from small configs with their default experts implementation
 (`transformers.grouped_mm_fallback`), router auxiliary loss on (`output_router_logits=True`).
-Under each case of CASES: loss (auxiliary losses included), whole gradients and parameters after
-each of 3 AdamW steps equal one device's (fp32 rel <= 1e-5, `tests/numerics_checks.py`).
+Under each case of CASES — among them experts folded onto tp or dp (`expert_parallel(fold=)`, on
+8 ranks too) and DualPipeV on pp=2 × ep=2 and pp=4 — loss (auxiliary losses included), whole
+gradients and parameters after each of 3 AdamW steps equal one device's (fp32 rel <= 1e-5,
+`tests/numerics_checks.py`).
 
 Communication: every collective each step hands to the process groups (counted from outside,
 `autopar.measure.comm_counter`) equals the static ledger, except the bytes of expert
@@ -25,6 +27,7 @@ HF_OFFSETS), left open.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -61,6 +64,11 @@ CASES = {
     # tp, no expert-tensor split), and on ep=4 × etp=2 (each expert's FFN split on tp)
     "ep4_tp2_folded": ("ep=4,tp=2", [autopar.expert_parallel(fold=("tp",)), autopar.tensor_parallel()]),
     "ep4_tp2": ("ep=4,tp=2", [autopar.expert_parallel(), autopar.tensor_parallel()]),
+    # DualPipeV (two stages per rank in a V): with the experts' all-to-alls inside its stages on 2
+    # pipeline ranks, and on 4 (4 and 8 stages: the example MoE with 4 and 8 blocks)
+    "pp2_ep2_dualpipev": ("pp=2,ep=2", [autopar.pipeline_parallel(schedule="dualpipev", microbatches=4),
+                                        autopar.expert_parallel()]),
+    "pp4_dualpipev": ("pp=4", [autopar.pipeline_parallel(schedule="dualpipev", microbatches=8)]),
     # attention dp=4 (dp × ep) × tp=2+SP, experts ep=4 (ep × tp) × edp=2 (replicated on dp)
     "dp2_ep2_tp2sp_folded": ("dp=2,ep=2,tp=2", [autopar.data_parallel(), autopar.expert_parallel(fold=("tp",)),
                                                 autopar.tensor_parallel(sequence_parallel=True)]),
@@ -79,8 +87,10 @@ CASES = {
 ONLY_ON = {**dict.fromkeys(("ep2_capacity", "fsdp_dp2_ep2", "pp2_ep2", "dp2_recompute_full",
                             "ep2_dp2_recompute_experts", "dp2_ep2_folded"), "example"),
            "ep2_tp2_folded": "qwen3_moe", "ep2_tp2sp_folded": "mixtral",
-           "ep4_tp2_folded": "qwen3_moe_8", "ep4_tp2": "qwen3_moe_8", "dp2_ep2_tp2sp_folded": "qwen3_moe"}
-PIPELINED = {"pp2_ep2": (2, 2)}  # case -> (micro-batches, data ranks): one device's micro-batches cut the same way
+           "ep4_tp2_folded": "qwen3_moe_8", "ep4_tp2": "qwen3_moe_8", "dp2_ep2_tp2sp_folded": "qwen3_moe",
+           "pp2_ep2_dualpipev": "example4", "pp4_dualpipev": "example8"}
+# case -> (micro-batches, data ranks): one device's micro-batches cut the same way
+PIPELINED = {"pp2_ep2": (2, 2), "pp2_ep2_dualpipev": (4, 2), "pp4_dualpipev": (8, 1)}
 
 
 def hf_moe(model_type: str, **sizes: int):
@@ -91,13 +101,18 @@ def hf_moe(model_type: str, **sizes: int):
     return model
 
 
+DEEPER = {layers: dataclasses.replace(EXAMPLE, n_layer=layers) for layers in (4, 8)}  # a stage per block under DualPipeV
 BUILDS = {"example": (functools.partial(MoEGPT, EXAMPLE), [example_batch(EXAMPLE, batch=4, seed=s) for s in range(STEPS)]),
+          **{f"example{layers}": (functools.partial(MoEGPT, config),  # a row per micro-batch per replica
+                                  [example_batch(config, batch=8, seed=s) for s in range(STEPS)])
+             for layers, config in DEEPER.items()},
           "qwen3_moe": (functools.partial(hf_moe, "qwen3_moe"), None),
           "mixtral": (functools.partial(hf_moe, "mixtral"), None),
           "qwen3_moe_8": (functools.partial(hf_moe, "qwen3_moe", num_experts=8), None)}  # experts over 8 ranks
 # hidden size, experts, layers of each model (bytes of a routed row, of a counts exchange; HF_OFFSETS)
 ACTIVATIONS_EXACT = {"example"}
-SIZES = {"example": (32, 4, 2), "qwen3_moe": (64, 4, 2), "mixtral": (64, 4, 2), "qwen3_moe_8": (64, 8, 2)}
+SIZES = {"example": (32, 4, 2), "qwen3_moe": (64, 4, 2), "mixtral": (64, 4, 2), "qwen3_moe_8": (64, 8, 2),
+         "example4": (32, 4, 4), "example8": (32, 4, 8)}
 
 
 def _batches(model: str) -> list:
@@ -216,7 +231,7 @@ def assert_memory(results: list[dict], model: str, name: str) -> None:
 
 def _hf_offsets(model: str, name: str) -> int:
     """HF_OFFSETS (module docstring): int32 offsets of the rank's experts, one tensor per MoE layer."""
-    if model == "example":
+    if model.startswith("example"):
         return 0
     _, experts, layers = SIZES[model]
     mesh = autopar.Mesh.parse(CASES[name][0])
@@ -229,8 +244,8 @@ def _folded(name: str) -> tuple[str, ...]:
     return next((s.fold for s in CASES[name][1] if isinstance(s, ExpertParallel)), ())
 
 
-RUNS = [(model, name) for model in BUILDS for name in CASES if ONLY_ON.get(name, model) == model
-        and (model != "qwen3_moe_8" or name in ONLY_ON)]
+RUNS = [(model, name) for model in BUILDS for name in CASES
+        if (ONLY_ON[name] == model if name in ONLY_ON else model in ("example", "qwen3_moe", "mixtral"))]
 
 
 def _world(name: str) -> int:

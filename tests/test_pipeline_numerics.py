@@ -7,7 +7,7 @@ micro-batches, their gradients accumulated (`single_device(microbatches=m)`), at
 outside equals the ledger of the rank's stages; bytes held after each step equal the memory
 ledger; the step's peak lies within the ledger's bounds:
 - pp=2 and pp=4 under every schedule (GPipe, 1F1B, interleaved 1F1B with two stages per rank,
-  ZB-H1), the GPT and Llama on each;
+  ZB-H1, DualPipeV with two stages per rank in a V), the GPT and Llama on each;
 - dp=2 x tp=2 x pp=2 on 8 ranks (data parallel, Megatron TP+SP, 1F1B);
 - ZeRO-1 x pp and FSDP x pp (DeepSeek-V3's and torchtitan's compositions);
 - a tied GPT-2 embedding and head held by the first and last of 4 stages;
@@ -17,8 +17,9 @@ which keeps process start-up out of the CI budget.
 
 Activations in flight are measured from outside during the schedule (`InFlight`: storages a
 `LiveStorages` mode saw allocated inside a forward or backward action and still alive when an
-action ends, less the parameters' gradients and the tensors handed to `c10d.send` — a send's
-buffer lives until its receiver takes it, which the ledger does not claim to predict) and equal
+action ends, less the parameters' gradients and the tensors handed to `c10d.send` or, between two
+stages of one rank (DualPipeV's turn), to the in-memory hand-over — a send's buffer lives until
+its receiver takes it, which the ledger does not claim to predict) and equal
 the memory ledger's activations: 1F1B's first stage holds fewer than GPipe's at m=8.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import autopar
+from autopar.core.ops import p2p
 from autopar.measure.storages import LiveStorages, storage_key
 from autopar.runtime.launch import launch
 from examples.gpt import GPT, GPTConfig, example_batch
@@ -41,7 +43,7 @@ from tests.numerics_checks import (assert_ledger_equals_measured, assert_matches
 
 GPT4 = GPTConfig(vocab_size=128, seq_len=16, n_layer=4, n_head=4, d_model=32, d_ff=64)
 GPT8 = GPTConfig(vocab_size=128, seq_len=16, n_layer=8, n_head=4, d_model=32, d_ff=64)
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("dualpipev", 2)]
 # AdamW's eps here is 1e-2, not the harness's 1e-3. Measured: the 8-layer Llama (which the
 # interleaved schedule on 4 ranks needs) trained through autopar differs from one device by
 # 5.9e-7, 1.8e-6 and then 2.3e-5 in its gradients at steps 0, 1, 2 with eps=1e-3 — the same figures
@@ -144,7 +146,8 @@ TWO = [case(model, "pp=2", schedule, virtual) for model in ("gpt", "llama") for 
 # on four stages every schedule runs the GPT; what is Llama's own at a stage boundary (rotary
 # tables and masks cut with the blocks) does not depend on the schedule: it runs 1F1B and
 # interleaved here, every schedule on two stages (TWO)
-FOUR = ([case(model, "pp=4", schedule, virtual, layers=8 if virtual > 1 else 4)
+FOUR = ([case(model, "pp=4", schedule, virtual, layers=8 if virtual > 1 else 4,
+              microbatches=8 if schedule == "dualpipev" else 4)  # DualPipeV: at least as many as its 8 stages
          for model in ("gpt", "llama") for schedule, virtual in SCHEDULES
          if model == "gpt" or schedule in ("1f1b", "interleaved_1f1b")]
         + [case("gpt", "pp=2,dp=2", data="zero1"), case("llama", "pp=2,dp=2", data="fsdp"),
@@ -197,6 +200,7 @@ class InFlight:
         self.module, self.storages, self.sent = module, LiveStorages(), _SentStorages()
         self.epochs: list[tuple[int, int]] = []
         self.outputs: set[int] = set()  # what actions return (the loss the executor keeps, send tokens)
+        self.handing: dict[int, int] = {}  # tag -> storage of a hand-over between two stages of this rank
         self.peak = 0
 
     def _timed(self, fn):
@@ -216,7 +220,7 @@ class InFlight:
         for start, end in self.epochs:
             since, after = self.storages.live_since(start), self.storages.live_since(end)
             alive += sum(n for key, n in since.items() if key not in after and key not in grads
-                         and key not in self.sent.keys and key not in exclude)
+                         and key not in self.sent.keys and key not in exclude and key not in self.handing.values())
         self.peak = max(self.peak, alive)
 
     def step(self, local: list) -> torch.Tensor:
@@ -226,8 +230,25 @@ class InFlight:
             runner.run = self._timed(lambda inputs, token=None, original=original: original(
                 [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs], token))
         executor._backward = self._timed(executor._backward)
-        with self.sent, self.storages:
-            return self.module.train_step(*local)
+        send, recv = p2p.Exchange.send, p2p.Exchange.recv
+
+        # a hand-over to a stage of this rank (DualPipeV's turn) is a send while it waits to be taken;
+        # once taken, it is the receiving stage's own (saved for its backward, say)
+        def handed_over(exchange, tensor, peer, group, tag):
+            if peer == exchange.rank:
+                self.handing[tag] = storage_key(tensor)
+            return send(exchange, tensor, peer, group, tag)
+
+        def taken(exchange, shape, dtype, peer, group, tag):
+            self.handing.pop(tag, None)
+            return recv(exchange, shape, dtype, peer, group, tag)
+
+        p2p.Exchange.send, p2p.Exchange.recv = handed_over, taken
+        try:
+            with self.sent, self.storages:
+                return self.module.train_step(*local)
+        finally:
+            p2p.Exchange.send, p2p.Exchange.recv = send, recv
 
 
 def _in_flight_rank(rank: int, world: int, schedules: list[tuple[str, int]]) -> dict:
@@ -251,8 +272,10 @@ def _in_flight_rank(rank: int, world: int, schedules: list[tuple[str, int]]) -> 
 @pytest.mark.timeout(300)
 def test_activations_in_flight_follow_the_schedule():
     """m=8 on 2 stages: the first stage holds 8 micro-batches under GPipe, 2 under 1F1B; ZB-H1 also
-    holds what its weight passes start from. Measured equals the ledger on every rank."""
-    schedules = [("gpipe", 8), ("1f1b", 8), ("zb_h1", 8)]
+    holds what its weight passes start from; DualPipeV's first rank holds 4 micro-batches of its
+    first stage (half the model's blocks are in its two stages). Measured equals the ledger on
+    every rank."""
+    schedules = [("gpipe", 8), ("1f1b", 8), ("zb_h1", 8), ("dualpipev", 8)]
     results = launch(_in_flight_rank, 2, schedules, timeout_s=250)
     for rank, result in enumerate(results):
         for schedule, figures in result.items():

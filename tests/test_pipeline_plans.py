@@ -4,7 +4,8 @@ point-to-point and bubble ledgers, activations in flight, and every bad input re
 - Every schedule, for p in 2..4, v in 1..2, m in 1..16, runs to the end in the simulator (no rank
   waits forever) and holds the micro-batches the literature says (GPipe m, 1F1B p - c on rank c,
   ZB-H1 at most p), with the textbook bubble at equal stage costs: (p-1)/(m+p-1) for GPipe and
-  1F1B, (p-1)/(v·m+p-1) interleaved, (p-1)/(3m+p-1) for ZB-H1.
+  1F1B, (p-1)/(v·m+p-1) interleaved, (p-1)/(3m+p-1) for ZB-H1, (p-1)/(6m+p-1) for DualPipeV
+  (m >= 2p), whose rank c holds its stages c and 2p-1-c and 2p-c micro-batches of the first.
 - The example GPT on pp=2 sends exactly the residual stream (b/m·s·h·4 bytes per micro-batch
   per boundary, forward, and its gradient back); rotary tables and masks of HF Llama are
   recomputed in each stage, not sent; a tied GPT-2 embedding and LM head are held by the first
@@ -35,12 +36,12 @@ def plan_gpt(mesh: str, *strategies, config: GPTConfig = CONFIG, batch: int = 8,
 
 
 @pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("interleaved_1f1b", 2),
-                                              ("zb_h1", 1)])
+                                              ("zb_h1", 1), ("dualpipev", 2)])
 def test_every_schedule_completes_and_matches_the_bubble_formula(schedule, virtual):
     split = schedule in schedules.SPLIT_BACKWARD
     for p in (2, 3, 4):
         for m in range(1, 17):
-            if schedule == "interleaved_1f1b" and m % p:
+            if schedule == "interleaved_1f1b" and m % p or schedule == "dualpipev" and m < 2 * p:
                 continue
             orders = schedules.actions(schedule, degree=p, virtual=virtual, microbatches=m)
             stages = p * virtual
@@ -49,7 +50,9 @@ def test_every_schedule_completes_and_matches_the_bubble_formula(schedule, virtu
             cost = (lambda a: 1.0) if split else (lambda a: 1.0 if a.kind == "F" else 2.0)
             timed = schedules.simulate(orders, cost, stages=stages, split_backward=split)
             idle = schedules.bubble_fractions(timed, p)
-            if schedule == "zb_h1":
+            if schedule == "dualpipev":  # each rank idles p - 1 actions of its half-size stages
+                expected = (p - 1) / (6 * m + p - 1)
+            elif schedule == "zb_h1":
                 expected = (p - 1) / (3 * m + p - 1) if m >= p else None
             elif schedule == "interleaved_1f1b" or virtual > 1:  # breadth-first: the formula once m >= p
                 expected = (p - 1) / (virtual * m + p - 1) if m >= p else None
@@ -64,6 +67,9 @@ def test_every_schedule_completes_and_matches_the_bubble_formula(schedule, virtu
                 assert all(h[c] == m for c, h in enumerate(held))
             if schedule == "zb_h1":
                 assert max(max(h.values()) for h in held) == min(p, m)
+            if schedule == "dualpipev":  # rank c: 2p - c micro-batches of its first stage (half a 1F1B stage each)
+                assert [h[c] for c, h in enumerate(held)] == [2 * p - c for c in range(p)]
+                assert all(set(h) == set(schedules.v_stages(p, c)) for c, h in enumerate(held))
 
 
 def test_a_schedule_that_waits_on_itself_is_reported():
@@ -97,6 +103,25 @@ def test_the_split_sends_the_residual_stream_and_its_gradient():
     assert by_rank[0][("forward", "send", "pp")] == (4, 4 * micro_bytes)
     assert by_rank[1][("backward", "send", "pp")] == (4, 4 * micro_bytes)
     assert by_rank[0][("step", "broadcast", "pp")] == (1, 4)
+
+
+def test_dualpipev_holds_its_stages_in_a_v_and_hands_over_at_the_turn_in_memory():
+    """pp=2: rank 0 holds stages 0 and 3 (the embedding and the head), rank 1 stages 1 and 2; the
+    hand-over from stage 1 to 2 stays on rank 1 (no ledger entry), the other two cross; the
+    bubble ledger's balanced-stage formula is DualPipeV's (p-1)/(6m+p-1)."""
+    plan = plan_gpt("pp=2", autopar.pipeline_parallel(schedule="dualpipev", microbatches=4))
+    layout = plan.pipeline
+    assert layout.virtual == 2 and [layout.coordinate(s) for s in range(4)] == [0, 1, 1, 0]
+    assert [s.index for s in plan.stages_of_rank(0)] == [0, 3] and [s.index for s in plan.stages_of_rank(1)] == [1, 2]
+    crossing = {(e.stage, e.phase, e.kind) for e in plan.comm.entries if e.kind in ("send", "recv")}
+    assert crossing == {(0, "forward", "send"), (1, "forward", "recv"), (0, "backward", "recv"),
+                        (1, "backward", "send"), (2, "forward", "send"), (3, "forward", "recv"),
+                        (2, "backward", "recv"), (3, "backward", "send")}
+    held = {plan.context.placeholders[n.name].target for s in plan.stages_of_rank(0)
+            for n in s.graph_module.graph.nodes if n.op == "placeholder"}
+    assert {"embed_tokens.weight", "lm_head.weight"} <= held
+    bubble = build_bubble_ledger(plan)
+    assert bubble.formula == pytest.approx(1 / 25)
 
 
 def test_first_and_last_stage_carry_embedding_and_head():
@@ -188,6 +213,9 @@ def test_planning_stand_ins_move_nothing():
      "multiple of the pipeline degree"),
     ("dp=2", [autopar.pipeline_parallel()], {}, "unknown mesh axis 'pp'"),
     ("pp=2,dp=2", [autopar.pipeline_parallel(schedule="zb_h1"), autopar.fsdp()], {}, "ZeRO/FSDP units"),
+    ("pp=2", [autopar.pipeline_parallel(schedule="dualpipev", microbatches=2)], {},
+     "needs at least as many micro-batches as stages (2 × pp = 4), got 2; fix: microbatches=4"),
+    ("pp=2,dp=2", [autopar.pipeline_parallel(schedule="dualpipev"), autopar.zero(stage=1)], {}, "ZeRO/FSDP units"),
 ])
 def test_bad_pipeline_input_is_refused_at_plan_time(mesh, strategies, options, words):
     with pytest.raises(PlanError, match=words.replace("(", r"\(").replace(")", r"\)")):
@@ -199,6 +227,7 @@ def test_bad_pipeline_input_is_refused_at_plan_time(mesh, strategies, options, w
     ({"schedule": "interleaved_1f1b"}, "set virtual_stages >= 2"),
     ({"schedule": "1f1b", "virtual_stages": 2}, "use schedule='interleaved_1f1b'"),
     ({"microbatches": 0}, "positive number of micro-batches"),
+    ({"schedule": "dualpipev", "virtual_stages": 3}, "two stages per rank in a V"),
     ({"stages": "layers.2"}, "give a list of module paths"),
 ])
 def test_bad_pipeline_declaration_is_refused(options, words):

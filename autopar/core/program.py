@@ -4,8 +4,9 @@ A `Program` holds the whole planned graph (`graph_module`: every tensor's placem
 collectives; what the placement table and the views show) and its `stages`. Without pipeline
 parallelism there is one stage whose graph is the whole graph; `autopar/compiler/passes/split_pipeline.py` cuts it
 into `PipelineLayout.stages` stage graphs joined by send/recv steps (`autopar.core.ops.p2p`). A
-rank runs the stages `PipelineLayout.stages_of(coordinate)` — one per virtual stage — each once
-per micro-batch, in the order its schedule (`autopar.core.schedules`) gives.
+rank runs the stages `PipelineLayout.stages_of(coordinate)` — one per virtual stage, dealt
+round-robin or, under DualPipeV, in a V — each once per micro-batch, in the order its schedule
+(`autopar.core.schedules`) gives.
 
 A `Stage` knows what crosses its boundaries (`Boundary`: a value sent from one stage to a later
 one, with the spec it travels with and its id, which tags its messages), the ZeRO units of its
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.fx
+
+from autopar.core.schedules import V_SHAPED, stage_coordinate, v_stages
 
 TOKEN = "pipeline_token"  # the placeholder of a receiving stage's gradient token (runtime/p2p.py)
 
@@ -40,10 +43,13 @@ class PipelineLayout:
         return self.degree * self.virtual
 
     def coordinate(self, stage: int) -> int:
-        """The pp coordinate that runs `stage` (stages are dealt round-robin: Megatron's interleaving)."""
-        return stage % self.degree
+        """The pp coordinate that runs `stage`: stages are dealt round-robin (Megatron's
+        interleaving), or in a V under a V-shaped schedule (`schedules.v_stages`: DualPipeV)."""
+        return stage_coordinate(self.schedule, self.degree, stage)
 
     def stages_of(self, coordinate: int) -> list[int]:
+        if self.schedule in V_SHAPED:
+            return list(v_stages(self.degree, coordinate))
         return [coordinate + chunk * self.degree for chunk in range(self.virtual)]
 
 

@@ -11,6 +11,9 @@ schedules only). `actions(schedule, degree=p, virtual=v, microbatches=m)` gives 
   then the remaining backwards (PipeDream-flush, Megatron's non-interleaved schedule);
 - `interleaved_1f1b`: Megatron's interleaved schedule over v stages per rank (stages dealt
   round-robin, m a multiple of p), warm-up (p - c - 1)·2 + (v - 1)·p forwards;
+- `dualpipev`: DeepSeek-V3's DualPipe folded into a V (`_dual_pipe_v`): two stages per rank,
+  rank c holding stages c and 2p-1-c (`v_stages`), a forward of one micro-batch beside a
+  backward of another in the steady state, split backwards (B, W) where they fill bubbles;
 - `zb_h1`: zero bubble H1 (Qi et al. 2023): backward split into B (input gradient, on the
   critical path) and W (weight gradient, deferrable); the later ranks defer their Ws into what
   would be their cool-down bubble, at 1F1B's peak memory (p micro-batches on any rank).
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
-SPLIT_BACKWARD = {"zb_h1"}
+SPLIT_BACKWARD = {"zb_h1", "dualpipev"}
 
 
 @dataclass(frozen=True)
@@ -117,8 +120,95 @@ def _zero_bubble_h1(p: int, v: int, m: int) -> list[list[Action]]:
     return orders
 
 
+def v_stages(p: int, c: int) -> tuple[int, int]:
+    """The two stages rank c holds in a V (DualPipeV): c on the way down, 2p-1-c on the way back
+    up, so the last rank holds the middle two and hands over between them in memory, and the
+    first rank holds the first stage and the last (the embedding and the loss)."""
+    return c, 2 * p - 1 - c
+
+
+def stage_coordinate(schedule: str, degree: int, stage: int) -> int:
+    """The pipeline rank that holds `stage`: dealt round-robin (stage mod p: Megatron's
+    interleaving), or in a V under a V-shaped schedule (`v_stages`)."""
+    if schedule in V_SHAPED:
+        return stage if stage < degree else 2 * degree - 1 - stage
+    return stage % degree
+
+
+def _dual_pipe_v(p: int, v: int, m: int) -> list[list[Action]]:
+    """DualPipeV (DeepSeek-V3's DualPipe folded into a V over p ranks; PyTorch's
+    `ScheduleDualPipeV` follows the same published phases), per rank c with stages (a, b) =
+    `v_stages(p, c)`; B is the input gradient, W the weight gradient, and a full backward is B then
+    its W at once:
+
+    1. 2(p-c-1) forwards of a;          2. c+1 times F(a) F(b);
+    3. p-c-1 times B(b) W(b) F(b);      4. m-2p+c+1 times F(a) B+W(b) then F(b) B+W(a): the
+       steady state, where each forward runs beside another micro-batch's backward (on a GPU
+       one's compute hides the other's all-to-alls; here the pair runs one after the other);
+    5. p-c-1 times B+W(b) F(b) B+W(a);  6. c+1 times B(b) B(a), full backwards for the first half
+       and input gradients only for the second (on odd ranks one step earlier for b);
+    7. p-c-1 times W then B(a);         8. the Ws still pending, oldest first.
+
+    Needs m >= 2p (every stage's micro-batches in flight through the V)."""
+    orders = []
+    for c in range(p):
+        a, b = v_stages(p, c)
+        order: list[Action] = []
+        done = {("F", a): 0, ("F", b): 0, ("B", a): 0, ("B", b): 0}
+        weights: list[Action] = []  # Ws of input-only backwards, oldest first
+
+        def forward(stage: int) -> None:
+            order.append(_action("F", stage, done[("F", stage)]))
+            done[("F", stage)] += 1
+
+        def backward(stage: int, *, full: bool) -> None:
+            k = done[("B", stage)]
+            done[("B", stage)] += 1
+            order.append(_action("B", stage, k))
+            (order if full else weights).append(_action("W", stage, k))
+
+        def pending_weight() -> None:
+            if weights:
+                order.append(weights.pop(0))
+
+        for _ in range(2 * (p - c - 1)):
+            forward(a)
+        for _ in range(c + 1):
+            forward(a)
+            forward(b)
+        for _ in range(p - c - 1):
+            backward(b, full=False)
+            pending_weight()
+            forward(b)
+        for _ in range(m - 2 * p + c + 1):
+            forward(a)
+            backward(b, full=True)
+            forward(b)
+            backward(a, full=True)
+        for _ in range(p - c - 1):
+            backward(b, full=True)
+            forward(b)
+            backward(a, full=True)
+        split = False
+        for i in range(c + 1):
+            split = split or (i == (c + 1) // 2 and c % 2 == 1)
+            backward(b, full=not split)
+            split = split or (i == (c + 1) // 2 and c % 2 == 0)
+            backward(a, full=not split)
+        for _ in range(p - c - 1):
+            pending_weight()
+            backward(a, full=not split)
+        while weights:
+            pending_weight()
+        orders.append(order)
+    return orders
+
+
 GENERATORS: dict[str, Callable[[int, int, int], list[list[Action]]]] = {
-    "gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved_1f1b": _interleaved, "zb_h1": _zero_bubble_h1}
+    "gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved_1f1b": _interleaved, "zb_h1": _zero_bubble_h1,
+    "dualpipev": _dual_pipe_v}
+# schedules whose ranks hold their stages in a V (`v_stages`), not dealt round-robin
+V_SHAPED = {"dualpipev"}
 
 
 def actions(schedule: str, *, degree: int, virtual: int, microbatches: int) -> list[list[Action]]:
@@ -126,6 +216,9 @@ def actions(schedule: str, *, degree: int, virtual: int, microbatches: int) -> l
     if schedule == "interleaved_1f1b" and microbatches % degree:
         raise ValueError(f"interleaved_1f1b needs micro-batches ({microbatches}) to be a multiple of the pipeline "
                          f"degree ({degree})")
+    if schedule in V_SHAPED and (virtual != 2 or microbatches < 2 * degree):
+        raise ValueError(f"{schedule} runs 2 stages per rank (got {virtual}) and at least 2 × {degree} micro-batches "
+                         f"(got {microbatches})")
     return GENERATORS[schedule](degree, virtual, microbatches)
 
 
@@ -137,21 +230,29 @@ class Timed:
     end: float
 
 
-def _inputs(action: Action, stages: int, latency: float) -> list[tuple[Action, float]]:
+def _inputs(action: Action, stages: int, latency: float, rank_of: Callable[[int], int] | None
+            ) -> list[tuple[Action, float]]:
     s, k = action.stage, action.microbatch
+
+    def lag(other: int) -> float:  # a hand-over between two stages of one rank moves nothing
+        return 0.0 if rank_of is not None and rank_of(other) == rank_of(s) else latency
+
     if action.kind == "F":
-        return [(Action("F", s - 1, k), latency)] if s > 0 else []
+        return [(Action("F", s - 1, k), lag(s - 1))] if s > 0 else []
     if action.kind == "B":
-        return [(Action("F", s, k), 0.0)] + ([(Action("B", s + 1, k), latency)] if s < stages - 1 else [])
+        return [(Action("F", s, k), 0.0)] + ([(Action("B", s + 1, k), lag(s + 1))] if s < stages - 1 else [])
     return [(Action("B", s, k), 0.0)]
 
 
 def simulate(orders: list[list[Action]], cost: Callable[[Action], float], *, stages: int,
-             split_backward: bool = False, latency: float = 0.0, cores: int | None = None) -> list[Timed]:
+             split_backward: bool = False, latency: float = 0.0, cores: int | None = None,
+             rank_of: Callable[[int], int] | None = None) -> list[Timed]:
     """Every action's start and end when each rank runs its list in order (see module docstring).
 
     `cores`: ranks share that many processors (processor sharing: r running ranks each progress
-    at min(1, cores / r)), as on a machine with fewer cores than pipeline ranks; None: one each."""
+    at min(1, cores / r)), as on a machine with fewer cores than pipeline ranks; None: one each.
+    `rank_of`: the rank of each stage (`PipelineLayout.coordinate`), so that a hand-over between
+    two stages of one rank waits no `latency`; None: every hand-over waits it."""
     end: dict[Action, float] = {}
     started: dict[int, tuple[float, float]] = {}  # rank -> (start, work left) of its current action
     timed: list[Timed] = []
@@ -162,7 +263,7 @@ def simulate(orders: list[list[Action]], cost: Callable[[Action], float], *, sta
         for rank, order in enumerate(orders):
             if position[rank] >= len(order) or rank in started:
                 continue
-            needed = _inputs(order[position[rank]], stages, latency)
+            needed = _inputs(order[position[rank]], stages, latency, rank_of)
             if all(a in end for a, _ in needed):
                 ready = max([now] + [end[a] + lag for a, lag in needed])
                 if ready <= now + 1e-12:
@@ -202,17 +303,26 @@ def bubble_fractions(timed: list[Timed], ranks: int) -> list[float]:
     return [1 - b / span for b in busy]
 
 
+def whole_backwards(order: "list[Action] | tuple[Action, ...]") -> frozenset[int]:
+    """Positions of the Bs whose W is the very next action (DualPipeV's full backwards): the
+    runtime runs each as one whole backward (`runtime/pipeline.py`), so its micro-batch lets go
+    of everything at B and the W that follows holds and frees nothing."""
+    return frozenset(i for i, (b, w) in enumerate(zip(order, order[1:]))
+                     if b.kind == "B" and w.kind == "W" and (b.stage, b.microbatch) == (w.stage, w.microbatch))
+
+
 def in_flight(order: list[Action], *, split_backward: bool) -> dict[int, int]:
     """Per stage of one rank: the most micro-batches whose activations are held at once (a
-    forward done, its backward — its W with a split backward — not yet)."""
+    forward done, its backward — its W with a split backward, unless that B runs whole — not yet)."""
     releases = "W" if split_backward else "B"
+    whole = whole_backwards(order) if split_backward else frozenset()
     held: dict[int, int] = {}
     peak: dict[int, int] = {}
-    for action in order:
+    for index, action in enumerate(order):
         if action.kind == "F":
             held[action.stage] = held.get(action.stage, 0) + 1
             peak[action.stage] = max(peak.get(action.stage, 0), held[action.stage])
-        elif action.kind == releases:
+        elif action.kind == releases and index - 1 not in whole or index in whole:
             held[action.stage] -= 1
     return peak
 
@@ -224,17 +334,18 @@ def peak_held(order: list[Action], *, releases: dict[int, str], forward_bytes: d
     micro-batch holds `forward_bytes[s]` from F to B, and with a split backward (`releases[s]` "W")
     `after_input_bytes[s]` from B to W."""
     after = after_input_bytes or {}
+    whole = whole_backwards(order)
     forward = {stage: 0 for stage in forward_bytes}
     waiting = {stage: 0 for stage in forward_bytes}
     best, best_total = {s: (0, 0) for s in forward_bytes}, -1.0
-    for action in order:
+    for index, action in enumerate(order):
         s = action.stage
         if action.kind == "F":
             forward[s] += 1
         elif action.kind == "B":
             forward[s] -= 1
-            waiting[s] += 1 if releases[s] == "W" else 0
-        elif action.kind == "W":
+            waiting[s] += 1 if releases[s] == "W" and index not in whole else 0
+        elif action.kind == "W" and index - 1 not in whole:
             waiting[s] -= 1
         total = sum(forward[t] * forward_bytes[t] + waiting[t] * after.get(t, 0) for t in forward)
         if total > best_total:
@@ -259,17 +370,18 @@ def peak_live(order: list[Action], *, releases: dict[int, str], forward_bytes: d
     on_b = {s: sent_backward.get(s, 0) - sent_forward.get(s, 0) + (after.get(s, 0) if releases[s] == "W" else 0)
             - forward_bytes[s] for s in forward_bytes}
     during_b = {s: working.get(s, 0) for s in forward_bytes}  # its working memory beside what it releases
+    whole = whole_backwards(order)  # Bs run whole: nothing held on to their W
     total, most, grads_counted = 0.0, 0.0, False
-    for action in order:
+    for index, action in enumerate(order):
         kind, s = action.kind, action.stage
         if kind == "F":
             total += on_f[s]
         elif kind == "B":
             most = max(most, total + during_b[s])
-            total += on_b[s]
+            total += on_b[s] - (after.get(s, 0) if releases[s] == "W" and index in whole else 0)
             if not grads_counted:  # the step's gradients, once the rank's first backward made them
                 total, grads_counted = total + gradients, True
-        elif kind == "W":
+        elif kind == "W" and index - 1 not in whole:
             total -= after.get(s, 0)
         if total > most:
             most = total

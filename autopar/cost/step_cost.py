@@ -248,7 +248,7 @@ def _pipelined(plan: Any, cluster: Cluster, ranks: list[int], parts: dict[int, _
                  if row.calls and row.axis == layout.axis and _kind(row) == "p2p"]
     orders = schedules.actions(layout.schedule, degree=layout.degree, virtual=layout.virtual, microbatches=micro)
     timed = schedules.simulate(orders, cost, stages=layout.stages, split_backward=split,
-                               latency=max(handovers, default=0.0), cores=cores)
+                               latency=max(handovers, default=0.0), cores=cores, rank_of=layout.coordinate)
     span = max(t.end for t in timed)
     busy = defaultdict(float)
     for t in timed:

@@ -55,6 +55,7 @@ from functools import lru_cache
 
 from autopar.compiler.ledger.peak import moments
 from autopar.compiler.passes.split_pipeline import balanced_starts
+from autopar.core import schedules
 from autopar.core.comm_kinds import KINDS, gradient_exchange_kind, parameter_gather_kind, wire_factor
 from autopar.core.mesh import JOIN, joined_by_link
 from autopar.cost.cluster import Cluster
@@ -196,13 +197,17 @@ def composed_estimate(ledgers: BlockLedgers, candidate: Candidate, cluster: Clus
     block, rest = ledgers.block, ledgers.rest
     price = _Pricer(candidate, cluster)
     chunks = pp * virtual
+
+    def holder(stage: int) -> int:  # the pipeline rank of a stage: round-robin, or in a V (DualPipeV)
+        return schedules.stage_coordinate(candidate.schedule or "1f1b", pp, stage)
+
     counts = _stage_blocks(ledgers.blocks, chunks, block.forward.flops, rest.forward.flops)
     block_f, block_b = _stage_compute(block, cluster, scale)
     rest_f, rest_b = _stage_compute(rest, cluster, scale)
     block_cf, block_cb, block_sends, block_wire = _blocking(block, price, scale, sum(counts) * micro)
     rest_cf, rest_cb, rest_sends, rest_wire = _blocking(rest, price, scale, micro)
     if dp > 1:  # the loss's (sum, count) over the data-parallel batch shards, as over cp's
-        rest_cf += price("all_reduce", "dp", LOSS_REDUCTION_BYTES, micro, stage=(chunks - 1) % pp)
+        rest_cf += price("all_reduce", "dp", LOSS_REDUCTION_BYTES, micro, stage=holder(chunks - 1))
     stages = []
     for index, blocks in enumerate(counts):
         last = index == chunks - 1
@@ -213,9 +218,9 @@ def composed_estimate(ledgers: BlockLedgers, candidate: Candidate, cluster: Clus
         stage.blocking_b = blocks * block_cb + (rest_cb if last else 0.0)
         stage.sends = block_sends * blocks + (rest_sends if last else [])
         stage.activation = scale * (blocks * block.activation_bytes + (rest.activation_bytes if last else 0))
-        price.stage_wire[index % pp] += micro * (blocks * block_wire + (rest_wire if last else 0.0))
+        price.stage_wire[holder(index)] += micro * (blocks * block_wire + (rest_wire if last else 0.0))
         stages.append(stage)
-    ranks = [_Rank([s for s in stages if s.index % pp == r]) for r in range(pp)]
+    ranks = [_Rank([s for s in stages if holder(s.index) == r]) for r in range(pp)]
     in_flight = activation_peaks(candidate, stages, pp, micro)
     # ZeRO's gradients exchanged by all-to-all on the cluster's backend: a receive buffer of each unit's size
     exchange = bool(candidate.zero) and gradient_exchange_kind("auto", cluster.backend) == "all_to_all"
@@ -334,6 +339,24 @@ def _gather_seconds(price: _Pricer, kind: str, dp: int, nbytes: int, gathers: in
     return [price(kind, "dp", size, gathers * calls, stage=at)] * (gathers * calls)
 
 
+def _v_span(stages: list[_Stage], candidate: Candidate, cluster: Cluster, micro: int, send: float, pp: int) -> float:
+    """The span of a V-shaped schedule (DualPipeV), by `schedules.simulate`: its phases mix full and
+    split backwards, for which no closed form is kept here; each stage's F is its forward (with
+    what blocks it and its ring), B and W each half its backward (a full backward: both), every
+    hand-over between ranks waiting `send` (the one at the V's turn moves nothing)."""
+    forward = {s.index: s.compute_f + s.blocking_f + exposed_seconds(s.sends, s.compute_f + s.compute_b,
+                                                                     cluster.overlap, unhidden="first") for s in stages}
+    backward = {s.index: s.compute_b + s.blocking_b for s in stages}
+
+    def cost(action: schedules.Action) -> float:
+        return forward[action.stage] if action.kind == "F" else backward[action.stage] / 2
+
+    orders = schedules.actions(candidate.schedule, degree=pp, virtual=2, microbatches=micro)
+    timed = schedules.simulate(orders, cost, stages=len(stages), split_backward=True, latency=send,
+                               rank_of=lambda stage: schedules.stage_coordinate(candidate.schedule, pp, stage))
+    return max(t.end for t in timed) - min(t.start for t in timed)
+
+
 def _pipelined(stages: list[_Stage], ranks: list[_Rank], candidate: Candidate, cluster: Cluster, price: _Pricer,
                ledgers: BlockLedgers, scale: float, micro: int) -> dict[str, float]:
     """The span of the schedule for per-rank work T_r (its stages' F + B per micro-batch):
@@ -344,16 +367,25 @@ def _pipelined(stages: list[_Stage], ranks: list[_Rank], candidate: Candidate, c
     candidate, which the composed search cannot spend.)"""
     pp, chunks, virtual = len(ranks), len(stages), candidate.virtual
     boundary = ledgers.boundary_bytes * scale
-    price("send", "pp", boundary, 2 * micro * (chunks - 1))  # the wire bytes and per-kind seconds
+
+    def crosses(stage: int) -> bool:  # the hand-over from `stage` to the next goes to another rank (not a V's turn)
+        return schedules.stage_coordinate(candidate.schedule, pp, stage) != schedules.stage_coordinate(
+            candidate.schedule, pp, stage + 1)
+
+    crossing = sum(crosses(s) for s in range(chunks - 1))
+    price("send", "pp", boundary, 2 * micro * crossing)  # the wire bytes and per-kind seconds
     send = cluster.handover_seconds(int(boundary), price.links.get("pp", "intra"))
     for rank in ranks:  # per micro-batch at each boundary of each of its stages: one transfer forward, one backward
-        boundaries = sum((not s.first) + (not s.last) for s in rank.stages)
+        boundaries = sum((not s.first and crosses(s.index - 1)) + (not s.last and crosses(s.index)) for s in rank.stages)
         price.stage_wire[rank.index] += 2 * micro * boundaries * price.wire("send", "pp", boundary)
     work = [sum(s.compute_f + s.compute_b + s.blocking_f + s.blocking_b
                 + exposed_seconds(s.sends, s.compute_f + s.compute_b, cluster.overlap, unhidden="first")  # cp's ring
                 for s in r.stages) for r in ranks]
     critical = max(range(pp), key=work.__getitem__)
-    span = sum(work) / virtual + (micro - 1 / virtual) * work[critical] + 2 * (chunks - 1) * send
+    if candidate.schedule in schedules.V_SHAPED:
+        span = _v_span(stages, candidate, cluster, micro, send, pp)
+    else:
+        span = sum(work) / virtual + (micro - 1 / virtual) * work[critical] + 2 * (chunks - 1) * send
     busy = micro * work[critical]
     compute = micro * sum(s.compute_f + s.compute_b for s in ranks[critical].stages)
     ends = []

@@ -11,6 +11,8 @@ world into the space's axes (degree-1 axes left out of the mesh), then per axis 
 - pp: each schedule, each micro-batch count (multiples of the degree; with
   `one_sequence_microbatches` also one sequence per micro-batch), and with
   `virtual_stages` > 1 the interleaved 1F1B schedule with that many stages per rank;
+  `dualpipev` in `schedules` (not by default) runs two stages per rank in a V, with at least
+  2p micro-batches and without ZeRO (the compiler refuses a split backward under ZeRO);
 - cp: the ring lowering (load-balanced), while each rank keeps `context_tokens` of a sequence;
 - ep: the experts split over the axis (only for a model with experts, `ModelFacts.experts`); with
   tp too, each expert's FFN split over tp (expert-tensor parallelism) or, `fold_experts`, the
@@ -42,6 +44,7 @@ from autopar.compiler.strategies.recompute import recompute
 from autopar.compiler.strategies.tensor_parallel import sequence_parallel, tensor_parallel
 from autopar.compiler.strategies.zero import zero
 from autopar.core.comm_kinds import gradient_exchange_kind, parameter_gather_kind
+from autopar.core.schedules import SPLIT_BACKWARD, V_SHAPED
 from autopar.cost.cluster import Cluster
 from autopar.cost.step_cost import StepEstimate
 
@@ -194,17 +197,21 @@ def _options(degrees: tuple[tuple[str, int], ...], space: SearchSpace, facts: Mo
     sps = space.sequence_parallel if "tp" in sizes else (False,)
     pipelines = [(None, None, 1)]
     if "pp" in sizes:
-        pipelines = [(s, m * sizes["pp"], 1) for s in space.schedules for m in space.microbatch_multiples]
+        pipelines = [(s, m * sizes["pp"], 2 if s in V_SHAPED else 1) for s in space.schedules
+                     for m in space.microbatch_multiples if s not in V_SHAPED or m >= 2]
         pipelines += [("interleaved_1f1b", m * sizes["pp"], v) for v in space.virtual_stages if v > 1
                       for m in space.microbatch_multiples]
         replicas = sizes.get("dp", 1) * sizes.get("ep", 1)
         finest = facts.batch // replicas if facts.batch and facts.batch % replicas == 0 else 0
         if space.one_sequence_microbatches and finest >= sizes["pp"] and finest not in {m for _, m, _ in pipelines}:
-            pipelines += [(s, finest, 1) for s in space.schedules]
+            pipelines += [(s, finest, 2 if s in V_SHAPED else 1) for s in space.schedules
+                          if s not in V_SHAPED or finest >= 2 * sizes["pp"]]
     folds = space.fold_experts if "ep" in sizes and "tp" in sizes else (False,)
     for z in zeros:
         for sp in sps:
             for schedule, micro, virtual in pipelines:
+                if z and schedule in SPLIT_BACKWARD:  # refused by the compiler: a split backward under ZeRO
+                    continue
                 for fold in folds:
                     yield Candidate(degrees, zero=z, sequence_parallel=sp, schedule=schedule, microbatches=micro,
                                     virtual=virtual, fold_experts=fold)

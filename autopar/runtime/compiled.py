@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from autopar.core.errors import PlanError
 from autopar.core.ir import module_path, source_line
+from autopar.core import schedules
 from autopar.core.ops import moe
 
 
@@ -51,11 +52,12 @@ def compiled(graph: torch.fx.GraphModule, options: dict) -> Any:
 
 def refuse_uncompilable(plan: Any) -> None:
     """A PlanError for plans whose rank graphs `compiled` cannot run as planned."""
-    if plan.pipeline is not None and plan.pipeline.schedule == "zb_h1":
-        raise PlanError("compile=True with the zb_h1 pipeline schedule: zb_h1 splits each stage's backward into an "
-                        "input-gradient and a weight-gradient pass through autograd, and a compiled stage's backward "
-                        "is one function (both passes would run all of it)\n  fix: schedule='1f1b' or "
-                        "'interleaved_1f1b' with compile=True, or zb_h1 without compile")
+    if plan.pipeline is not None and plan.pipeline.schedule in schedules.SPLIT_BACKWARD:
+        name = plan.pipeline.schedule
+        raise PlanError(f"compile=True with the {name} pipeline schedule: {name} splits each stage's backward into an "
+                        f"input-gradient and a weight-gradient pass through autograd, and a compiled stage's backward "
+                        f"is one function (both passes would run all of it)\n  fix: schedule='1f1b' or "
+                        f"'interleaved_1f1b' with compile=True, or {name} without compile")
     for stage in plan.stages:
         for node in stage.graph_module.graph.nodes:
             if node.op == "call_function" and node.target is moe.moe_permute:

@@ -8,7 +8,8 @@ the batch dimension, then runs the rank's list of actions (`autopar.core.schedul
 - B(stage, k): backward of what F returned — the last stage's loss scaled by 1/m, other stages'
   send tokens, whose backward receives the gradients from the next stage — with the schedule's
   split backward only towards the stage's inputs (PyTorch's `stage_backward_input`), which
-  sends the input gradients back and keeps what the weight gradient needs;
+  sends the input gradients back and keeps what the weight gradient needs; a B whose W is the
+  next action (DualPipeV's full backwards) runs whole, and that W has nothing left to do;
 - W(stage, k): the weight gradient (`stage_backward_weight`).
 
 Every stage holds its gradients until its last backward of the step (`StageRunner.hold`): the
@@ -64,6 +65,9 @@ class PipelineExecutor:
         self.actions = schedules.actions(layout.schedule, degree=layout.degree, virtual=layout.virtual,
                                          microbatches=layout.microbatches)[coordinate]
         self.split = layout.schedule in schedules.SPLIT_BACKWARD
+        # a B whose W comes right after it (DualPipeV's full backwards) runs as one backward: the
+        # input- and weight-gradient passes apart cost more than the one pass (its W moves nothing)
+        self.whole = schedules.whole_backwards(self.actions) if self.split else frozenset()
         closing = "W" if self.split else "B"
         self.last_backward = {a.stage: i for i, a in enumerate(self.actions) if a.kind == closing}
         self.group = groups[layout.axis]
@@ -116,7 +120,8 @@ class PipelineExecutor:
                     if runner.is_last:
                         losses.append(outputs[0].detach())
                 elif action.kind == "B":
-                    self._backward(runner, key, live, closing=self.last_backward[action.stage] == position)
+                    self._backward(runner, key, live, closing=self.last_backward[action.stage] == position,
+                                   whole=position in self.whole)
                 else:
                     stage_backward_weight(iter(runner.parameters.values()), live.pop(key))
                     if self.last_backward[action.stage] == position:
@@ -126,10 +131,11 @@ class PipelineExecutor:
         exchange.finish()
         return self._shared_loss(losses)
 
-    def _backward(self, runner: StageRunner, key: tuple[int, int], live: dict, *, closing: bool) -> None:
+    def _backward(self, runner: StageRunner, key: tuple[int, int], live: dict, *, closing: bool,
+                  whole: bool = False) -> None:
         outputs, token = live.pop(key)
         tensors, grads = self._backward_targets(runner, outputs)
-        if self.split and token is not None:
+        if self.split and token is not None and not whole:
             weights = [p for p in runner.parameters.values() if p.requires_grad]
             _, groups = stage_backward_input(tensors, grads, [token], iter(weights))
             live[key] = groups
@@ -138,7 +144,7 @@ class PipelineExecutor:
             runner.release()  # this backward synchronises what the step accumulated
         torch.autograd.backward(tensors, grads)
         if self.split:
-            live[key] = []  # the first stage receives nothing: its whole backward ran here, W has nothing left
+            live[key] = []  # the whole backward ran here (the first stage receives nothing, or W follows): W has nothing left
 
     def _shared_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=self._loss_dtype(), device=self.device)

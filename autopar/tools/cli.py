@@ -346,7 +346,7 @@ def _planning_arguments(command: argparse.ArgumentParser) -> None:
                               "there (gloo: all-to-all and broadcasts); default: the initialised group's, else "
                               "reduce-scatter and all-gather")
     command.add_argument("--symbolic", help="symbolic input dims, e.g. b=0,s=1")
-    command.add_argument("--schedule", help="pp: gpipe, 1f1b, interleaved_1f1b or zb_h1 (default 1f1b)")
+    command.add_argument("--schedule", help="pp: gpipe, 1f1b, interleaved_1f1b, zb_h1 or dualpipev (default 1f1b)")
     command.add_argument("--microbatches", type=int, help="pp: micro-batches per step (default 4)")
     command.add_argument("--virtual-stages", type=int, help="pp: stages per rank (interleaved; default 1)")
     command.add_argument("--stages", help="pp: module paths where stages start, e.g. layers.2,layers.4 "

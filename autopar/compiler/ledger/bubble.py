@@ -39,6 +39,8 @@ class BubbleLedger:
     @property
     def formula(self) -> float:
         p, m, v = self.degree, self.microbatches, self.virtual
+        if self.schedule in schedules.V_SHAPED:  # half-size stages: p - 1 of their actions idle per rank
+            return (p - 1) / (6 * m + p - 1)
         if self.schedule in schedules.SPLIT_BACKWARD:
             return (p - 1) / (3 * m + p - 1)
         if self.schedule == "interleaved_1f1b":
@@ -72,7 +74,8 @@ def build_bubble_ledger(plan: Any, *, cores: int | None = None) -> BubbleLedger:
 
     orders = schedules.actions(layout.schedule, degree=layout.degree, virtual=layout.virtual,
                                microbatches=layout.microbatches)
-    timed = schedules.simulate(orders, cost, stages=layout.stages, split_backward=split, cores=cores)
+    timed = schedules.simulate(orders, cost, stages=layout.stages, split_backward=split, cores=cores,
+                               rank_of=layout.coordinate)
     return BubbleLedger(schedule=layout.schedule, degree=layout.degree, virtual=layout.virtual,
                         microbatches=layout.microbatches, stage_flops=flops, timeline=timed,
                         fractions=schedules.bubble_fractions(timed, layout.degree))

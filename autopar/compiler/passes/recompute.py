@@ -49,6 +49,7 @@ from autopar.compiler.context import CompileContext
 from autopar.compiler.flops import node_flops
 from autopar.core.errors import PlanError
 from autopar.core.ir import PLANNED_NAME, module_path, reachable
+from autopar.core.schedules import SPLIT_BACKWARD
 from autopar.core.ops import sharded_state
 from autopar.core.program import Program
 
@@ -130,9 +131,10 @@ def find_regions(graph: torch.fx.Graph, declared, kinds: dict[str, str]) -> dict
 def _refuse_unsupported(ctx: CompileContext, declared) -> None:
     what = f"recompute({declared.describe()})"
     pipeline = ctx.strategy.pipeline()
-    if pipeline is not None and pipeline[1].schedule == "zb_h1":
-        raise PlanError(f"{what} under the zb_h1 schedule is not supported yet (its split backward unpacks a "
-                        f"recomputed region's tensors twice)\n  fix: schedule='1f1b', 'gpipe' or 'interleaved_1f1b'")
+    if pipeline is not None and pipeline[1].schedule in SPLIT_BACKWARD:
+        raise PlanError(f"{what} under the {pipeline[1].schedule} schedule is not supported yet (its split backward "
+                        f"unpacks a recomputed region's tensors twice)\n  fix: schedule='1f1b', 'gpipe' or "
+                        f"'interleaved_1f1b'")
     if ctx.strategy.context_axes():
         raise PlanError(f"{what} under context parallelism is not supported yet (its attention kernels issue their "
                         f"own messages)\n  fix: leave recompute out, or context_parallel out")

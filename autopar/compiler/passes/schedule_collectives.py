@@ -55,6 +55,7 @@ from autopar.compiler.passes.recompute import RECOMPUTE
 from autopar.core.ir import SPEC, hint
 from autopar.core.ops import collectives, in_flight, weight_gradients
 from autopar.core.program import Program
+from autopar.core.schedules import SPLIT_BACKWARD
 
 SMALL_BYTES = 64 * 1024  # at most this, and at most the graph's largest value / SMALL_FRACTION
 SMALL_FRACTION = 1024
@@ -100,8 +101,8 @@ def _split(graph: torch.fx.Graph, start: torch.fx.Node) -> torch.fx.Node:
 
 
 def _zb_h1(ctx: CompileContext) -> bool:
-    """zb_h1 computes weight gradients in a pass of their own already (runtime/pipeline.py)."""
-    return any(s.pipeline is not None and s.pipeline.schedule == "zb_h1" for s in ctx.strategy.strategies)
+    """zb_h1 and dualpipev compute weight gradients in a pass of their own already (runtime/pipeline.py)."""
+    return any(s.pipeline is not None and s.pipeline.schedule in SPLIT_BACKWARD for s in ctx.strategy.strategies)
 
 
 def _input_gradient_conjugate(start: torch.fx.Node) -> bool:

@@ -53,7 +53,7 @@ from autopar.core.ir import (
 )
 from autopar.core.ops import p2p
 from autopar.core.program import TOKEN, Boundary, PipelineLayout, Program, Stage
-from autopar.core.schedules import SPLIT_BACKWARD
+from autopar.core.schedules import SPLIT_BACKWARD, V_SHAPED
 
 PIPELINE_STAGE = "autopar_pipeline_stage"  # on the whole graph's nodes: the stage(s) computing or holding it
 _BLOCK = re.compile(r"^(.*)\.(\d+)$")
@@ -240,6 +240,9 @@ def split_pipeline(program: Program, ctx: CompileContext) -> Program:
     if pipeline.schedule == "interleaved_1f1b" and pipeline.microbatches % degree:
         raise PlanError(f"schedule 'interleaved_1f1b' needs the micro-batch count ({pipeline.microbatches}) to be a "
                         f"multiple of the pipeline degree ({degree}); fix: microbatches={degree * -(-pipeline.microbatches // degree)}")
+    if pipeline.schedule in V_SHAPED and pipeline.microbatches < 2 * degree:
+        raise PlanError(f"schedule {pipeline.schedule!r} needs at least as many micro-batches as stages (2 × pp = "
+                        f"{2 * degree}), got {pipeline.microbatches}; fix: microbatches={2 * degree} or more")
     if pipeline.layout_blocks is not None and pipeline.layout_blocks != len(blocks):
         raise PlanError(f"pipeline layout {pipeline.layout!r} lists {pipeline.layout_blocks} blocks (t) but the model "
                         f"has {len(blocks)} ({', '.join(blocks[:2])}, ...); fix: a layout with {len(blocks)} t")

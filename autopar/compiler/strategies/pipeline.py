@@ -12,8 +12,11 @@ block costs, with the first stage carrying the embedding and the last the head a
 
 Schedules (`autopar.core.schedules`): `gpipe` (all forwards, then all backwards; with virtual stages,
 breadth-first), `1f1b`, `interleaved_1f1b` (Megatron's, virtual_stages >= 2, m a multiple of p)
-and `zb_h1` (zero bubble: backward split into input-gradient B and weight-gradient W, the Ws
-filling the bubbles at 1F1B's activation memory).
+`zb_h1` (zero bubble: backward split into input-gradient B and weight-gradient W, the Ws
+filling the bubbles at 1F1B's activation memory) and `dualpipev` (DeepSeek-V3's DualPipe folded
+into a V: two stages per rank, rank c holding stages c and 2p-1-c, so the first rank holds the
+embedding's stage and the loss's; a forward beside another micro-batch's backward in the steady
+state; at least 2p micro-batches; `virtual_stages` 1 or 2 both mean its two).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ SCHEDULES = {
     "1f1b": "one forward, one backward (PipeDream-flush / Megatron 1F1B)",
     "interleaved_1f1b": "1F1B over virtual stages dealt round-robin (Megatron interleaved)",
     "zb_h1": "zero bubble H1: input- and weight-gradient backwards split, Ws fill the bubbles",
+    "dualpipev": "DualPipeV: two stages per rank in a V, forwards beside other micro-batches' backwards",
 }
 
 
@@ -58,6 +62,11 @@ def pipeline_parallel(*, axis: str = "pp", schedule: str = "1f1b", microbatches:
     if schedule == "interleaved_1f1b" and virtual_stages < 2:
         raise PlanError("schedule 'interleaved_1f1b' interleaves virtual stages: set virtual_stages >= 2 "
                         "(or use schedule='1f1b' for one stage per rank)")
+    if schedule == "dualpipev":
+        if virtual_stages not in (1, 2):
+            raise PlanError(f"schedule 'dualpipev' runs two stages per rank in a V; virtual_stages={virtual_stages} "
+                            f"cannot be (leave it out)")
+        virtual_stages = 2
     if schedule in ("1f1b", "zb_h1") and virtual_stages != 1:
         raise PlanError(f"schedule {schedule!r} runs one stage per rank; with virtual_stages={virtual_stages} use "
                         f"schedule='interleaved_1f1b' (or 'gpipe', breadth-first)")
