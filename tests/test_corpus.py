@@ -47,8 +47,12 @@ FULL_MESHES = {**MESHES, "tp=2+sp": ("tp=2", lambda: [autopar.sequence_parallel(
 # built costs ~0.1 s); all 200 about 8.5 minutes.
 # The zoo trains its architectures in every CI run (`tests/zoo_architectures.py`), which says more
 # than planning them: 14 of the stride's sample, 73 s of a CI run's test time (2026-12-07), left out.
+# OLMo-Hybrid's gated delta rule, traced through transformers' reference implementation, is a fifth
+# of the CI sample's time by itself (63 s of 303 s on 2026-12-07: 17 s export, 26 s decomposition):
+# the full corpus plans it, CI's sample leaves it out.
 CI_STRIDE = 3
 CI_HF = ("gpt2", "llama", "mamba", "olmoe")
+CI_SLOW = ("olmo_hybrid",)
 RAW_EXCEPTION = re.compile(r"^(\w+\.)*\w*(Error|Exception|Exit|Interrupt|DataDependentSymNode)\b:?|^pass \w+ failed:")
 
 
@@ -166,7 +170,7 @@ def _full() -> bool:
 def corpus_models(*, full: bool) -> list[str]:
     hf = hf_architectures()
     chosen = hf if full else [n for i, n in enumerate(hf)
-                              if (i % CI_STRIDE == 0 and n not in DENSE + MOE) or n in CI_HF]
+                              if (i % CI_STRIDE == 0 and n not in DENSE + MOE + CI_SLOW) or n in CI_HF]
     return list(HAND_WRITTEN) + [f"hf:{name}" for name in chosen]
 
 
