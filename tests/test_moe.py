@@ -55,10 +55,9 @@ CASES = {
     "ep4": ("ep=4", [autopar.expert_parallel()]),
     "ep2_dp2": ("dp=2,ep=2", [autopar.data_parallel(), autopar.expert_parallel()]),
     "ep2_tp2": ("ep=2,tp=2", [autopar.expert_parallel(), autopar.tensor_parallel()]),
-    # folded: the experts over all 4 ranks (ep × tp or dp × ep), the rest as declared on tp / dp
+    # folded: the experts over all 4 ranks (ep × tp or dp × ep), the rest as declared on tp / dp (under
+    # sequence parallelism: dp2_ep2_tp2sp_folded, on 8 ranks)
     "ep2_tp2_folded": ("ep=2,tp=2", [autopar.expert_parallel(fold=("tp",)), autopar.tensor_parallel()]),
-    "ep2_tp2sp_folded": ("ep=2,tp=2", [autopar.expert_parallel(fold=("tp",)),
-                                       autopar.tensor_parallel(sequence_parallel=True)]),
     "dp2_ep2_folded": ("dp=2,ep=2", [autopar.data_parallel(), autopar.expert_parallel(fold=("dp",))]),
     # 8 ranks, attention on 4-way data (ep) × 2-way tensor parallelism: experts on ep=8 (folded onto
     # tp, no expert-tensor split), and on ep=4 × etp=2 (each expert's FFN split on tp)
@@ -86,7 +85,7 @@ CASES = {
 # lowering is the same for all three), the 8-rank ones on a Qwen3-MoE with 8 experts
 ONLY_ON = {**dict.fromkeys(("ep2_capacity", "fsdp_dp2_ep2", "pp2_ep2", "dp2_recompute_full",
                             "ep2_dp2_recompute_experts", "dp2_ep2_folded"), "example"),
-           "ep2_tp2_folded": "qwen3_moe", "ep2_tp2sp_folded": "mixtral",
+           "ep2_tp2_folded": "qwen3_moe",
            "ep4_tp2_folded": "qwen3_moe_8", "ep4_tp2": "qwen3_moe_8", "dp2_ep2_tp2sp_folded": "qwen3_moe",
            "pp2_ep2_dualpipev": "example4", "pp4_dualpipev": "example8"}
 # case -> (micro-batches, data ranks): one device's micro-batches cut the same way
