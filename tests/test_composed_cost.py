@@ -70,6 +70,18 @@ def spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
 
 
+def planned_and_composed(model: torch.nn.Module, cluster: Cluster, batch: tuple, space: SearchSpace) -> list[tuple]:
+    """(label, candidate, planned estimate, composed estimate) of every candidate the search prices
+    both ways: each planned whole (`method="plans"`) and composed from one block (`"blocks"`)."""
+    with reusing_traces():
+        planned = search(model, cluster, example_inputs=batch, space=space, method="plans")
+        composed = search(model, cluster, example_inputs=batch, space=space, method="blocks")
+    by_label = {o.candidate.label: o for o in composed.outcomes}
+    assert set(by_label) == {o.candidate.label for o in planned.outcomes}
+    return [(o.candidate.label, o.candidate, o.estimate, by_label[o.candidate.label].estimate)
+            for o in planned.outcomes]
+
+
 def _joined(estimate) -> set[str]:
     """The collectives an estimate prices over a group key of several axes (`Mesh.sync_keys`)."""
     return {key for key, seconds in estimate.comm_by_kind.items() if "+" in key and seconds > 0}
@@ -427,14 +439,9 @@ def test_a_dualpipev_candidate_is_priced_as_its_plan():
     config = GPTConfig(n_layer=8, d_model=64, n_head=4, d_ff=256, seq_len=32)
     model, batch = GPT(config), example_batch(config, batch=16)
     space = SearchSpace(axes=("pp", "dp"), zero_stages=(0,), schedules=("dualpipev",), microbatch_multiples=(2,))
-    with reusing_traces():
-        planned = search(model, NODE, example_inputs=batch, space=space, method="plans")
-        composed = search(model, NODE, example_inputs=batch, space=space, method="blocks")
-    by_label = {o.candidate.label: o for o in composed.outcomes}
-    assert {"pp4 dualpipev m8 v2", "pp2 dualpipev m4 v2 × dp2"} <= set(by_label)
-    for outcome in planned.outcomes:
-        full, part = outcome.estimate, by_label[outcome.candidate.label].estimate
-        label = outcome.candidate.label
+    pairs = planned_and_composed(model, NODE, batch, space)
+    assert {"pp4 dualpipev m8 v2", "pp2 dualpipev m4 v2 × dp2"} <= {label for label, *_ in pairs}
+    for label, _, full, part in pairs:
         assert abs(part.seconds / full.seconds - 1) <= 0.17, (label, part.parts, full.parts)
         assert abs(part.peak_bytes / full.peak_bytes - 1) <= 0.08, (label, part.moments, full.moments)
         # within the 4-byte loss broadcast the composed price leaves out

@@ -23,6 +23,7 @@ from autopar.cost.cluster import GB
 from autopar.planner.search import search
 from examples import scale
 from examples.hf_models import tiny_causal_lm, token_batch
+from tests.test_composed_cost import NODE, planned_and_composed
 
 pytest.importorskip("transformers")
 
@@ -85,24 +86,17 @@ def test_folded_expert_layouts_are_searched_and_priced_as_their_plans():
     its own one-block plan. Every composed price agrees with the candidate's planned one within
     `test_composed_cost`'s bounds, and only the folded candidate exchanges its tokens over the
     flattened ep+tp group."""
-    node = Cluster(nodes=1, gpus_per_node=4, memory_gb=80, intra_gbps=100, inter_gbps=10, peak_tflops=10,
-                   memory_gbps=500, op_overhead_us=5)
     model, batch = tiny_causal_lm("qwen3_moe"), token_batch(batch=8, seq=16)
     space = SearchSpace(axes=("ep", "tp"), sequence_parallel=(False,))
-    with reusing_traces():
-        planned = search(model, node, example_inputs=batch, space=space, method="plans")
-        composed = search(model, node, example_inputs=batch, space=space, method="blocks")
-    by_label = {o.candidate.label: o for o in composed.outcomes}
-    assert {"ep2 × tp2", "ep2 × tp2 × experts on ep·tp"} <= set(by_label)
-    for outcome in planned.outcomes:
-        full, part = outcome.estimate, by_label[outcome.candidate.label].estimate
-        label = outcome.candidate.label
+    pairs = planned_and_composed(model, NODE, batch, space)  # a node of 4
+    assert {"ep2 × tp2", "ep2 × tp2 × experts on ep·tp"} <= {label for label, *_ in pairs}
+    for label, candidate, full, part in pairs:
         assert abs(part.held_bytes / full.held_bytes - 1) <= 0.01, (label, part.memory, full.memory)
         assert abs(part.peak_bytes / full.peak_bytes - 1) <= 0.08, (label, part.moments, full.moments)
         assert abs(part.seconds / full.seconds - 1) <= 0.17, (label, part.parts, full.parts)
         assert abs(part.wire_bytes / full.wire_bytes - 1) <= 0.25, (label, part.wire_bytes, full.wire_bytes)
         if "ep2" in label:
-            folded = outcome.candidate.fold_experts
+            folded = candidate.fold_experts
             for estimate in (full, part):
                 assert ("ep+tp all_to_all" in estimate.comm_by_kind) == folded, (label, estimate.comm_by_kind)
                 assert ("ep all_to_all" in estimate.comm_by_kind) == (not folded), (label, estimate.comm_by_kind)

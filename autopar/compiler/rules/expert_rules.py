@@ -100,8 +100,7 @@ def permute_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: Rule
     sharded by rows (folded onto tensor parallelism without sequence parallelism: replicated), each
     rank routes its 1/n of them, Shard(0): a local slice; `moe_unpermute` returns them so sharded."""
     x, ids = specs[:2]
-    dispatch = _exchange_of(node)
-    exchanged = _exchange_axes(dispatch, ctx)[0] if dispatch is not None else set()
+    exchanged = _exchanged_over(node, ctx)
     token, rows, counts = [], [], []
     for index, px in enumerate(x.placements):
         keep = px if _rows(px) else Shard(0) if index in exchanged else Replicate()
@@ -146,8 +145,7 @@ def rejoin_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx: RuleC
     permute = node.args[0].args[1].args[0]  # moe_rejoin(moe_unpermute(y, order := permute[2], ...))
     entered = permute.args[0].meta[SPEC].placements
     sliced = permute.meta[ARG_SPECS][0].placements
-    dispatch = _exchange_of(permute)
-    exchanged = _exchange_axes(dispatch, ctx)[0] if dispatch is not None else set()
+    exchanged = _exchanged_over(permute, ctx)
     placements = tuple(before if before != cut and not _rows(before) else
                        Replicate() if index in exchanged and isinstance(now, _StridedShard) else now
                        for index, (before, cut, now) in enumerate(zip(entered, sliced, tokens.placements)))
@@ -160,9 +158,11 @@ def _exchange_axes(node: torch.fx.Node, ctx: RuleContext) -> tuple[set[int], str
     return {ctx.mesh_names.index(axis) for axis in key.split(JOIN)}, key
 
 
-def _exchange_of(permute: torch.fx.Node) -> torch.fx.Node | None:
-    """The `moe_dispatch` reading a `moe_permute`'s rows (through its getitem), if any."""
-    return next((user for item in permute.users for user in item.users if user.target is moe.moe_dispatch), None)
+def _exchanged_over(permute: torch.fx.Node, ctx: RuleContext) -> set[int]:
+    """The mesh-axis indices the `moe_dispatch` reading a `moe_permute`'s rows (through its
+    getitem) exchanges over; none without expert parallelism."""
+    dispatch = next((user for item in permute.users for user in item.users if user.target is moe.moe_dispatch), None)
+    return _exchange_axes(dispatch, ctx)[0] if dispatch is not None else set()
 
 
 def _row_bytes(value: torch.Tensor, placements: tuple[Placement, ...], ctx: RuleContext) -> sympy.Expr:
