@@ -11,7 +11,9 @@ replicated tensors. Every other node, in topological order:
    shape arguments (view, reshape, expand, new_*) to local sizes; DTensor's answer is a pure
    function of the op and its argument specs and values, so it is asked once per distinct
    question and remembered in `CompileContext.sharding_decisions` (`_dtensor_decision`: the
-   layers of a deep model ask the same questions);
+   layers of a deep model ask the same questions; inputs that already match one of the op's
+   single-mesh-dimension strategies on every axis are answered without DTensor's full expansion,
+   `autopar/compiler/dtensor_matching.py`);
 3. the node records `SPEC` (its output), `ARG_SPECS` (what each tensor argument must be),
    `LOCAL_ARGS` (arguments with local shapes), `RULE` (an autopar rule's result, if any) and
    `ORIGIN` (why: the seed rule, the module layouts its inputs crossed, who decided, and with
@@ -43,6 +45,7 @@ from autopar.compiler.argument_trees import (
     map_arguments,
 )
 from autopar.compiler.context import CompileContext
+from autopar.compiler.dtensor_matching import exact_matches_first
 from autopar.compiler.explain import dtensor_alternatives
 from autopar.compiler.planning_errors import data_dependent, planning_error
 from autopar.core.errors import PlanError
@@ -236,11 +239,13 @@ def _dtensor_decision(propagator: Any, args: tuple, kwargs: dict, node: torch.fx
         known = ctx.sharding_decisions.get(key)
     except TypeError:  # an unhashable argument value: ask every time
         schema = _schema(propagator, node, args, kwargs)
-        return propagator.propagate_op_sharding_non_cached(schema), schema
+        with exact_matches_first():
+            return propagator.propagate_op_sharding_non_cached(schema), schema
     if known is not None:
         return known, None
     schema = _schema(propagator, node, args, kwargs)
-    known = ctx.sharding_decisions[key] = propagator.propagate_op_sharding_non_cached(schema)
+    with exact_matches_first():
+        known = ctx.sharding_decisions[key] = propagator.propagate_op_sharding_non_cached(schema)
     return known, schema
 
 
