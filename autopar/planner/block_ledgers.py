@@ -49,8 +49,8 @@ from typing import Any, Sequence
 
 import torch
 
-from autopar.compiler.ledger.activations import saved_activations
-from autopar.compiler.ledger.fake_run import ops_run
+from autopar.compiler.ledger.activations import recomputed_region_bytes, saved_activations
+from autopar.compiler.ledger.fake_run import ops_run, received_rows, saving_run
 from autopar.compiler.ledger.memory import _rank_placeholders, build_memory_ledger
 from autopar.compiler.ledger.op_cost import OpTotals
 from autopar.compiler.ledger.peak import largest_optimized
@@ -59,6 +59,7 @@ from autopar.compiler.repeated_blocks import truncated
 from autopar.compiler.trace import reuse_shortened, reused_trace, trace_model
 from autopar.core.errors import PlanError
 from autopar.core.ir import SPEC, local_numel, module_stack
+from autopar.core.ops import moe
 from autopar.planner.search_space import Candidate
 
 
@@ -110,6 +111,11 @@ class Part:
     # of `activation_bytes`, those its attention cores allocated: the most selective recomputation
     # can free (0 where not told apart: `_measured`'s saving run)
     core_activation_bytes: int = 0
+    # of `activation_bytes`, those made from the token rows the rank received for its experts
+    # (`fake_run.received_rows`): what routing skew grows on the busiest rank (`routing_skew.py`)
+    received_activation_bytes: int = 0
+    # of `transient_bytes`, what a recomputed region made from received rows saves again in backward
+    received_transient_bytes: int = 0
 
 
 @dataclass
@@ -122,6 +128,11 @@ class BlockLedgers:
     first_params: int  # bytes of the rest's parameters before the blocks
     first_tensors: int  # and how many tensors they are
     boundary_bytes: int  # per micro-batch, on one rank
+    # the block's experts (0: none), how many each token picks, and over how many ranks they are
+    # split (the expert-parallel group; 1 without): what routing skew is priced from (`routing_skew.py`)
+    experts: int = 0
+    top_k: int = 0
+    expert_ranks: int = 1
 
 
 def _blocks_path(model: torch.nn.Module) -> tuple[str, int]:
@@ -243,24 +254,36 @@ def _measured(plan: Any, block: str | None = None) -> tuple[Part, Part | None]:
     alone (its calls, `fake_run.ops_run(..., block=)`; the activations its nodes produce, each
     block's output among them)."""
     transient = int(build_memory_ledger(plan, rank=0, activations=False).by_category()["transient"])
+    received_transient = 0
+    if plan.strategy.recompute is not None:
+        inline = saving_run(plan, 0, recompute=False).graph_module.graph
+        received_transient = recomputed_region_bytes(plan, rank=0, producers={n.name for n in received_rows(inline)})
     ops = ops_run(plan, 0, block=block)
     if ops.saved is not None:  # read off the ops run's autograd graph: no second forward
-        activations, inside, cores, inside_cores = ops.saved
+        activations, inside, cores, inside_cores, inside_received = ops.saved
+        received = inside_received  # a one-block plan: the experts are the block's
     else:  # the plans have no pipeline: one forward's (the cores' share not told apart: no bound)
         saved = saved_activations(plan, rank=0).entries
+        rows = {node.name for node in received_rows(saving_run(plan, 0).graph_module.graph)}
+
+        def mine(entry: Any) -> bool:
+            return block is not None and (entry.module == block or entry.module.startswith(block + "."))
+
         activations = sum(e.number for e in saved)
-        inside = sum(e.number for e in saved if block is not None and (e.module == block
-                                                                        or e.module.startswith(block + ".")))
+        inside = sum(e.number for e in saved if mine(e))
+        received = sum(e.number for e in saved if e.node in rows)
+        inside_received = sum(e.number for e in saved if e.node in rows and mine(e))
         cores = inside_cores = 0
     whole = Part(activation_bytes=activations, transient_bytes=transient, core_activation_bytes=cores,
                  forward=ops.forward, backward=ops.backward, taps=ops.taps, working_bytes=ops.working.bytes,
                  working_weights=ops.working.weight_gradients,
-                 largest_param=largest_optimized(plan, plan.stages_of_rank(0), "adamw"))
+                 largest_param=largest_optimized(plan, plan.stages_of_rank(0), "adamw"),
+                 received_activation_bytes=received, received_transient_bytes=received_transient)
     if block is None:
         return whole, None
     forward, backward = ops.block
     return whole, Part(activation_bytes=inside, forward=forward, backward=backward, taps=ops.block_taps,
-                       core_activation_bytes=inside_cores)
+                       core_activation_bytes=inside_cores, received_activation_bytes=inside_received)
 
 
 def _state_parts(two: Part, one: Part) -> tuple[Part, Part]:
@@ -281,10 +304,13 @@ def _parts(state: tuple[Part, Part], whole: Part, inside: Part) -> tuple[Part, P
     block, rest = state
     return (replace(block, activation_bytes=inside.activation_bytes, forward=inside.forward, backward=inside.backward,
                     taps=inside.taps, largest_param=whole.largest_param,
-                    core_activation_bytes=inside.core_activation_bytes),
+                    core_activation_bytes=inside.core_activation_bytes,
+                    received_activation_bytes=inside.received_activation_bytes),
             replace(rest, activation_bytes=whole.activation_bytes - inside.activation_bytes,
                     core_activation_bytes=whole.core_activation_bytes - inside.core_activation_bytes,
-                    transient_bytes=whole.transient_bytes, forward=_less(whole.forward, inside.forward),
+                    received_activation_bytes=whole.received_activation_bytes - inside.received_activation_bytes,
+                    transient_bytes=whole.transient_bytes, received_transient_bytes=whole.received_transient_bytes,
+                    forward=_less(whole.forward, inside.forward),
                     backward=_less(whole.backward, inside.backward), taps=_less(whole.taps, inside.taps),
                     working_bytes=whole.working_bytes,
                     working_weights=whole.working_weights, largest_param=whole.largest_param))
@@ -308,11 +334,15 @@ def _difference(two: Part, one: Part) -> tuple[Part, Part]:
     backward_block, backward_rest = _ops_difference(two.backward, one.backward)
     taps_block, taps_rest = _ops_difference(two.taps, one.taps)
     block, rest = _state_parts(two, one)
+    received = two.received_activation_bytes - one.received_activation_bytes
     return (replace(block, activation_bytes=two.activation_bytes - one.activation_bytes,
                     transient_bytes=max(two.transient_bytes - one.transient_bytes, 0), forward=forward_block,
-                    backward=backward_block, taps=taps_block, largest_param=two.largest_param),
+                    backward=backward_block, taps=taps_block, largest_param=two.largest_param,
+                    received_activation_bytes=received,
+                    received_transient_bytes=max(two.received_transient_bytes - one.received_transient_bytes, 0)),
             replace(rest, activation_bytes=one.activation_bytes - (two.activation_bytes - one.activation_bytes),
-                    transient_bytes=one.transient_bytes, forward=forward_rest, backward=backward_rest, taps=taps_rest,
+                    received_activation_bytes=one.received_activation_bytes - received,
+                    transient_bytes=one.transient_bytes, received_transient_bytes=one.received_transient_bytes, forward=forward_rest, backward=backward_rest, taps=taps_rest,
                     working_bytes=one.working_bytes, working_weights=one.working_weights,
                     largest_param=two.largest_param))
 
@@ -336,7 +366,21 @@ def measure_layout(model: torch.nn.Module, layout: Layout, *, example_inputs: Se
     with truncated(model, path, 1):
         first = _before_blocks(model, path, one)
     return BlockLedgers(layout=layout, blocks=blocks, batch=1, block=block, rest=rest, first_params=sum(first),
-                        first_tensors=len(first), boundary_bytes=_boundary_bytes(one, block_path))
+                        first_tensors=len(first), boundary_bytes=_boundary_bytes(one, block_path),
+                        **_experts(one))
+
+
+def _experts(plan: Any) -> dict[str, int]:
+    """The first experts block's experts, its tokens' picks and the ranks its experts are split over."""
+    graph = plan.graph_module.graph
+    permute = next((n for n in graph.nodes if n.target is moe.moe_permute), None)
+    if permute is None:
+        return {}
+    unpermute = next((n for n in graph.nodes if n.target is moe.moe_unpermute), None)
+    dispatch = next((n for n in graph.nodes if n.target is moe.moe_dispatch), None)
+    return {"experts": int(permute.kwargs["num_experts"]),
+            "top_k": int(unpermute.kwargs["top_k"]) if unpermute is not None else 0,
+            "expert_ranks": plan.mesh.group_size(dispatch.kwargs["group"]) if dispatch is not None else 1}
 
 
 def layout_plans(model: torch.nn.Module, layout: Layout, *, example_inputs: Sequence[Any],

@@ -35,6 +35,7 @@ from autopar.cost.cluster import GB, Cluster
 from autopar.planner.block_ledgers import BlockLedgers, Layout, check_blocks_alike, measure_layout, traced_blocks
 from autopar.planner.composed_cost import composed_estimate
 from autopar.planner.layout_workers import measured
+from autopar.planner.routing_skew import skewed
 from autopar.planner.search_space import Candidate, Outcome, Pruned
 
 
@@ -67,9 +68,10 @@ def first_line(error: Exception) -> str:
 
 class BlockPricer:
     def __init__(self, model: torch.nn.Module, cluster: Cluster, example_inputs: Sequence[Any],
-                 example_kwargs: dict | None = None) -> None:
+                 example_kwargs: dict | None = None, *, routing_skew: float = 1.0) -> None:
         check_blocks_alike(model)
         self.model, self.cluster, self.args, self.kwargs = model, cluster, example_inputs, example_kwargs
+        self.routing_skew = routing_skew  # the busiest expert's load over the mean (`routing_skew.py`)
         self.batch = global_batch(example_inputs, example_kwargs)
         self.layouts: dict[Layout, "BlockLedgers | str"] = {}
         self.decisions: dict = {}  # DTensor's sharding decisions, shared by every layout's plans
@@ -169,8 +171,8 @@ class BlockPricer:
         """`cannot_fit` for a measured twin: the twin composed with its cores' bytes freed."""
         freed = [replace(part, activation_bytes=part.activation_bytes - part.core_activation_bytes)
                  for part in (twin.block, twin.rest)]
-        floor = composed_estimate(replace(twin, block=freed[0], rest=freed[1]), variant, self.cluster,
-                                  global_batch=self.batch)
+        floor = composed_estimate(skewed(replace(twin, block=freed[0], rest=freed[1]), self.routing_skew), variant,
+                                  self.cluster, global_batch=self.batch)
         if floor.fits:
             return None
         return Pruned(variant, f"selective recomputation frees at most its attention cores' saved activations "
@@ -180,7 +182,8 @@ class BlockPricer:
 
     def _estimate(self, candidate: Candidate, ledgers: BlockLedgers) -> Any:
         if candidate not in self.estimates:
-            self.estimates[candidate] = composed_estimate(ledgers, candidate, self.cluster, global_batch=self.batch)
+            self.estimates[candidate] = composed_estimate(skewed(ledgers, self.routing_skew), candidate, self.cluster,
+                                                          global_batch=self.batch)
         return self.estimates[candidate]
 
     def _splits(self, candidate: Candidate) -> str | None:
@@ -199,8 +202,8 @@ class BlockPricer:
 
 
 def price_composed(model: torch.nn.Module, cluster: Cluster, candidate: Candidate, *, example_inputs: Sequence[Any],
-                   example_kwargs: dict | None = None) -> Any:
+                   example_kwargs: dict | None = None, routing_skew: float = 1.0) -> Any:
     """One candidate priced as the composed search prices it, whether or not the search's rules
     would enumerate it (a published configuration that puts expert parallelism across nodes)."""
     with reusing_traces():
-        return BlockPricer(model, cluster, example_inputs, example_kwargs)(candidate)
+        return BlockPricer(model, cluster, example_inputs, example_kwargs, routing_skew=routing_skew)(candidate)

@@ -51,6 +51,7 @@ from autopar.core.errors import PlanError
 from autopar.cost.cluster import GB, Cluster
 from autopar.cost.step_cost import estimate
 from autopar.planner.layout_pricer import BlockPricer, first_line, input_dim
+from autopar.planner.routing_skew import check_skew
 from autopar.planner.search_report import answer, ranking_table, search_data
 from autopar.planner.search_space import (Candidate, Enumeration, ModelFacts, Outcome, Pruned, SearchSpace, candidates,
                                           memory_variants)
@@ -125,8 +126,13 @@ def search(model: torch.nn.Module, cluster: Cluster, *, example_inputs: Sequence
         raise PlanError(f"no layout of {cluster.world_size} ranks passes the rules: "
                         + "; ".join(sorted({p.reason for p in enumeration.pruned})))
     composed = method == "blocks" or (method == "auto" and cluster.world_size > PLANS_UP_TO)
+    check_skew(space.routing_skew, 0, 0)
+    if space.routing_skew != 1.0 and not composed:
+        raise PlanError(f"SearchSpace(routing_skew={space.routing_skew:g}) is priced by the composed search, which "
+                        f"grows the busiest rank's routed activations (autopar/planner/routing_skew.py); a plan's "
+                        f"ledgers are uniform routing's: search(..., method='blocks')")
     if composed:
-        price = BlockPricer(model, cluster, example_inputs, example_kwargs)
+        price = BlockPricer(model, cluster, example_inputs, example_kwargs, routing_skew=space.routing_skew)
     else:
         def price(candidate: Candidate) -> Outcome:
             return _price(model, cluster, candidate, example_inputs, example_kwargs)

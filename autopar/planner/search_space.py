@@ -133,6 +133,9 @@ class SearchSpace:
     cross_node_tp: bool = False
     context_tokens: int = 1024  # cp only while each rank keeps at least this many tokens of a sequence
     fold_experts: tuple[bool, ...] = (False, True)  # with ep and tp: experts split over tp, or over ep × tp
+    # the busiest expert's routed rows over the mean (1.0: uniform routing): the busiest expert-parallel
+    # rank's activations made from received rows are priced at that load (`routing_skew.py`)
+    routing_skew: float = 1.0
 
 
 @dataclass(frozen=True)

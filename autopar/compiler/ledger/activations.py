@@ -193,11 +193,12 @@ def saved_activations(plan: "Plan", *, rank: int = 0, recompute: str | None = No
 
 
 def recomputed_region_bytes(plan: "Plan", *, rank: int = 0, device: "str | torch.device | None" = None,
-                            stage: int | None = None) -> int:
+                            stage: int | None = None, producers: "set[str] | None" = None) -> int:
     """What the largest recomputed region (`autopar/compiler/passes/recompute.py`) saves inside itself when its
     forward runs again in backward, alive until its backward has used it (bytes at the hints; 0
     without recomputation): the rank graph run with the regions inline, its saved storages summed
-    per region of the node that produced them."""
+    per region of the node that produced them. With `producers` (node names): of the largest
+    region's bytes, those these nodes produced."""
     if plan.strategy.recompute is None:
         return 0
 
@@ -205,9 +206,14 @@ def recomputed_region_bytes(plan: "Plan", *, rank: int = 0, device: "str | torch
     chosen = plan.stages[stage] if stage is not None else plan.stages_of_rank(rank)[0]
     planned = {node.name: node for node in chosen.graph_module.graph.nodes}
     per_region: dict[str, int] = defaultdict(int)
+    theirs: dict[str, int] = defaultdict(int)
     for item in saved:
         producer = planned.get(item.producer.node.name) if item.producer is not None else planned.get(item.running.name)
         region = producer.meta.get(RECOMPUTE) if producer is not None else None
         if region is not None:
             per_region[region] += item.nbytes
-    return max(per_region.values(), default=0)
+            theirs[region] += item.nbytes if producers is not None and producer.name in producers else 0
+    if not per_region:
+        return 0
+    largest = max(per_region, key=per_region.__getitem__)
+    return per_region[largest] if producers is None else theirs[largest]

@@ -16,8 +16,8 @@ included — on fake tensors of the rank's local shapes at the traced hint sizes
   with `block=` (a module path) also which calls are that module's (`_BlockCalls`: the planner at
   scale reads a block's calls off a one-block plan's run, `autopar/planner/block_ledgers.py`) and, where
   no recomputed region saves through hooks, the bytes autograd saved, the rank's, the
-  block's and the block's attention cores' (`RankOps.saved`): read off the autograd graph the
-  forward left (`_autograd_saved`, no hook), each storage labelled by the graph node that
+  block's, the block's attention cores' and the block's made from received expert rows
+  (`received_rows`) (`RankOps.saved`): read off the autograd graph the forward left (`_autograd_saved`, no hook), each storage labelled by the graph node that
   allocated it — what the saving run counts, without running the forward again
   (`tests/test_composed_cost.py` compares).
 
@@ -47,6 +47,7 @@ from autopar.compiler.ledger.op_cost import RankOps, _OpRecorder
 from autopar.compiler.ledger.working_memory import LiveFakeStorages, gather_free_runner, taking_weight_gradients
 from autopar.compiler.passes.recompute import attention_cores, is_region_call
 from autopar.core.ir import module_stack
+from autopar.core.ops import moe
 from autopar.core.ops.collectives import regathered_source
 
 if TYPE_CHECKING:
@@ -194,6 +195,7 @@ def ops_run(plan: "Plan", rank: int, *, stage: int | None = None, block: str | N
             if reads_saved:
                 kinds = {name: info.kind for name, info in plan.context.placeholders.items()}
                 labels.cores = {node for core in attention_cores(gm.graph, kinds) for node in core}
+                labels.received = received_rows(gm.graph)
                 tracker.label = labels.label
             taking_weight_gradients(inputs, tracker)
             with mode, torch.enable_grad(), recorder, tracker:
@@ -238,8 +240,10 @@ def _user_inputs(plan: "Plan", chosen: Any, inputs: list) -> set[int]:
 _SAVED_NAMES: dict[type, tuple[str, ...]] = {}
 
 
-def _autograd_saved(roots: list[torch.Tensor], tracker: LiveFakeStorages, user_inputs: set[int]) -> tuple[int, int]:
-    """(bytes, the block's bytes, of the bytes the attention cores', of the block's its cores') of
+def _autograd_saved(roots: list[torch.Tensor], tracker: LiveFakeStorages, user_inputs: set[int]
+                    ) -> tuple[int, int, int, int, int]:
+    """(bytes, the block's bytes, of the bytes the attention cores', of the block's its cores', of
+    the block's those made from received expert rows) of
     the storages autograd saved for backward, read off the graph from `roots` (each node's
     `_saved_*` values, a custom function's `saved_tensors`): those the forward allocated (the
     block's where one of its nodes did, an attention core's where a node of one did:
@@ -247,18 +251,35 @@ def _autograd_saved(roots: list[torch.Tensor], tracker: LiveFakeStorages, user_i
     (`saving_run`, `tests/test_composed_cost.py` compares), without running the forward again."""
     with _disable_current_modes():  # reading a saved output makes a view of it: not a call of the run
         storages = _saved_storages(roots)
-    total = inside = cores = inside_cores = 0
+    total = inside = cores = inside_cores = inside_received = 0
     for address, nbytes in storages.items():
         allocation = tracker.live_at.get(address)
         if allocation is not None:
-            block, core = tracker.labels.get(allocation, (False, False))
+            block, core, received = tracker.labels.get(allocation, (False, False, False))
             total += nbytes
             inside += nbytes if block else 0
             cores += nbytes if core else 0
             inside_cores += nbytes if block and core else 0
+            inside_received += nbytes if block and received else 0
         elif address in user_inputs:
             total += nbytes
-    return total, inside, cores, inside_cores
+    return total, inside, cores, inside_cores, inside_received
+
+
+def received_rows(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes of an expert-parallel block that compute on the token rows its rank received:
+    from each `moe_dispatch` (the rows it received, its offsets and counts) up to its `moe_combine`
+    (not included: the rows sent back are the rank's own routed rows again). Under routing skew
+    the busiest rank receives more of them (`autopar/planner/routing_skew.py`)."""
+    found: set[torch.fx.Node] = set()
+    pending = [node for node in graph.nodes if node.target is moe.moe_dispatch]
+    while pending:
+        node = pending.pop()
+        if node in found or node.target in (moe.moe_combine, moe.moe_unpermute):
+            continue
+        found.add(node)
+        pending.extend(node.users)
+    return found
 
 
 def _saved_storages(roots: list[torch.Tensor]) -> dict[int, int]:
@@ -298,7 +319,8 @@ class _BlockCalls:
     def __init__(self, block: str) -> None:
         self.block, self.prefix = block, block + "."
         self.cores: set[torch.fx.Node] = set()  # the attention cores' nodes, in the block or not (`label`)
-        self.in_core = False
+        self.received: set[torch.fx.Node] = set()  # the nodes computing on received expert rows (`received_rows`)
+        self.in_core = self.in_received = False
         self.ends: list[int] = []  # the last autograd number of each run of graph nodes with one label
         self.labels: list[bool] = []
         self.last = -1
@@ -307,7 +329,7 @@ class _BlockCalls:
 
     def around(self, node: torch.fx.Node, run: Any) -> Any:
         inside = any(path == self.block or path.startswith(self.prefix) for path in module_stack(node))
-        self.current, self.in_core = inside, node in self.cores
+        self.current, self.in_core, self.in_received = inside, node in self.cores, node in self.received
         result = run(node)
         newest = max((t.grad_fn._sequence_nr() for t in pytree.tree_leaves(result)
                       if isinstance(t, torch.Tensor) and t.grad_fn is not None), default=-1)
@@ -320,11 +342,12 @@ class _BlockCalls:
             self.last = newest
         return result
 
-    def label(self) -> tuple[bool, bool]:
+    def label(self) -> tuple[bool, bool, bool]:
         """What a storage allocated now is: (the block's, an attention core's — what selective
-        recomputation could free at most). A core's only in forward: a storage autograd saves
-        was allocated by the forward."""
-        return self(), self.in_core and not self.backward
+        recomputation could free at most —, made from token rows the rank received for its experts
+        — what routing skew grows on the busiest rank). The last two only in forward: a storage
+        autograd saves was allocated by the forward."""
+        return self(), self.in_core and not self.backward, self.in_received and not self.backward
 
     def __call__(self) -> bool:
         if self.backward:

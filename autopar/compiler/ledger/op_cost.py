@@ -111,9 +111,10 @@ class RankOps:
     taps: OpTotals = field(default_factory=OpTotals)
     block_taps: "OpTotals | None" = None
     # with a block and without recomputed regions: bytes autograd saved for backward (the rank's,
-    # the block's, the attention cores', the block's attention cores'), read off the autograd
-    # graph the forward left (`fake_run._autograd_saved`)
-    saved: "tuple[int, int, int, int] | None" = None
+    # the block's, the attention cores', the block's attention cores', the block's made from the
+    # expert rows the rank received), read off the autograd graph the forward left
+    # (`fake_run._autograd_saved`)
+    saved: "tuple[int, int, int, int, int] | None" = None
 
 
 def _nbytes(values: Any) -> int:
