@@ -119,6 +119,52 @@ def test_hf_gpt2_tp_is_the_full_plan(transformers, kind):
     assert_same_plan(full, reused)
 
 
+def test_hf_qwen3_moe_with_its_lifted_constants_is_the_full_plan(transformers):
+    """Qwen3-MoE's attention lifts two empty KV-cache tensors per block, numbered over the whole
+    model: the blocks are still copied, the copies' constants numbered on as export numbers them."""
+    from examples.hf_models import tiny_causal_lm, token_batch
+
+    torch.manual_seed(0)
+    full, reused = _both(tiny_causal_lm("qwen3_moe", num_hidden_layers=5), "ep=2", [autopar.expert_parallel()],
+                         token_batch())
+    assert reused.traced.copied_blocks == "model.model.layers.3-4"
+    assert_same_plan(full, reused)
+
+
+class _Numbered(torch.nn.Module):
+    """A block adding its own index, made in forward: a lifted constant whose value differs per block."""
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + torch.tensor([float(self.layer_idx)])
+
+
+class _NumberedBlocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Numbered(i) for i in range(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_blocks_whose_lifted_constants_differ_are_traced_whole():
+    """Blocks alike but for `layer_idx` (`find_repeated_blocks` lets it differ) that make a constant
+    from it in forward: copying the third block would give every later block its constant 2."""
+    model = _NumberedBlocks()
+    assert find_repeated_blocks(model) == ("layers", 5)
+    plan = autopar.plan(model, "dp=2", strategies=[autopar.data_parallel()], example_inputs=(torch.randn(4, 8),))
+    assert not plan.traced.copied_blocks
+    values = sorted(float(v) for k, v in plan.traced.state.items() if "lifted_tensor" in k)
+    assert values == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
 def _dropped_and_exported(model: torch.nn.Module, path: str, mesh: str, strategies: list, inputs: tuple) -> tuple:
     """The one-block plan twice: its trace the two-block trace less its last block (what the planner at
     scale does, `block_ledgers.measure_layout`), and exported."""
@@ -142,13 +188,15 @@ def _dropped_and_exported(model: torch.nn.Module, path: str, mesh: str, strategi
     return exported, dropped
 
 
-@pytest.mark.parametrize("case", ["gpt_dp_sp", "llama_tp", "moe_ep"])
+@pytest.mark.parametrize("case", ["gpt_dp_sp", "llama_tp", "moe_ep", "qwen3_moe_ep"])
 def test_a_block_dropped_from_a_trace_is_the_shorter_models_plan(case, transformers):
     """The planner at scale's one-block plans read the two-block trace less its last block; where
     the blocks are not a chain (the MoE's auxiliary loss, after the blocks, reads every block's
-    router statistics) the block is not dropped and the one-block model is exported."""
+    router statistics) the block is not dropped and the one-block model is exported. Qwen3-MoE's
+    attention lifts two empty KV-cache tensors per block, numbered over the model
+    (`repeated_blocks._relative`)."""
     from examples.gpt import GPT, GPTConfig, example_batch
-    from examples.hf_models import tiny_llama, token_batch
+    from examples.hf_models import tiny_causal_lm, tiny_llama, token_batch
     from examples.moe import MoEConfig, MoEGPT
 
     torch.manual_seed(0)
@@ -160,6 +208,9 @@ def test_a_block_dropped_from_a_trace_is_the_shorter_models_plan(case, transform
     elif case == "llama_tp":
         model, path, mesh, strategies, inputs = (tiny_llama(layers=4, kv_heads=2), "model.model.layers", "tp=2",
                                                  [autopar.tensor_parallel()], token_batch())
+    elif case == "qwen3_moe_ep":
+        model, path, mesh, strategies, inputs = (tiny_causal_lm("qwen3_moe", num_hidden_layers=4), "model.model.layers",
+                                                 "ep=2", [autopar.expert_parallel()], token_batch())
     else:
         config = MoEConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=4, d_model=32, n_experts=4, top_k=2, d_expert=32)
         model, path, mesh, strategies, inputs = (MoEGPT(config), "layers", "ep=2", [autopar.expert_parallel()],

@@ -12,9 +12,11 @@ second per Llama layer on a small CPU host, and the layers of a transformer are 
    same shared node — an input, a position table, a mask, a symbolic size — or the same
    position in its own block, or, for block 2, a tensor of block 1: the value carried from one
    block to the next), nothing after block 1 may read it except block 2, and block 2's
-   placeholders are its own parameters and buffers. Block 2 is then copied for blocks 3..n-1
-   (`_copy_block`): its parameters and buffers get placeholders named as export names them
-   (`p_`/`b_` + the path), its nodes are copied with their module paths renamed, a value carried
+   placeholders are its own parameters, buffers and lifted constants (tensors made in forward,
+   such as an empty KV cache: export numbers them over the model, so they are paired by their
+   order inside the block, `_relative`, and must hold equal values). Block 2 is then copied for
+   blocks 3..n-1 (`_copy_block`): its parameters and buffers get placeholders named as export
+   names them (`p_`/`b_` + the path; a constant `c_`, numbered on as export numbers them), its nodes are copied with their module paths renamed, a value carried
    from block 1 is read from the copy before, and what came after block 2 (the final norm, the
    head) reads the last copy. The result is the graph a full export would give, node for node,
    except that the copies' node names are fx's (`mm_13_1`) rather than export's counters. The
@@ -107,6 +109,56 @@ def _own_placeholders(gm: torch.fx.GraphModule, placeholders: dict[str, Placehol
             and placeholders[n.name].kind != "input" and placeholders[n.name].target.startswith(prefix)]
 
 
+_LIFTED = re.compile(r"(^|\.)lifted_tensor_(\d+)$")
+
+
+def _relative(nodes: list[torch.fx.Node], placeholders: dict[str, PlaceholderInfo], prefix: str
+              ) -> dict[torch.fx.Node, str]:
+    """Each of a block's own placeholders -> its name inside the block. Tensors torch.export lifted
+    out of the forward (an empty KV cache made in attention) are numbered over the whole model
+    (`self_attn.lifted_tensor_2` in the second block for `_0` in the first): they are numbered
+    again inside the block, in the same order, so that two blocks' constants pair up."""
+    names = {node: placeholders[node.name].target.removeprefix(prefix) for node in nodes}
+    lifted = sorted((int(found.group(2)), node) for node, name in names.items()
+                    if placeholders[node.name].kind == "constant" and (found := _LIFTED.search(name)))
+    for local, (_, node) in enumerate(lifted):
+        names[node] = _LIFTED.sub(rf"\g<1>lifted_tensor_{local}", names[node])
+    return names
+
+
+def _lifted_numbers(nodes: list[torch.fx.Node], placeholders: dict[str, PlaceholderInfo]) -> list[int]:
+    return sorted(int(found.group(2)) for node in nodes if placeholders[node.name].kind == "constant"
+                  and (found := _LIFTED.search(placeholders[node.name].target)))
+
+
+def _lifted_step(earlier: list[torch.fx.Node], later: list[torch.fx.Node], placeholders: dict[str, PlaceholderInfo]
+                 ) -> int | None:
+    """How far export's numbering of lifted constants moves from one block to the next (the
+    copies are numbered on, as a whole export numbers them); None where it does not move evenly."""
+    first, second = _lifted_numbers(earlier, placeholders), _lifted_numbers(later, placeholders)
+    steps = {b - a for a, b in zip(first, second)}
+    return steps.pop() if len(first) == len(second) and len(steps) == 1 else None
+
+
+def _numbered(name: str, by: int) -> str:
+    return _LIFTED.sub(lambda found: f"{found.group(1)}lifted_tensor_{int(found.group(2)) + by}", name)
+
+
+def _constants_alike(first: dict[torch.fx.Node, str], second: dict[torch.fx.Node, str],
+                     placeholders: dict[str, PlaceholderInfo], state: dict) -> bool:
+    """The two blocks' lifted constants of the same name hold the same values (real tensors only:
+    a constant on the meta device cannot be compared, and the blocks are then not copied)."""
+    mine = {name: node for node, name in first.items() if placeholders[node.name].kind == "constant"}
+    for node, name in second.items():
+        if placeholders[node.name].kind != "constant":
+            continue
+        a, b = state.get(placeholders[mine[name].name].target), state.get(placeholders[node.name].target)
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.is_meta or b.is_meta \
+                or (a.shape, a.dtype) != (b.shape, b.dtype) or not torch.equal(a, b):
+            return False
+    return True
+
+
 def _value_key(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return "tensor", tuple(str(s) for s in value.shape), tuple(str(s) for s in value.stride()), value.dtype
@@ -163,11 +215,10 @@ def replicate_blocks(gm: torch.fx.GraphModule, placeholders: dict[str, Placehold
     graph untouched, where the blocks are not the same graph."""
     blocks = _blocks(gm, path)
     own_nodes = [_own_placeholders(gm, placeholders, f"{path}.{i}.") for i in range(TRACED)]
-    own = [{node: placeholders[node.name].target.removeprefix(f"{path}.{i}.") for node in nodes}
-           for i, nodes in enumerate(own_nodes)]
+    own = [_relative(nodes, placeholders, f"{path}.{i}.") for i, nodes in enumerate(own_nodes)]
     if any(not block for block in blocks) or not _Isomorphism(blocks, own, path).holds():
         return False
-    if sorted(own[1].values()) != sorted(own[2].values()):
+    if sorted(own[1].values()) != sorted(own[2].values()) or not _constants_alike(own[1], own[2], placeholders, state):
         return False
     trainable = {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
     tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
@@ -175,8 +226,12 @@ def replicate_blocks(gm: torch.fx.GraphModule, placeholders: dict[str, Placehold
     after = {user for node in template for user in node.users if user not in set(template)}
     cursor = template[-1]
     run_ends = _run_ends(own_nodes[2])
+    step = _lifted_step(own_nodes[1], own_nodes[2], placeholders)
     for index in range(TRACED, count):
-        read = _copy_placeholders(gm, own_nodes[2], own[2], run_ends, placeholders, state, f"{path}.{index}.",
+        names = {node: _numbered(placeholders[node.name].target.removeprefix(f"{path}.2."), (index - 2) * step)
+                 if step is not None and placeholders[node.name].kind == "constant" else name
+                 for node, name in own[2].items()}
+        read = _copy_placeholders(gm, own_nodes[2], names, run_ends, placeholders, state, f"{path}.{index}.",
                                   trainable, tensors)
         previous, cursor = _copy_block(gm, template, previous, blocks[1], read, path, index, cursor)
     for user in after:
@@ -219,7 +274,8 @@ def _copy_placeholders(gm: torch.fx.GraphModule, template: list[torch.fx.Node], 
                 run_ends[member] = copy
         info = placeholders[node.name]
         placeholders[copy.name] = PlaceholderInfo(info.kind, target, 0, target in trainable)
-        state[target] = tensors[target]
+        # a lifted constant is no tensor of the model: the template's value (the blocks' are equal)
+        state[target] = state[info.target] if info.kind == "constant" else tensors[target]
         copies[node] = copy
     return copies
 
@@ -280,9 +336,10 @@ def drop_last_block(gm: torch.fx.GraphModule, placeholders: dict[str, Placeholde
     blocks = _blocks(gm, path)
     kept, dropped = blocks[count - 2], blocks[count - 1]
     own_kept, own_dropped = (_own_placeholders(gm, placeholders, f"{path}.{i}.") for i in (count - 2, count - 1))
-    relative = [{node: placeholders[node.name].target.removeprefix(f"{path}.{i}.") for node in nodes}
-                for i, nodes in ((count - 2, own_kept), (count - 1, own_dropped))]
-    if not kept or len(kept) != len(dropped) or sorted(relative[0].values()) != sorted(relative[1].values()):
+    relative = [_relative(nodes, placeholders, f"{path}.{i}.") for i, nodes in ((count - 2, own_kept),
+                                                                                 (count - 1, own_dropped))]
+    if not kept or len(kept) != len(dropped) or sorted(relative[0].values()) != sorted(relative[1].values()) \
+            or not _constants_alike(relative[0], relative[1], placeholders, state):
         return False
     position = [{node: i for i, node in enumerate(block)} for block in (kept, dropped)]
     inside = set(kept) | set(dropped)
