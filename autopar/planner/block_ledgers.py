@@ -58,6 +58,7 @@ from autopar.compiler.plan import plan as make_plan
 from autopar.compiler.repeated_blocks import truncated
 from autopar.compiler.trace import reuse_shortened, reused_trace, trace_model
 from autopar.core.errors import PlanError
+from autopar.compiler.passes.insert_grad_reductions import VIEW_LIKE
 from autopar.core.ir import SPEC, local_numel, module_stack
 from autopar.core.ops import moe
 from autopar.planner.search_space import Candidate
@@ -116,6 +117,10 @@ class Part:
     received_activation_bytes: int = 0
     # of `transient_bytes`, what a recomputed region made from received rows saves again in backward
     received_transient_bytes: int = 0
+    # per micro-batch from a split backward's B to its W (`split_backward_holds`: the block's as a
+    # stage of blocks holds it, the rest's the head's on the last stage); measured for searches
+    # with split-backward schedules only
+    hold_bytes: int = 0
 
 
 @dataclass
@@ -352,10 +357,11 @@ def _sliced(values: Sequence[Any], rows: int) -> tuple:
 
 
 def measure_layout(model: torch.nn.Module, layout: Layout, *, example_inputs: Sequence[Any],
-                   example_kwargs: dict | None = None) -> BlockLedgers:
+                   example_kwargs: dict | None = None, holds: bool = False) -> BlockLedgers:
     """The block and rest ledgers of `model` under `layout` (module docstring). `example_inputs`
     hold the global batch; the plans run one sequence per rank of the batch-sharding axes (ep:
-    the attention's data parallelism inside an expert-parallel group)."""
+    the attention's data parallelism inside an expert-parallel group). `holds`: also what a
+    split backward keeps from B to W (`split_backward_holds`; one more fake forward)."""
     path, blocks = _blocks_path(model)
     one, two, chain = layout_plans(model, layout, example_inputs=example_inputs, example_kwargs=example_kwargs)
     block_path = f"{path}.0"
@@ -363,11 +369,77 @@ def measure_layout(model: torch.nn.Module, layout: Layout, *, example_inputs: Se
         block, rest = _parts(_attributed_state(one, block_path), *_measured(one, block_path))
     else:  # something outside the blocks reads each block (an auxiliary loss): what the second block adds
         block, rest = _difference(_figures(two), _figures(one))
+    if holds:
+        block_hold, head_hold = split_backward_holds(one, block_path)
+        block, rest = replace(block, hold_bytes=block_hold), replace(rest, hold_bytes=head_hold)
     with truncated(model, path, 1):
         first = _before_blocks(model, path, one)
     return BlockLedgers(layout=layout, blocks=blocks, batch=1, block=block, rest=rest, first_params=sum(first),
                         first_tensors=len(first), boundary_bytes=_boundary_bytes(one, block_path),
                         **_experts(one))
+
+
+def split_backward_holds(plan: Any, block: str) -> tuple[int, int]:
+    """Per micro-batch, what a split backward's B keeps until its W (the memory ledger's rule,
+    `ledger/memory.split_backward_hold`), read off the one-block plan as a pipeline stage would
+    hold it: (one block's — the stage received the block's input —, the head's — the last stage's
+    ops after the blocks, which received the last block's output). Each: the saved activations
+    of the ops up to the last op where a trainable weight meets what was received (the weight pass
+    reads them), and the gradients B kept at those ops (one per output)."""
+    graph = plan.stages[0].graph_module.graph
+    prefix = block + "."
+
+    def inside(node: torch.fx.Node) -> bool:
+        return any(path == block or path.startswith(prefix) for path in module_stack(node))
+
+    weights: set = set()
+    received: set = set()
+    names: dict[str, set[str]] = {"block": set(), "head": set()}
+    meets: dict[str, list] = {"block": [], "head": []}
+    seen = False
+    for node in graph.nodes:
+        info = plan.context.placeholders.get(node.name) if node.op == "placeholder" else None
+        inputs = node.all_input_nodes
+        if info is not None and info.kind == "parameter" and info.requires_grad:
+            weights.add(node)
+            continue
+        if node.op != "call_function":
+            continue
+        if node.target in VIEW_LIKE and inputs and all(i in weights for i in inputs):
+            weights.add(node)
+            continue
+        here = inside(node)
+        seen = seen or here
+        if not seen:  # before the blocks: the first stage's, which receives nothing (a whole backward at B)
+            continue
+        part = "block" if here else "head"
+        names[part].add(node.name)
+        # what the part received: the block's inputs from before it, the head's from the block
+        entering = (lambda i: not inside(i) and i.op == "call_function") if here else inside
+        if any(i in received or (entering(i) and i not in weights) for i in inputs):
+            received.add(node)
+            if node.target not in VIEW_LIKE and any(i in weights for i in inputs):
+                meets[part].append(node)
+    entries = saved_activations(plan, rank=0).entries
+    holds = []
+    for part in ("block", "head"):
+        before: set[str] = set()
+        stack = list(meets[part])
+        while stack:
+            node = stack.pop()
+            if node.name not in before:
+                before.add(node.name)
+                stack.extend(node.all_input_nodes)
+        retained = sum(e.number for e in entries if e.node in names[part] and before & set(e.saved_by))
+        gradients = 0
+        for node in meets[part]:
+            value, spec = node.meta.get("val"), node.meta.get(SPEC)
+            if isinstance(value, (tuple, list)):
+                value, spec = value[0], spec[0]
+            gradients += int(plan.comm.number(local_numel(tuple(value.shape), spec.placements, plan.mesh.shape)
+                                              * value.dtype.itemsize))
+        holds.append(int(retained) + gradients)
+    return holds[0], holds[1]
 
 
 def _experts(plan: Any) -> dict[str, int]:

@@ -218,6 +218,9 @@ def composed_estimate(ledgers: BlockLedgers, candidate: Candidate, cluster: Clus
         stage.blocking_b = blocks * block_cb + (rest_cb if last else 0.0)
         stage.sends = block_sends * blocks + (rest_sends if last else [])
         stage.activation = scale * (blocks * block.activation_bytes + (rest.activation_bytes if last else 0))
+        # a split backward's B keeps this much of the micro-batch until its W, on every stage that
+        # receives (the first runs its whole backward at B)
+        stage.after_input = scale * (blocks * block.hold_bytes + (rest.hold_bytes if last else 0)) if index else 0.0
         price.stage_wire[holder(index)] += micro * (blocks * block_wire + (rest_wire if last else 0.0))
         stages.append(stage)
     ranks = [_Rank([s for s in stages if holder(s.index) == r]) for r in range(pp)]
@@ -257,6 +260,7 @@ class _Stage:
     def __init__(self, index: int, blocks: int, first: bool, last: bool) -> None:
         self.index, self.blocks, self.first, self.last = index, blocks, first, last
         self.compute_f = self.compute_b = self.blocking_f = self.blocking_b = self.activation = 0.0
+        self.after_input = 0.0  # from a split backward's B to its W, per micro-batch
         self.sends: list[float] = []
 
 

@@ -150,8 +150,9 @@ def _pipeline_live(candidate: Candidate, rank: "_Rank", stages: list["_Stage"], 
             if stages[s].blocks:
                 freed = scale * (block.activation_bytes + (rest.activation_bytes if stages[s].last else 0))
                 per_stage[s] = max(per_stage[s], 2 * block.param_bytes - freed)
-    return schedules.peak_live(list(order), releases={s: "B" for s in mine},
+    return schedules.peak_live(list(order), releases=_releases(candidate, mine),
                                forward_bytes={s: stages[s].activation for s in mine},
+                               after_input_bytes={s: stages[s].after_input for s in mine},
                                working=per_stage,
                                sent_forward={s: boundary for s in mine if s < chunks - 1},
                                sent_backward={s: boundary for s in mine if s > 0}, gradients=gradients)
@@ -164,15 +165,33 @@ def _action_orders(schedule: str, pp: int, virtual: int, micro: int) -> tuple[tu
     return tuple(tuple(order) for order in schedules.actions(schedule, degree=pp, virtual=virtual, microbatches=micro))
 
 
+def _releases(candidate: Candidate, mine: list[int]) -> dict[int, str]:
+    """When each stage's micro-batch lets its activations go: at its W under a split backward
+    (what B kept, `_Stage.after_input`, until then), but on the first stage, which receives nothing
+    and runs its whole backward at B; at its B otherwise."""
+    split = candidate.schedule in schedules.SPLIT_BACKWARD
+    return {s: "W" if split and s else "B" for s in mine}
+
+
 def activation_peaks(candidate: Candidate, stages: list["_Stage"], pp: int, micro: int) -> list[float]:
     """Per pipeline rank, the most activation bytes its schedule keeps at once: a forward holds its
-    stage's activations until that stage's backward of the same micro-batch runs."""
+    stage's activations until that stage's backward of the same micro-batch runs (under a split
+    backward, what B kept until its W: `schedules.peak_held`)."""
     if pp == 1:
         return [stages[0].activation]
     if candidate.virtual == 1 and candidate.schedule in ("1f1b", "gpipe"):  # what their action lists give
         return [stages[r].activation * (micro if candidate.schedule == "gpipe" else min(micro, pp - r))
                 for r in range(pp)]
     orders = _action_orders(candidate.schedule, pp, candidate.virtual, micro)
+    if candidate.schedule in schedules.SPLIT_BACKWARD:
+        peaks = []
+        for order in orders:
+            mine = sorted({action.stage for action in order})
+            held = schedules.peak_held(list(order), releases=_releases(candidate, mine),
+                                       forward_bytes={s: stages[s].activation for s in mine},
+                                       after_input_bytes={s: stages[s].after_input for s in mine})
+            peaks.append(sum(f * stages[s].activation + w * stages[s].after_input for s, (f, w) in held.items()))
+        return peaks
     peaks = []
     for order in orders:
         held = most = 0.0

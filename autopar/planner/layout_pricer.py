@@ -31,6 +31,7 @@ import torch
 from autopar.compiler.context import sharing_sharding_decisions
 from autopar.compiler.trace import reusing_traces
 from autopar.core.errors import PlanError
+from autopar.core.schedules import SPLIT_BACKWARD
 from autopar.cost.cluster import GB, Cluster
 from autopar.planner.block_ledgers import BlockLedgers, Layout, check_blocks_alike, measure_layout, traced_blocks
 from autopar.planner.composed_cost import composed_estimate
@@ -68,10 +69,11 @@ def first_line(error: Exception) -> str:
 
 class BlockPricer:
     def __init__(self, model: torch.nn.Module, cluster: Cluster, example_inputs: Sequence[Any],
-                 example_kwargs: dict | None = None, *, routing_skew: float = 1.0) -> None:
+                 example_kwargs: dict | None = None, *, routing_skew: float = 1.0, split_backward: bool = False) -> None:
         check_blocks_alike(model)
         self.model, self.cluster, self.args, self.kwargs = model, cluster, example_inputs, example_kwargs
         self.routing_skew = routing_skew  # the busiest expert's load over the mean (`routing_skew.py`)
+        self.split_backward = split_backward  # split-backward schedules searched: their B-to-W holds measured
         self.batch = global_batch(example_inputs, example_kwargs)
         self.layouts: dict[Layout, "BlockLedgers | str"] = {}
         self.decisions: dict = {}  # DTensor's sharding decisions, shared by every layout's plans
@@ -81,7 +83,8 @@ class BlockPricer:
     def measure(self, layout: Layout) -> "BlockLedgers | str":
         try:
             with sharing_sharding_decisions(self.decisions):
-                return measure_layout(self.model, layout, example_inputs=self.args, example_kwargs=self.kwargs)
+                return measure_layout(self.model, layout, example_inputs=self.args, example_kwargs=self.kwargs,
+                                      holds=self.split_backward)
         except PlanError as error:
             return first_line(error)
         except RuntimeError as error:  # PyTorch failing on the layout's shapes (a view past 2^31 elements
@@ -206,4 +209,5 @@ def price_composed(model: torch.nn.Module, cluster: Cluster, candidate: Candidat
     """One candidate priced as the composed search prices it, whether or not the search's rules
     would enumerate it (a published configuration that puts expert parallelism across nodes)."""
     with reusing_traces():
-        return BlockPricer(model, cluster, example_inputs, example_kwargs, routing_skew=routing_skew)(candidate)
+        return BlockPricer(model, cluster, example_inputs, example_kwargs, routing_skew=routing_skew,
+                           split_backward=candidate.schedule in SPLIT_BACKWARD)(candidate)

@@ -48,6 +48,7 @@ import torch
 from autopar.compiler.plan import plan
 from autopar.compiler.trace import reusing_traces
 from autopar.core.errors import PlanError
+from autopar.core.schedules import SPLIT_BACKWARD
 from autopar.cost.cluster import GB, Cluster
 from autopar.cost.step_cost import estimate
 from autopar.planner.layout_pricer import BlockPricer, first_line, input_dim
@@ -132,7 +133,8 @@ def search(model: torch.nn.Module, cluster: Cluster, *, example_inputs: Sequence
                         f"grows the busiest rank's routed activations (autopar/planner/routing_skew.py); a plan's "
                         f"ledgers are uniform routing's: search(..., method='blocks')")
     if composed:
-        price = BlockPricer(model, cluster, example_inputs, example_kwargs, routing_skew=space.routing_skew)
+        price = BlockPricer(model, cluster, example_inputs, example_kwargs, routing_skew=space.routing_skew,
+                            split_backward=any(s in SPLIT_BACKWARD for s in space.schedules))
     else:
         def price(candidate: Candidate) -> Outcome:
             return _price(model, cluster, candidate, example_inputs, example_kwargs)
