@@ -40,7 +40,8 @@ implement for a planned model:
 - the pipeline's span for stage costs F_s + B_s (compute, blocking collectives and the
   exposed part of the stage's own ring sends — context parallelism's, each micro-batch's — per
   micro-batch): Σ_s (F_s + B_s) + (m − 1) · max_s (F_s + B_s), the GPipe/1F1B span, plus the
-  sends' latency; its idle part is the bubble;
+  sends' latency; a split-backward schedule's (ZB-H1, DualPipeV) simulated over its action lists
+  (`_split_span`); its idle part is the bubble;
 - optimizer: `step_cost`'s AdamW model over the parameters the rank updates.
 Each rank is taken to have its own processor (the accelerator clusters this is for): the
 processor sharing `step_cost` models for CPU ranks on shared cores is not composed.
@@ -343,11 +344,13 @@ def _gather_seconds(price: _Pricer, kind: str, dp: int, nbytes: int, gathers: in
     return [price(kind, "dp", size, gathers * calls, stage=at)] * (gathers * calls)
 
 
-def _v_span(stages: list[_Stage], candidate: Candidate, cluster: Cluster, micro: int, send: float, pp: int) -> float:
-    """The span of a V-shaped schedule (DualPipeV), by `schedules.simulate`: its phases mix full and
-    split backwards, for which no closed form is kept here; each stage's F is its forward (with
-    what blocks it and its ring), B and W each half its backward (a full backward: both), every
-    hand-over between ranks waiting `send` (the one at the V's turn moves nothing)."""
+def _split_span(stages: list[_Stage], candidate: Candidate, cluster: Cluster, micro: int, send: float,
+                pp: int) -> float:
+    """The span of a split-backward schedule (ZB-H1, DualPipeV), by `schedules.simulate`: their W
+    passes fill what 1F1B leaves idle and DualPipeV's phases mix full and split backwards, for
+    which no closed form is kept here; each stage's F is its forward (with what blocks it and its
+    ring), B and W each half its backward (a full backward: both), every hand-over between ranks
+    waiting `send` (the one at a V's turn moves nothing)."""
     forward = {s.index: s.compute_f + s.blocking_f + exposed_seconds(s.sends, s.compute_f + s.compute_b,
                                                                      cluster.overlap, unhidden="first") for s in stages}
     backward = {s.index: s.compute_b + s.blocking_b for s in stages}
@@ -355,7 +358,7 @@ def _v_span(stages: list[_Stage], candidate: Candidate, cluster: Cluster, micro:
     def cost(action: schedules.Action) -> float:
         return forward[action.stage] if action.kind == "F" else backward[action.stage] / 2
 
-    orders = schedules.actions(candidate.schedule, degree=pp, virtual=2, microbatches=micro)
+    orders = schedules.actions(candidate.schedule, degree=pp, virtual=candidate.virtual, microbatches=micro)
     timed = schedules.simulate(orders, cost, stages=len(stages), split_backward=True, latency=send,
                                rank_of=lambda stage: schedules.stage_coordinate(candidate.schedule, pp, stage))
     return max(t.end for t in timed) - min(t.start for t in timed)
@@ -386,8 +389,8 @@ def _pipelined(stages: list[_Stage], ranks: list[_Rank], candidate: Candidate, c
                 + exposed_seconds(s.sends, s.compute_f + s.compute_b, cluster.overlap, unhidden="first")  # cp's ring
                 for s in r.stages) for r in ranks]
     critical = max(range(pp), key=work.__getitem__)
-    if candidate.schedule in schedules.V_SHAPED:
-        span = _v_span(stages, candidate, cluster, micro, send, pp)
+    if candidate.schedule in schedules.SPLIT_BACKWARD:
+        span = _split_span(stages, candidate, cluster, micro, send, pp)
     else:
         span = sum(work) / virtual + (micro - 1 / virtual) * work[critical] + 2 * (chunks - 1) * send
     busy = micro * work[critical]
