@@ -336,10 +336,13 @@ def drop_last_block(gm: torch.fx.GraphModule, placeholders: dict[str, Placeholde
     blocks = _blocks(gm, path)
     kept, dropped = blocks[count - 2], blocks[count - 1]
     own_kept, own_dropped = (_own_placeholders(gm, placeholders, f"{path}.{i}.") for i in (count - 2, count - 1))
-    relative = [_relative(nodes, placeholders, f"{path}.{i}.") for i, nodes in ((count - 2, own_kept),
-                                                                                 (count - 1, own_dropped))]
-    if not kept or len(kept) != len(dropped) or sorted(relative[0].values()) != sorted(relative[1].values()) \
-            or not _constants_alike(relative[0], relative[1], placeholders, state):
+    # lifted constants keep their model-wide numbers here, so blocks that lift any are not dropped:
+    # transformers' MoE blocks (Qwen3-MoE's KV-cache constants) read as a chain under-count a
+    # block's activations under tp (1.15% of the held bytes at tp=4, `tests/test_planner_moe.py`),
+    # while the two plans differenced agree
+    relative = [{node: placeholders[node.name].target.removeprefix(f"{path}.{i}.") for node in nodes}
+                for i, nodes in ((count - 2, own_kept), (count - 1, own_dropped))]
+    if not kept or len(kept) != len(dropped) or sorted(relative[0].values()) != sorted(relative[1].values()):
         return False
     position = [{node: i for i, node in enumerate(block)} for block in (kept, dropped)]
     inside = set(kept) | set(dropped)
