@@ -73,6 +73,10 @@ class Plan:
     _fake_runs: dict = field(default_factory=dict, repr=False, compare=False)
     # the planner's ranking when the plan was chosen by `plan(model, cluster=...)` (autopar/planner/search.py)
     search: Any = field(default=None, repr=False, compare=False)
+    # the fake runs price attention as an accelerator's fused kernel runs it whatever its head sizes
+    # (`ledger/fake_tensors.padded_attention`), not as PyTorch's CPU kernels: set by the planner for
+    # a cluster that fuses attention (`Cluster.fuses_attention`)
+    fused_attention: bool = field(default=False, repr=False, compare=False)
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:

@@ -137,6 +137,14 @@ class Cluster:
                             f"sooner than one inside a node (swapped?)")
 
     @property
+    def fuses_attention(self) -> bool:
+        """Whether its devices run attention as one fused kernel whatever the head sizes (an
+        accelerator's flash or memory-efficient attention; the plans it prices say so,
+        `Plan.fused_attention`), or as PyTorch's CPU kernels do (a gloo cluster: unequal query and
+        value head sizes on the math path)."""
+        return self.backend != "gloo"
+
+    @property
     def label(self) -> str:
         return self.name or f"{self.nodes}x{self.gpus_per_node}"
 

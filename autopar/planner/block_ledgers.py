@@ -357,13 +357,16 @@ def _sliced(values: Sequence[Any], rows: int) -> tuple:
 
 
 def measure_layout(model: torch.nn.Module, layout: Layout, *, example_inputs: Sequence[Any],
-                   example_kwargs: dict | None = None, holds: bool = False) -> BlockLedgers:
+                   example_kwargs: dict | None = None, holds: bool = False,
+                   fused_attention: bool = False) -> BlockLedgers:
     """The block and rest ledgers of `model` under `layout` (module docstring). `example_inputs`
     hold the global batch; the plans run one sequence per rank of the batch-sharding axes (ep:
     the attention's data parallelism inside an expert-parallel group). `holds`: also what a
-    split backward keeps from B to W (`split_backward_holds`; one more fake forward)."""
+    split backward keeps from B to W (`split_backward_holds`; one more fake forward);
+    `fused_attention`: attention priced as a fused kernel whatever its head sizes (`Plan.fused_attention`)."""
     path, blocks = _blocks_path(model)
-    one, two, chain = layout_plans(model, layout, example_inputs=example_inputs, example_kwargs=example_kwargs)
+    one, two, chain = layout_plans(model, layout, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                                   fused_attention=fused_attention)
     block_path = f"{path}.0"
     if chain:  # the block told apart in the one-block plan: its parameters, collectives, calls, activations
         block, rest = _parts(_attributed_state(one, block_path), *_measured(one, block_path))
@@ -456,7 +459,8 @@ def _experts(plan: Any) -> dict[str, int]:
 
 
 def layout_plans(model: torch.nn.Module, layout: Layout, *, example_inputs: Sequence[Any],
-                 example_kwargs: dict | None = None, both: bool = False) -> tuple[Any, Any, bool]:
+                 example_kwargs: dict | None = None, both: bool = False,
+                 fused_attention: bool = False) -> tuple[Any, Any, bool]:
     """The plans of `model` cut to one block and to two under `layout` (measured only, one sequence
     per rank of the batch-sharding axes), and whether the blocks are a chain: nothing outside them
     reads a block but the next one (`trace.reuse_shortened`: then the one-block trace is the
@@ -469,8 +473,11 @@ def layout_plans(model: torch.nn.Module, layout: Layout, *, example_inputs: Sequ
                           regather=layout.regather, fold_experts=layout.fold_experts)
 
     def planned() -> Any:
-        return make_plan(model, layout.mesh_spec, strategies=candidate.strategies(), example_inputs=args,
+        made = make_plan(model, layout.mesh_spec, strategies=candidate.strategies(), example_inputs=args,
                          example_kwargs=kwargs, reuse_blocks=False, _measured_only=True)
+        if fused_attention:  # before any fake run reads it (`Plan.fused_attention`)
+            made.fused_attention, made._fake_runs = True, {}
+        return made
 
     chain = traced_blocks(model, layout, example_inputs=example_inputs, example_kwargs=example_kwargs)
     with truncated(model, path, 1):

@@ -84,7 +84,7 @@ class BlockPricer:
         try:
             with sharing_sharding_decisions(self.decisions):
                 return measure_layout(self.model, layout, example_inputs=self.args, example_kwargs=self.kwargs,
-                                      holds=self.split_backward)
+                                      holds=self.split_backward, fused_attention=self.cluster.fuses_attention)
         except PlanError as error:
             return first_line(error)
         except RuntimeError as error:  # PyTorch failing on the layout's shapes (a view past 2^31 elements

@@ -50,18 +50,46 @@ def kernel_device(plan: "Plan", device: "str | torch.device | None") -> torch.de
     return torch.device("cpu")
 
 
-def on_device(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
+def on_device(gm: torch.fx.GraphModule, device: torch.device, *, fused_attention: bool = False
+              ) -> torch.fx.GraphModule:
     """Factory calls (arange, scalar_tensor, ...) of the rank graph moved to `device`; pipeline
-    sends and receives replaced by their planning stand-ins (nothing moves)."""
+    sends and receives replaced by their planning stand-ins (nothing moves); with
+    `fused_attention`, attention whose value heads are narrower than its query heads run as
+    `padded_attention`."""
     for node in gm.graph.nodes:
         if isinstance(node.kwargs.get("device"), torch.device):
             node.kwargs = dict(node.kwargs, device=device)
         if node.op == "call_function" and node.target in PLANNING_STAND_INS:
             node.target = PLANNING_STAND_INS[node.target]
+        if fused_attention and node.op == "call_function" and node.target is _SDPA and _narrower_values(node):
+            node.target = padded_attention
         if is_region_call(node):  # a recomputed region's own graph (autopar/compiler/passes/recompute.py)
-            on_device(node.target.__self__.graph_module, device)
+            on_device(node.target.__self__.graph_module, device, fused_attention=fused_attention)
     gm.recompile()
     return gm
+
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def _narrower_values(node: torch.fx.Node) -> bool:
+    query, _, value = (a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in node.args[:3])
+    return isinstance(query, torch.Tensor) and isinstance(value, torch.Tensor) and value.shape[-1] < query.shape[-1]
+
+
+def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+                     ) -> torch.Tensor:
+    """Attention whose value heads are narrower than its query and key heads (multi-head latent
+    attention: 192 against 128) as an accelerator runs it, for the ledgers' fake runs only: the
+    values zero-padded to the query's head size, so that PyTorch's fused CPU kernel runs it (its
+    flash attention needs equal head sizes; otherwise the math path keeps every query-key
+    probability for backward, 4.3 GB per DeepSeek-V3 block and 4K-token sequence), and the output
+    cut back. What it saves and computes is a fused kernel's, with the padding FlashAttention-2's
+    callers add (transformers pads so for it); the memory-efficient kernel would save the
+    unpadded values and output."""
+    width = value.shape[-1]
+    padded = torch.nn.functional.pad(value, (0, query.shape[-1] - width))
+    return _SDPA(query, key, padded, *args, **kwargs)[..., :width]
 
 
 def traced_mode(plan: "Plan") -> Any:
