@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.tensor._op_schema import OpStrategy
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
 
 import autopar
 from autopar.compiler import dtensor_matching
 from examples.gpt import GPT, GPTConfig, example_batch
+from examples.hf_models import tiny_causal_lm, token_batch
 from tests.test_context_parallel import LLAMA_BATCHES, gqa_llama
 from tests.test_moe import hf_moe
 
@@ -37,15 +40,7 @@ def counted(monkeypatch):
 
 
 def _token_batch() -> tuple:
-    from examples.hf_models import token_batch
-
     return token_batch(batch=4, seq=16, seed=0)
-
-
-def tiny_causal_lm(model_type: str):
-    from examples.hf_models import tiny_causal_lm as build
-
-    return build(model_type)
 
 
 PLANS = {
@@ -81,10 +76,6 @@ def test_a_plan_with_symbolic_batch_and_sequence_matches_the_expansion_too(count
 
 def test_a_matched_decision_that_differs_from_the_expansion_fails_the_check(monkeypatch, transformers):
     """The check itself: a shortcut answering Replicate where the inputs are sharded is caught."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor._op_schema import OpSpec
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
     inner = dtensor_matching._matched
 
     def wrong(mesh, op_schema, strategy_info, output_tensor_meta):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from autopar import PlanError, SearchSpace
+from autopar.compiler.ledger.activations import saved_activations
 from autopar.compiler.ledger.fake_run import received_rows, saving_run
 from autopar.compiler.trace import reusing_traces
 from autopar.planner.block_ledgers import Layout, layout_plans, measure_layout
@@ -84,8 +85,6 @@ def test_the_received_rows_activations_are_told_apart(build, transformers):
     assert ledgers.rest.received_activation_bytes == 0
     run = saving_run(one, 0)
     rows = {node.name for node in received_rows(run.graph_module.graph)}
-    from autopar.compiler.ledger.activations import saved_activations
-
     counted = sum(e.number for e in saved_activations(one, rank=0).entries if e.node in rows)
     assert block.received_activation_bytes == counted
     assert (ledgers.experts, ledgers.expert_ranks) == (4, 2) and ledgers.top_k == 2

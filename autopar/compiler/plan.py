@@ -78,6 +78,11 @@ class Plan:
     # a cluster that fuses attention (`Cluster.fuses_attention`)
     fused_attention: bool = field(default=False, repr=False, compare=False)
 
+    def fuse_attention(self) -> None:
+        """Price attention as an accelerator's fused kernel from now on (`fused_attention`): the
+        fake runs made so far are dropped."""
+        self.fused_attention, self._fake_runs = True, {}
+
     @property
     def graph_module(self) -> torch.fx.GraphModule:
         """The whole planned graph (all stages): placements and inserted collectives."""

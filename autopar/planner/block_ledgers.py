@@ -58,10 +58,10 @@ from autopar.compiler.plan import plan as make_plan
 from autopar.compiler.repeated_blocks import truncated
 from autopar.compiler.trace import reuse_shortened, reused_trace, trace_model
 from autopar.core.errors import PlanError
-from autopar.compiler.passes.insert_grad_reductions import VIEW_LIKE
 from autopar.core.ir import SPEC, local_numel, module_stack
 from autopar.core.ops import moe
 from autopar.planner.search_space import Candidate
+from autopar.planner.split_backward import split_backward_holds
 
 
 @dataclass(frozen=True)
@@ -382,69 +382,6 @@ def measure_layout(model: torch.nn.Module, layout: Layout, *, example_inputs: Se
                         **_experts(one))
 
 
-def split_backward_holds(plan: Any, block: str) -> tuple[int, int]:
-    """Per micro-batch, what a split backward's B keeps until its W (the memory ledger's rule,
-    `ledger/memory.split_backward_hold`), read off the one-block plan as a pipeline stage would
-    hold it: (one block's — the stage received the block's input —, the head's — the last stage's
-    ops after the blocks, which received the last block's output). Each: the saved activations
-    of the ops up to the last op where a trainable weight meets what was received (the weight pass
-    reads them), and the gradients B kept at those ops (one per output)."""
-    graph = plan.stages[0].graph_module.graph
-    prefix = block + "."
-
-    def inside(node: torch.fx.Node) -> bool:
-        return any(path == block or path.startswith(prefix) for path in module_stack(node))
-
-    weights: set = set()
-    received: set = set()
-    names: dict[str, set[str]] = {"block": set(), "head": set()}
-    meets: dict[str, list] = {"block": [], "head": []}
-    seen = False
-    for node in graph.nodes:
-        info = plan.context.placeholders.get(node.name) if node.op == "placeholder" else None
-        inputs = node.all_input_nodes
-        if info is not None and info.kind == "parameter" and info.requires_grad:
-            weights.add(node)
-            continue
-        if node.op != "call_function":
-            continue
-        if node.target in VIEW_LIKE and inputs and all(i in weights for i in inputs):
-            weights.add(node)
-            continue
-        here = inside(node)
-        seen = seen or here
-        if not seen:  # before the blocks: the first stage's, which receives nothing (a whole backward at B)
-            continue
-        part = "block" if here else "head"
-        names[part].add(node.name)
-        # what the part received: the block's inputs from before it, the head's from the block
-        entering = (lambda i: not inside(i) and i.op == "call_function") if here else inside
-        if any(i in received or (entering(i) and i not in weights) for i in inputs):
-            received.add(node)
-            if node.target not in VIEW_LIKE and any(i in weights for i in inputs):
-                meets[part].append(node)
-    entries = saved_activations(plan, rank=0).entries
-    holds = []
-    for part in ("block", "head"):
-        before: set[str] = set()
-        stack = list(meets[part])
-        while stack:
-            node = stack.pop()
-            if node.name not in before:
-                before.add(node.name)
-                stack.extend(node.all_input_nodes)
-        retained = sum(e.number for e in entries if e.node in names[part] and before & set(e.saved_by))
-        gradients = 0
-        for node in meets[part]:
-            value, spec = node.meta.get("val"), node.meta.get(SPEC)
-            if isinstance(value, (tuple, list)):
-                value, spec = value[0], spec[0]
-            gradients += int(plan.comm.number(local_numel(tuple(value.shape), spec.placements, plan.mesh.shape)
-                                              * value.dtype.itemsize))
-        holds.append(int(retained) + gradients)
-    return holds[0], holds[1]
-
-
 def _experts(plan: Any) -> dict[str, int]:
     """The first experts block's experts, its tokens' picks and the ranks its experts are split over."""
     graph = plan.graph_module.graph
@@ -475,8 +412,8 @@ def layout_plans(model: torch.nn.Module, layout: Layout, *, example_inputs: Sequ
     def planned() -> Any:
         made = make_plan(model, layout.mesh_spec, strategies=candidate.strategies(), example_inputs=args,
                          example_kwargs=kwargs, reuse_blocks=False, _measured_only=True)
-        if fused_attention:  # before any fake run reads it (`Plan.fused_attention`)
-            made.fused_attention, made._fake_runs = True, {}
+        if fused_attention:
+            made.fuse_attention()
         return made
 
     chain = traced_blocks(model, layout, example_inputs=example_inputs, example_kwargs=example_kwargs)

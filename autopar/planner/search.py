@@ -102,8 +102,8 @@ def _price(model: torch.nn.Module, cluster: Cluster, candidate: Candidate, args:
                        example_inputs=args, example_kwargs=kwargs)
     except PlanError as error:
         return Outcome(candidate, refused=first_line(error), seconds=time.perf_counter() - start)
-    if cluster.fuses_attention:  # its fake runs again, with attention as the cluster runs it
-        planned.fused_attention, planned._fake_runs = True, {}
+    if cluster.fuses_attention:  # attention as the cluster runs it
+        planned.fuse_attention()
     return Outcome(candidate, estimate(planned, cluster), plan=planned, seconds=time.perf_counter() - start)
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import sympy
 from tabulate import tabulate
@@ -260,34 +260,38 @@ def _schedule_inputs(plan: Any, rank: int, stages: list) -> tuple[list, dict, di
     return order, releases, ledgers, waiting
 
 
-def _weight_meets_input(plan: Any, stage: Any) -> list[Any]:
-    """The ops where a trainable parameter's path meets what the stage received (a linear, a norm):
-    where `torch.distributed.pipelining`'s `stage_backward_input` stops and keeps the gradient."""
+def weight_meets(plan: Any, graph: Any, received: Callable[[Any], bool],
+                 within: Callable[[Any], bool] | None = None) -> list[Any]:
+    """The ops of `graph` where a trainable parameter's path meets what flows from the values
+    `received` marks (a stage's received tokens; a block's inputs): a linear, a norm — where
+    `torch.distributed.pipelining`'s `stage_backward_input` stops and keeps the gradient. With
+    `within`, only the ops it accepts."""
     weights: set = set()
-    received: set = set()
+    flowing: set = set()
     meets = []
-    for node in stage.graph_module.graph.nodes:
+    for node in graph.nodes:
         info = plan.context.placeholders.get(node.name) if node.op == "placeholder" else None
         inputs = node.all_input_nodes
         if info is not None and info.kind == "parameter" and info.requires_grad:
             weights.add(node)
-        elif info is not None and info.kind == "token":
-            received.add(node)
         elif node.op == "call_function" and node.target in VIEW_LIKE and inputs and all(i in weights for i in inputs):
             weights.add(node)
-        elif node.op == "call_function" and any(i in received for i in inputs):
-            received.add(node)
-            if node.target not in VIEW_LIKE and any(i in weights for i in inputs):
+        elif received(node):
+            flowing.add(node)
+        elif node.op == "call_function" and any(i in flowing for i in inputs):
+            flowing.add(node)
+            if node.target not in VIEW_LIKE and any(i in weights for i in inputs) and (within is None or within(node)):
                 meets.append(node)
     return meets
 
 
-def split_backward_hold(plan: Any, stage: Any, ledger: Any) -> tuple[sympy.Expr, sympy.Expr]:
+def held_until_w(plan: Any, meets: list[Any], entries: list[Any], saved_in: set[str] | None = None
+                 ) -> tuple[sympy.Expr, sympy.Expr]:
     """Per micro-batch between a split backward's B and W: (saved activations the weight pass still
     reads — those saved by the meeting ops and everything before them; what only later ops saved,
     e.g. the loss's log-probabilities, is freed when B lets the outputs go — and the gradients B
-    kept at the meeting ops, one per op output)."""
-    meets = _weight_meets_input(plan, stage)
+    kept at the meeting ops, one per op output). `saved_in`: of `entries`, only those these nodes
+    produced."""
     before: set[str] = set()
     stack = list(meets)
     while stack:
@@ -295,7 +299,8 @@ def split_backward_hold(plan: Any, stage: Any, ledger: Any) -> tuple[sympy.Expr,
         if node.name not in before:
             before.add(node.name)
             stack.extend(node.all_input_nodes)
-    retained = sum((e.bytes for e in ledger.entries if before & set(e.saved_by)), sympy.Integer(0))
+    retained = sum((e.bytes for e in entries if (saved_in is None or e.node in saved_in) and before & set(e.saved_by)),
+                   sympy.Integer(0))
     gradients = sympy.Integer(0)
     for node in meets:
         value, spec = node.meta.get("val"), node.meta.get(SPEC)
@@ -303,6 +308,15 @@ def split_backward_hold(plan: Any, stage: Any, ledger: Any) -> tuple[sympy.Expr,
             value, spec = value[0], spec[0]
         gradients += local_numel(tuple(value.shape), spec.placements, plan.mesh.shape) * value.dtype.itemsize
     return sympy.simplify(retained), sympy.simplify(gradients.subs(plan.traced.symbols))
+
+
+def split_backward_hold(plan: Any, stage: Any, ledger: Any) -> tuple[sympy.Expr, sympy.Expr]:
+    """`held_until_w` of a pipeline stage: its weights meeting what it received (its tokens)."""
+    def token(node: Any) -> bool:
+        info = plan.context.placeholders.get(node.name) if node.op == "placeholder" else None
+        return info is not None and info.kind == "token"
+
+    return held_until_w(plan, weight_meets(plan, stage.graph_module.graph, token), ledger.entries)
 
 
 def largest_model(*, devices: int, memory_bytes: float, stage: int,
