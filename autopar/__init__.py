@@ -14,6 +14,7 @@ from autopar.compiler.rules.expert_rules import register_grouped_matmul
 from autopar.compiler.strategies.context import context_parallel
 from autopar.compiler.strategies.data_parallel import data_parallel, replicated
 from autopar.compiler.strategies.expert import expert_parallel
+from autopar.compiler.strategies.mixed_precision import float8
 from autopar.compiler.strategies.mixed_precision import mixed_precision
 from autopar.compiler.strategies.pipeline import pipeline_parallel
 from autopar.compiler.strategies.recompute import recompute
@@ -29,5 +30,5 @@ from autopar.cost.step_cost import estimate
 from autopar.planner.search import search
 from autopar.planner.search_space import SearchSpace
 
-__all__ = ["Cluster", "Mesh", "balance_documents", "calibrate", "comm_time", "estimate", "search", "SearchSpace", "ParallelModule", "Plan", "PlanError", "CheckpointError", "context_parallel", "data_parallel", "expert_parallel", "fsdp", "hsdp", "mixed_precision", "parallelize",
+__all__ = ["Cluster", "Mesh", "balance_documents", "calibrate", "comm_time", "estimate", "search", "SearchSpace", "ParallelModule", "Plan", "PlanError", "CheckpointError", "context_parallel", "data_parallel", "expert_parallel", "float8", "fsdp", "hsdp", "mixed_precision", "parallelize",
            "pipeline_parallel", "plan", "recompute", "register_grouped_matmul", "replicated", "save_runnable_plan", "schedule", "sequence_parallel", "tensor_parallel", "zero"]

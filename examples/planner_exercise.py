@@ -5,7 +5,9 @@ which layout for a 70B dense model, a 405B dense model, a 200B-total / 21B-activ
 same MoE at a 1M-token context (`examples/scale.py` for the shapes and batches)?
 `python examples/planner_exercise.py published` — Llama 3 405B on 8192 GPUs (TP8 × PP16 × DP64
 at 8K; TP8 × CP16 × PP16 × DP4 at 128K) and DeepSeek-V3 on 2048 GPUs (PP16 × EP64, ZeRO-1):
-the planner's choice, and the published layout priced by the same model.
+the planner's choice, and the published layout priced by the same model. `--float8 rowwise`:
+the same with every candidate's linears in FP8 (`autopar.float8`); `--local-scales`: each rank
+scaling its own rows (`float8(data_scales="local")`).
 Each prints, per case, the search's time, its top candidates (memory, bytes, predicted step,
 why each lost) and the winner's binding constraint. Every figure comes from two small plans per
 in-node layout composed with the ledger formulas (`autopar/planner/composed_cost.py`) on the preset
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` is not an installed package
+from autopar.compiler.strategies.mixed_precision import float8
 from autopar.cost.cluster import Cluster
 from autopar.core.errors import PlanError
 from autopar.planner.layout_pricer import price_composed
@@ -121,12 +124,21 @@ def main() -> None:
     parser.add_argument("which", choices=("seed", "published"))
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--only", default=None, help="the cases whose title contains this text, e.g. 'Mixtral'")
+    parser.add_argument("--float8", default=None, choices=("rowwise", "tensorwise"),
+                        help="every candidate's linears in FP8 with this recipe (autopar.float8); its FLOPs priced "
+                             "at the cluster's FP8 rate (the FP8 columns of docs/planner.md)")
+    parser.add_argument("--local-scales", action="store_true",
+                        help="with --float8: each rank scales its own rows (float8(data_scales='local'), torchao's way)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.which == "seed":
         cases = [(title, build, SEED_CLUSTER, space, []) for title, build, space in SEED]
     else:
         cases = _published()
+    if args.float8:
+        declared = float8(args.float8, data_scales="local" if args.local_scales else "global")
+        cases = [(title, build, cluster, replace(space, float8=declared),
+                  [replace(c, float8=declared) for c in published]) for title, build, cluster, space, published in cases]
     for title, build, cluster, space, published in cases:
         if args.only is None or args.only in title:
             _case(title, build, cluster, space, published, args.top)

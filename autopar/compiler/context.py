@@ -66,8 +66,9 @@ class CompileContext:
     strategy: ResolvedStrategy
     placeholders: dict[str, PlaceholderInfo]
     symbols: dict[sympy.Symbol, sympy.Symbol] = field(default_factory=dict)
-    units: list = field(default_factory=list)
-    master_dtypes: dict = field(default_factory=dict)  # mixed precision: FQN -> dtype of the master weights  # ShardUnits of ZeRO/FSDP (autopar/compiler/passes/shard_parameters.py)
+    units: list = field(default_factory=list)  # ShardUnits of ZeRO/FSDP (autopar/compiler/passes/shard_parameters.py)
+    float8_linears: dict = field(default_factory=dict)  # float8(): module path -> weight FQN of each FP8 linear
+    master_dtypes: dict = field(default_factory=dict)  # mixed precision: FQN -> dtype of the master weights
     explain: bool = False  # record the alternatives DTensor weighed for each op (autopar explain)
     # DTensor's decision per (op, argument specs and values): repeated layers ask the same question
     # (autopar/compiler/passes/propagate_placements.py, `_dtensor_decision`)

@@ -74,8 +74,8 @@ class Plan:
     # the planner's ranking when the plan was chosen by `plan(model, cluster=...)` (autopar/planner/search.py)
     search: Any = field(default=None, repr=False, compare=False)
     # the fake runs price attention as an accelerator's fused kernel runs it whatever its head sizes
-    # (`ledger/fake_tensors.padded_attention`), not as PyTorch's CPU kernels: set by the planner for
-    # a cluster that fuses attention (`Cluster.fuses_attention`)
+    # (`ledger/fake_tensors.padded_attention`) and FP8 products as its scaled matmul, not as PyTorch's
+    # CPU kernels: set by the planner for a cluster that fuses attention (`Cluster.fuses_attention`)
     fused_attention: bool = field(default=False, repr=False, compare=False)
 
     def fuse_attention(self) -> None:

@@ -63,6 +63,11 @@ class ShardUnit:
     # all the units of a pipeline stage): "all_gather", or one "broadcast" per owner into its row
     # of the gathered buffer (`comm_kinds.parameter_gather_kind`)
     gather_kind: str = "all_gather"
+    # stage 3: the positions of the parameters gathered in FP8 (weights of tensorwise FP8 linears,
+    # `autopar/core/ops/float8_gather.py`), and the other mesh axes that cut them (their scale is
+    # the whole weight's)
+    float8: tuple[int, ...] = ()
+    float8_axes: tuple[str, ...] = ()
 
     @property
     def shard_numel(self) -> int:

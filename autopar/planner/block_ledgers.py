@@ -56,10 +56,12 @@ from autopar.compiler.ledger.op_cost import OpTotals
 from autopar.compiler.ledger.peak import largest_optimized
 from autopar.compiler.plan import plan as make_plan
 from autopar.compiler.repeated_blocks import truncated
+from autopar.compiler.strategies.mixed_precision import Float8Declaration
 from autopar.compiler.trace import reuse_shortened, reused_trace, trace_model
 from autopar.core.errors import PlanError
 from autopar.core.ir import SPEC, local_numel, module_stack
 from autopar.core.ops import moe
+from autopar.planner.float8_scales import data_axis_scales
 from autopar.planner.search_space import Candidate
 from autopar.planner.split_backward import split_backward_holds
 
@@ -74,6 +76,7 @@ class Layout:
     recompute: str | None = None
     regather: bool = False
     fold_experts: bool = False  # experts over ep × tp (`Candidate.fold_experts`)
+    float8: "Float8Declaration | None" = None  # the linears in FP8 (`Candidate.float8`)
 
     @property
     def degrees(self) -> tuple[tuple[str, int], ...]:
@@ -207,6 +210,8 @@ def _state(plan: Any) -> Part:
     categories = {name: int(value) for name, value in memory.by_category().items()}
     tensors = sum(1 for e in memory.entries if e.category == "optimizer state")
     uses, synced = _comm(plan)
+    for (phase, nbytes), calls in data_axis_scales(plan).items():  # FP8 scales over the composed dp
+        uses[CommUse(phase, "dp", "all_reduce", nbytes)] += calls
     return Part(param_bytes=categories["parameters"], param_tensors=tensors, buffer_bytes=categories["model buffers"],
                 comm=uses, grad_sync=synced)
 
@@ -242,6 +247,8 @@ def _attributed_state(plan: Any, block: str) -> tuple[Part, Part]:
         if entry.phase != "grad_sync" and inside(entry.module):
             part.comm[CommUse(entry.phase, entry.axis, entry.kind, int(plan.comm.number(entry.logical_bytes)),
                               entry.behind)] += entry.times
+    for (phase, nbytes), calls in data_axis_scales(plan, inside).items():
+        part.comm[CommUse(phase, "dp", "all_reduce", nbytes)] += calls
     for bucket in (b for stage in stages for b in stage.buckets):
         mine = sum(numels[name] for name in bucket.params if inside(name)) * bucket.dtype.itemsize
         for axis in bucket.axes:
@@ -407,7 +414,7 @@ def layout_plans(model: torch.nn.Module, layout: Layout, *, example_inputs: Sequ
     path, _ = _blocks_path(model)
     args, kwargs = _layout_inputs(layout, example_inputs, example_kwargs)
     candidate = Candidate(layout.degrees, sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
-                          regather=layout.regather, fold_experts=layout.fold_experts)
+                          regather=layout.regather, fold_experts=layout.fold_experts, float8=layout.float8)
 
     def planned() -> Any:
         made = make_plan(model, layout.mesh_spec, strategies=candidate.strategies(), example_inputs=args,

@@ -60,7 +60,7 @@ def global_batch(example_inputs: Sequence[Any], example_kwargs: dict | None = No
 def layout_of(candidate: Candidate) -> Layout:
     return Layout(tp=candidate.degree("tp"), cp=candidate.degree("cp"), ep=candidate.degree("ep"),
                   sequence_parallel=candidate.sequence_parallel, recompute=candidate.recompute,
-                  regather=candidate.regather, fold_experts=candidate.fold_experts)
+                  regather=candidate.regather, fold_experts=candidate.fold_experts, float8=candidate.float8)
 
 
 def first_line(error: Exception) -> str:

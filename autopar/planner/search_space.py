@@ -39,6 +39,7 @@ import torch
 from autopar.compiler.strategies.context import context_parallel
 from autopar.compiler.strategies.data_parallel import data_parallel
 from autopar.compiler.strategies.expert import expert_parallel
+from autopar.compiler.strategies.mixed_precision import Float8Declaration
 from autopar.compiler.strategies.pipeline import pipeline_parallel
 from autopar.compiler.strategies.recompute import recompute
 from autopar.compiler.strategies.tensor_parallel import sequence_parallel, tensor_parallel
@@ -64,6 +65,7 @@ class Candidate:
     # gathers it again there (Megatron's), instead of keeping the gathered input
     regather: bool = False
     fold_experts: bool = False  # the experts split over ep × tp, not each expert over tp (`expert_parallel(fold=)`)
+    float8: "Float8Declaration | None" = None  # the linears in FP8 (`autopar.float8(...)`), None: as traced
 
     def degree(self, axis: str) -> int:
         return dict(self.degrees).get(axis, 1)
@@ -88,6 +90,8 @@ class Candidate:
             parts.append("experts on ep·tp")
         if self.recompute:
             parts.append(f"recompute {self.recompute}")
+        if self.float8:
+            parts.append(self.float8.label)
         return " × ".join(parts) or "one rank"
 
     def strategies(self, backend: str | None = None) -> list[Any]:
@@ -110,6 +114,8 @@ class Candidate:
                 chosen.append(expert_parallel(fold=("tp",) if self.fold_experts else ()))
         if self.recompute:
             chosen.append(recompute(self.recompute))
+        if self.float8:
+            chosen.append(self.float8)
         return chosen
 
 
@@ -136,6 +142,8 @@ class SearchSpace:
     # the busiest expert's routed rows over the mean (1.0: uniform routing): the busiest expert-parallel
     # rank's activations made from received rows are priced at that load (`routing_skew.py`)
     routing_skew: float = 1.0
+    # every candidate's linears in FP8 as declared (`autopar.float8(...)`); None: as traced
+    float8: "Float8Declaration | None" = None
 
 
 @dataclass(frozen=True)
@@ -217,7 +225,7 @@ def _options(degrees: tuple[tuple[str, int], ...], space: SearchSpace, facts: Mo
                     continue
                 for fold in folds:
                     yield Candidate(degrees, zero=z, sequence_parallel=sp, schedule=schedule, microbatches=micro,
-                                    virtual=virtual, fold_experts=fold)
+                                    virtual=virtual, fold_experts=fold, float8=space.float8)
 
 
 def candidates(world: int, cluster: Cluster, space: SearchSpace, facts: ModelFacts) -> Enumeration:

@@ -8,7 +8,9 @@ before and after and marks what changed: more bytes than the baseline allows or 
 baseline did not have (GREW, NEW), fewer bytes than it allows or a row gone (SHRANK, GONE). A
 collective whose dtype changed shows as a new row beside a gone one: WIDENED when the new dtype
 has more bytes per element than the gone one (bf16 gathered where fp8 was planned: whatever the
-tolerance, since the bytes may look explained), NARROWED when fewer. Each fails the gate: a shrink nobody explained is as likely a bytes-dropping bug
+tolerance, since the bytes may look explained), NARROWED when fewer; a gone row whose bytes went
+into a wider dtype's row of the same collective that was already there (an FP8 all-gather
+folded into a unit's bf16 one) is WIDENED too. Each fails the gate: a shrink nobody explained is as likely a bytes-dropping bug
 (a ledger entry lost, a reduction skipped) as an improvement, and an improvement is accepted by
 rewriting the baseline on purpose. `baseline_change` says what a rewrite would change and
 `update_baseline` makes it. Used by `autopar check` and `autopar.tools.testing`.
@@ -135,8 +137,9 @@ def compare(baseline: dict[str, Any], current: dict[str, Any], *, tolerance_pct:
         old_bytes, new_bytes = (old or {}).get("bytes", 0), (new or {}).get("bytes", 0)
         if old is None:
             status = _dtype_change(key, gone)
-        elif new is None:
-            status = "GONE"
+        elif new is None:  # its bytes moved to a wider dtype of the same collective, which grew: WIDENED
+            status = "WIDENED" if any(k[:3] == key[:3] and _itemsize(k[3]) > _itemsize(key[3]) and k in before
+                                      and now[k]["bytes"] > before[k]["bytes"] for k in now) else "GONE"
         elif new_bytes > old_bytes * (1 + tolerance_pct / 100):
             status = "GREW"
         elif new_bytes < old_bytes * (1 - tolerance_pct / 100):

@@ -172,19 +172,41 @@ def _unit_entries(unit, entry, *, pipelined: bool) -> list[CommEntry]:
         "..." if len(unit.params) > 3 else "")
     entries = []
     if unit.stage == 3:
+        entries += _float8_entries(unit, entry, name, pipelined=pipelined)
+        if unit.float8:  # the other parameters' gather
+            gathered = (unit.gathered_numel - sum(unit.group_size * unit.params[i].shard_numel for i in unit.float8)
+                        ) * unit.dtype.itemsize
         kind, logical, times, how = _gather_calls(unit, gathered)
-        entries.append(entry("forward", kind, unit.axis, name, tensors, f"ZeRO-3 parameters before use{how}",
-                             unit.dtype, logical, times=times))
-        if unit.reshard and not pipelined:
-            entries.append(entry("backward", kind, unit.axis, name, tensors,
-                                 f"ZeRO-3 parameters again for backward (resharded after forward){how}", unit.dtype,
-                                 logical, times=times))
+        for phase, again in (("forward", ""), ("backward", " again for backward (resharded after forward)")):
+            if gathered and (phase == "forward" or (unit.reshard and not pipelined)):
+                entries.append(entry(phase, kind, unit.axis, name, tensors,
+                                     f"ZeRO-3 parameters{again or ' before use'}{how}", unit.dtype, logical, times=times))
     how = "" if unit.reduce_kind == "reduce_scatter" else " (exchanged whole, summed by each owner)"
     entries.append(entry("grad_sync", unit.reduce_kind, unit.axis, name, tensors,
                          f"gradients to their owners{how}", unit.reduce_dtype, reduced))
     for axis in unit.extra_axes:
         entries.append(entry("grad_sync", "all_reduce", axis, name, tensors, "gradient shard over a replicated axis",
                              unit.reduce_dtype, unit.shard_numel * unit.reduce_dtype.itemsize))
+    return entries
+
+
+def _float8_entries(unit, entry, name: str, *, pipelined: bool) -> list[CommEntry]:
+    """A unit's FP8 weights (`autopar/core/ops/float8_gather.py`): their largest magnitudes all-reduced
+    over the unit's axis and the others cutting them (forward only: backward reuses the scales), and
+    one all-gather of their 8-bit values (again in backward when resharded)."""
+    if not unit.float8:
+        return []
+    fp8 = [unit.params[i] for i in unit.float8]
+    tensors = ",".join(p.fqn for p in fp8[:3]) + ("..." if len(fp8) > 3 else "")
+    entries = [entry("forward", "all_reduce", axis, name, tensors, "fp8 scales of the gathered weights (max)",
+                     unit.dtype, len(fp8) * unit.dtype.itemsize) for axis in (unit.axis, *unit.float8_axes)]
+    gathered = unit.group_size * sum(p.shard_numel for p in fp8)  # one byte each
+    entries.append(entry("forward", "all_gather", unit.axis, name, tensors, "ZeRO-3 weights before use, in FP8",
+                         torch.float8_e4m3fn, gathered))
+    if unit.reshard and not pipelined:
+        entries.append(entry("backward", "all_gather", unit.axis, name, tensors,
+                             "ZeRO-3 weights again for backward (resharded after forward), in FP8",
+                             torch.float8_e4m3fn, gathered))
     return entries
 
 

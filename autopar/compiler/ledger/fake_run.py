@@ -156,7 +156,7 @@ def _prepared(plan: "Plan", rank: int, stage: int | None, device: torch.device |
     chosen = plan.stages[stage] if stage is not None else plan.stages_of_rank(rank)[0]
     device = kernel_device(plan, device)
     gm = on_device(plan.rank_graph(rank, stage=chosen.index, recompute=recompute), device,
-                   fused_attention=plan.fused_attention)
+                   accelerator_kernels=plan.fused_attention)
     mode = traced_mode(plan)
     return chosen, device, gm, mode, fake_inputs(plan, chosen.graph_module.graph, mode, device)
 

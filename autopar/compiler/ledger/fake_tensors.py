@@ -12,6 +12,7 @@ import torch.fx
 
 from autopar.compiler.passes.recompute import is_region_call
 from autopar.core.ir import SPEC, hint, local_shape
+from autopar.core.ops.float8_matmul import float8_matmul
 from autopar.core.ops.p2p import PLANNING_STAND_INS
 
 if TYPE_CHECKING:
@@ -50,21 +51,25 @@ def kernel_device(plan: "Plan", device: "str | torch.device | None") -> torch.de
     return torch.device("cpu")
 
 
-def on_device(gm: torch.fx.GraphModule, device: torch.device, *, fused_attention: bool = False
+def on_device(gm: torch.fx.GraphModule, device: torch.device, *, accelerator_kernels: bool = False
               ) -> torch.fx.GraphModule:
     """Factory calls (arange, scalar_tensor, ...) of the rank graph moved to `device`; pipeline
     sends and receives replaced by their planning stand-ins (nothing moves); with
-    `fused_attention`, attention whose value heads are narrower than its query heads run as
-    `padded_attention`."""
+    `accelerator_kernels` (`Plan.fused_attention`), the kernels an accelerator runs where the CPU
+    runs others: attention whose value heads are narrower than its query heads as
+    `padded_attention`, FP8 linear products as `torch._scaled_mm` of 8-bit operands (priced at the
+    cluster's FP8 rate, `Cluster.matmul_tflops`) instead of the emulation's fp32 product."""
     for node in gm.graph.nodes:
         if isinstance(node.kwargs.get("device"), torch.device):
             node.kwargs = dict(node.kwargs, device=device)
         if node.op == "call_function" and node.target in PLANNING_STAND_INS:
             node.target = PLANNING_STAND_INS[node.target]
-        if fused_attention and node.op == "call_function" and node.target is _SDPA and _narrower_values(node):
+        if accelerator_kernels and node.op == "call_function" and node.target is _SDPA and _narrower_values(node):
             node.target = padded_attention
+        if accelerator_kernels and node.op == "call_function" and node.target is float8_matmul:
+            node.kwargs = dict(node.kwargs, scaled_kernel=True)
         if is_region_call(node):  # a recomputed region's own graph (autopar/compiler/passes/recompute.py)
-            on_device(node.target.__self__.graph_module, device, fused_attention=fused_attention)
+            on_device(node.target.__self__.graph_module, device, accelerator_kernels=accelerator_kernels)
     gm.recompile()
     return gm
 

@@ -165,6 +165,10 @@ def _transient_entries(plan: Any, stages: list) -> list[MemoryEntry]:
     gathered = {u.index: sympy.Integer(u.gathered_numel * u.dtype.itemsize) for u in units}
     laid_out = {u.index: sympy.Integer(u.gathered_numel * u.reduce_dtype.itemsize) for u in units}
     entries = []
+    scales = sum(len(u.float8) for u in units if u.stage == 3)
+    if scales:  # autopar/core/ops/float8_gather.py: one fp32 scale per FP8-gathered weight, forward to backward
+        entries.append(MemoryEntry("activations", "FP8 scales of gathered weights, forward to backward",
+                                   sympy.Integer(4 * scales)))
     if plan.pipeline is not None:  # every ZeRO-3 unit of the rank's stages stays gathered over the micro-batches
         kept = [gathered[u.index] for u in units if u.stage == 3]
         if kept:

@@ -2,7 +2,8 @@
 
 Every pass maps a `Program` (autopar.core.program) to a `Program`. Order: `drop_empty_concats` (an empty
 KV cache concatenated with keys and values) -> `lower_moe` (mixture-of-experts routing to autopar's
-kernels, with the all-to-all exchange under expert parallelism) -> `propagate_placements` ->
+kernels, with the all-to-all exchange under expert parallelism) -> `float8_linears` (the products of the
+linears `float8()` names, as FP8 products; a no-op without it) -> `propagate_placements` ->
 `insert_collectives` -> `insert_grad_reductions` (these decide the whole graph) -> `split_pipeline`
 (the stage graphs: one, the whole graph, without a pipeline) -> `shard_parameters` (ZeRO/FSDP units
 per stage; a no-op without a sharded-state strategy) -> `cast_parameters` (mixed precision: every other
@@ -30,6 +31,7 @@ from autopar.compiler.passes.causal_masks import causal_masks
 from autopar.compiler.passes.cast_parameters import cast_parameters
 from autopar.compiler.passes.chunk_collectives import chunk_collectives
 from autopar.compiler.passes.drop_empty_concats import drop_empty_concats
+from autopar.compiler.passes.float8_linears import float8_linears
 from autopar.compiler.passes.insert_collectives import insert_collectives
 from autopar.compiler.passes.insert_grad_reductions import insert_grad_reductions
 from autopar.compiler.passes.lower_moe import lower_moe
@@ -81,6 +83,6 @@ def _described(ctx: CompileContext) -> str:
 
 
 def default_passes() -> list[Pass]:
-    return [drop_empty_concats, causal_masks, lower_moe, propagate_placements, insert_collectives, insert_grad_reductions,
+    return [drop_empty_concats, causal_masks, lower_moe, float8_linears, propagate_placements, insert_collectives, insert_grad_reductions,
             split_pipeline, shard_parameters, cast_parameters, cast_outputs,
             recompute, chunk_collectives, schedule_collectives]

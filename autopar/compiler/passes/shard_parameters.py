@@ -21,6 +21,7 @@ the three calls (bound methods of `sharded_state.UnitCalls`) is `autopar.core.op
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import operator
 import re
@@ -28,12 +29,15 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from autopar.compiler.context import CompileContext
 from autopar.compiler.passes.insert_grad_reductions import GRAD_SYNC
 from autopar.core.comm_kinds import gradient_exchange_kind, parameter_gather_kind
-from autopar.core.ir import ARG_SPECS, COLLECTIVE, LOCAL_ARGS, RULE, SPEC, local_shape, module_path
+from autopar.core.ir import ARG_SPECS, COLLECTIVE, LOCAL_ARGS, RULE, SPEC, local_shape, module_path, shard_dim, tensor_meta
 from autopar.core.ops import sharded_state
+from autopar.core.ops.float8_matmul import float8_matmul
 from autopar.core.program import Program
 from autopar.core.zero_units import ShardUnit, UnitParam, rows_per_rank
 
@@ -88,13 +92,44 @@ def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declar
         reshard = declared.stage == 3 and declared.reshard_after_forward and (
             self_contained or (not name and declared.reshard_root))
         master = ctx.master_dtypes.get(params[0].fqn, dtype)
+        kinds = _kinds(declared, backend=ctx.strategy.backend)
+        fp8 = tuple(i for i, n in enumerate(nodes) if _float8_weight(n)) \
+            if declared.stage == 3 and kinds["gather_kind"] == "all_gather" else ()
+        cutting = {ctx.mesh.names[i] for position in fp8 for i, p in enumerate(nodes[position].meta[SPEC].placements)
+                   if shard_dim(p) is not None and ctx.mesh.shape[i] > 1}
         units.append((ShardUnit(index=index, name=name, axis=axis, group_size=size, stage=declared.stage,
                                 dtype=dtype, params=params, extra_axes=extra, reshard=reshard,
                                 prefetch=declared.prefetch, backward_prefetch=declared.backward_prefetch,
                                 master_dtype=master,
                                 reduce_dtype=_reduce_dtype(declared, ctx) or dtype, pipeline_stage=stage,
-                                **_kinds(declared, backend=ctx.strategy.backend)), nodes))
+                                float8=fp8, float8_axes=tuple(sorted(cutting - {axis})), **kinds), nodes))
     return units
+
+
+def _float8_weight(node: torch.fx.Node) -> bool:
+    """A parameter read only as the weight of tensorwise FP8 products: its unit gathers it in FP8
+    (`autopar/core/ops/float8_gather.py`; rowwise weights are cast per row along each product's
+    dimension, which one gathered FP8 copy cannot serve, so they are gathered in the compute dtype,
+    as torchao gathers them)."""
+    return bool(node.users) and all(user.target is float8_matmul and user.args[1] is node
+                                    and user.kwargs.get("recipe") == "tensorwise" for user in node.users)
+
+
+def _float8_scales(graph: torch.fx.Graph, gather: torch.fx.Node, unit: ShardUnit, items: list[torch.fx.Node],
+                   spec_of: torch.fx.Node) -> None:
+    """The unit's FP8 weights' scales (the gather's outputs after the parameters) handed to the
+    products reading them; the products' own weight-scale reductions are dropped from their rule."""
+    for k, position in enumerate(unit.float8):
+        with graph.inserting_after(items[-1]):
+            scale = graph.call_function(operator.getitem, (gather, len(items) + k))
+        scale.meta["val"] = spec_of.meta["val"].new_empty((), dtype=torch.float32)  # a fake tensor, as the graph's
+        spec = spec_of.meta[SPEC]
+        scale.meta[SPEC] = DTensorSpec(spec.mesh, tuple(Replicate() for _ in spec.placements), tensor_meta(scale.meta["val"]))
+        scale.meta[ZERO_UNIT] = unit.index
+        for user in list(items[position].users):
+            user.kwargs = dict(user.kwargs, weight_scale=scale)
+            rule = user.meta[RULE]
+            user.meta[RULE] = dataclasses.replace(rule, internal=[c for c in rule.internal if c.operand != "wt"])
 
 
 def _reduce_dtype(declared: ShardedState, ctx: CompileContext) -> torch.dtype | None:
@@ -153,6 +188,7 @@ def _rewrite_unit(graph: torch.fx.Graph, unit: ShardUnit, nodes: list[torch.fx.N
         node.replace_all_uses_with(item, delete_user_cb=lambda user: user is not gather)
         node.meta[GRAD_SYNC] = []  # the unit reduces its gradient: over the axis, then its extra_axes
         node.meta[ZERO_SHARD] = (unit.index, param.shard_shape)
+    _float8_scales(graph, gather, unit, gathered, nodes[0])
     if not unit.reshard:
         return
     users = [user for view in _aliases(gathered) for user in view.users]

@@ -18,7 +18,9 @@ from autopar.core.ir import tensor_meta
 
 @dataclass(frozen=True)
 class InternalCollective:
-    """A collective a local kernel issues: kind, axis, phase, logical bytes per call (sympy) and calls per use."""
+    """A collective a local kernel issues: kind, axis, phase, logical bytes per call (sympy) and calls
+    per use; `operand`: which of the op's arguments it concerns, where a later pass may take it over
+    (an FP8 product's weight scale, computed by its ZeRO unit's FP8 all-gather instead)."""
 
     kind: str
     axis: str
@@ -27,6 +29,7 @@ class InternalCollective:
     dtype: torch.dtype
     why: str
     calls: int = 1
+    operand: str = ""
 
 
 @dataclass

@@ -13,7 +13,7 @@ beside: `data_parallel.py` (+ `replicated`),
 `tensor_parallel.py` (+ sequence parallel), `zero.py` (ZeRO-1/2/3, FSDP, HSDP: a data-parallel
 axis that also shards the training state), `pipeline.py` (pipeline stages, schedule and
 micro-batches on an axis), `recompute.py` (regions run again in backward; on no axis), `mixed_precision.py`
-(compute and reduce dtypes; on no axis), `autopar/compiler/context.py` (sequence shards, attention lowered to ring / all-gather /
+(compute and reduce dtypes, and `float8`: linears computed in FP8; on no axis), `autopar/compiler/context.py` (sequence shards, attention lowered to ring / all-gather /
 all-to-all), `expert.py` (experts split over an axis, tokens exchanged by all-to-all); `find_layout.py` + `check_layout.py` find Megatron's patterns in the
 graph, `layouts.py` declares them by module names (an override).
 """
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import Placement
 
+from autopar.compiler.strategies.mixed_precision import Float8Declaration
 from autopar.compiler.strategies.mixed_precision import MixedPrecisionDeclaration
 from autopar.compiler.strategies.recompute import RecomputeDeclaration
 from autopar.compiler.strategies.schedule import ScheduleDeclaration
@@ -127,6 +128,8 @@ class ResolvedStrategy:
     schedule: "ScheduleDeclaration | None" = None  # collectives overlapped or not (autopar/compiler/strategies/schedule.py)
     # compute and reduce dtypes over fp32 masters (autopar/compiler/strategies/mixed_precision.py)
     mixed_precision: "MixedPrecisionDeclaration | None" = None
+    # linears computed in FP8 (autopar/compiler/strategies/mixed_precision.py)
+    float8: "Float8Declaration | None" = None
     # the process group's backend the plan is for (`plan(backend=)`); None: the initialised group's, if any
     backend: str | None = None
     _lookups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -284,7 +287,7 @@ def _flatten(strategies: "Sequence[Any]") -> list[Any]:
 
 
 # the declarations that belong to no mesh axis
-_NO_AXIS = (RecomputeDeclaration, ScheduleDeclaration, MixedPrecisionDeclaration)
+_NO_AXIS = (RecomputeDeclaration, ScheduleDeclaration, MixedPrecisionDeclaration, Float8Declaration)
 
 
 def check_axes(mesh: Mesh, strategies: "Sequence[Any]") -> None:
@@ -359,6 +362,9 @@ def resolve_strategies(mesh: Mesh, strategies: "list[Strategy] | tuple[Strategy,
     precisions = [s for s in flat if isinstance(s, MixedPrecisionDeclaration)]
     if len(precisions) > 1:
         raise PlanError(f"mixed_precision is declared {len(precisions)} times; declare it once")
+    float8s = [s for s in flat if isinstance(s, Float8Declaration)]
+    if len(float8s) > 1:
+        raise PlanError(f"float8 is declared {len(float8s)} times; declare it once (module globs can list several)")
     flat = [s for s in flat if not isinstance(s, _NO_AXIS)]
     for deferred in (s for s in flat if hasattr(s, "bind")):
         mesh.require_axis(deferred.axis, wanted_by=f"strategy {deferred.name!r}")
@@ -391,4 +397,5 @@ def resolve_strategies(mesh: Mesh, strategies: "list[Strategy] | tuple[Strategy,
         raise PlanError(f"strategies {[s.name for s in pipelines]} each declare a pipeline; declare one pipeline axis")
     return ResolvedStrategy(mesh=mesh, strategies=tuple(strategies), recompute=recomputes[0] if recomputes else None,
                             schedule=schedules[0] if schedules else None,
-                            mixed_precision=precisions[0] if precisions else None, backend=backend)
+                            mixed_precision=precisions[0] if precisions else None,
+                            float8=float8s[0] if float8s else None, backend=backend)

@@ -1,4 +1,5 @@
-"""Mixed precision as data: the dtype parameters compute in and the dtype gradients are reduced in.
+"""Low precision as data: the dtype parameters compute in and the dtype gradients are reduced in
+(`mixed_precision`), and the linears computed in FP8 (`float8`).
 
 `mixed_precision(param_dtype=torch.bfloat16)` declares, for every parallelism of the plan, the
 recipe of PyTorch's FSDP2 `MixedPrecisionPolicy` and of torchtitan:
@@ -20,6 +21,26 @@ recipe of PyTorch's FSDP2 `MixedPrecisionPolicy` and of torchtitan:
 The declaration belongs to no mesh axis; `resolve_strategies` takes it out of the strategy list
 (`ResolvedStrategy.mixed_precision`). ZeRO's own `param_dtype=`/`reduce_dtype=` are the same
 declaration for its units; declaring both with different dtypes is refused.
+
+`float8(recipe="rowwise")` declares, for every parallelism of the plan, torchao's float8 training
+recipe (`autopar/core/ops/float8_matmul.py`: "tensorwise" or "rowwise" scaling) for the linears it
+names; `autopar/compiler/passes/float8_linears.py` puts their products in the graph:
+- `modules`: module-path globs (`fnmatch`, e.g. `"layers.*.mlp.*"`) of the linears to convert;
+  None (the default) converts every linear but the head: the last linear the model runs, when it
+  lies outside the model's repeated blocks (an LM's vocabulary projection, which torchtitan and
+  torchao's recipes keep in high precision);
+- `exclude`: globs of linears kept in high precision among those.
+
+Every scale is the one a single device would compute (largest magnitudes all-reduced where a mesh
+axis cuts them), so a plan equals one device running torchao's `Float8Linear` with the same recipe.
+`data_scales="local"` declares torchao's and torchtitan's way instead: a scale spanning the rows
+(tokens) is taken over the rows the rank holds, with no all-reduce over the axes cutting them
+(data, expert, context axes); the plan then equals one device accumulating gradients over the
+ranks' rows as micro-batches (as a pipeline's micro-batches are scaled one by one). At scale those
+all-reduces are many small latency-bound calls over the data axis (one or two per linear and
+micro-batch), which the planner prices.
+Both operand dimensions of a converted linear must be multiples of 16 (the FP8 matrix kernels'
+alignment); another is refused by name. The declaration belongs to no mesh axis.
 """
 from __future__ import annotations
 
@@ -28,6 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.core.errors import PlanError
+from autopar.core.ops.float8_matmul import RECIPES
 
 
 @dataclass(frozen=True)
@@ -65,3 +87,36 @@ def check_precision_dtype(owner: str, name: str, dtype: object) -> None:
     if dtype.itemsize < 2:
         raise PlanError(f"{owner}({name}={dtype}): 8-bit floats need scales beside them, which a plain cast does "
                         f"not keep; fix: a 16- or 32-bit dtype")
+
+@dataclass(frozen=True)
+class Float8Declaration:
+    recipe: str
+    modules: tuple[str, ...] | None
+    exclude: tuple[str, ...]
+    data_scales: str = "global"
+    name: str = "float8"
+
+    def describe(self) -> str:
+        which = "every linear but the head" if self.modules is None else ", ".join(self.modules)
+        unless = f", except {', '.join(self.exclude)}" if self.exclude else ""
+        local = ", each rank's rows scaled alone" if self.data_scales == "local" else ""
+        return f"fp8 {self.recipe}: {which}{unless}{local}"
+
+    @property
+    def label(self) -> str:
+        """Short form for the planner's tables: `fp8 rowwise`, `fp8 rowwise local`."""
+        return f"fp8 {self.recipe}" + (" local" if self.data_scales == "local" else "")
+
+
+def float8(recipe: str = "rowwise", modules: "str | tuple[str, ...] | list[str] | None" = None,
+           exclude: "str | tuple[str, ...] | list[str]" = (), data_scales: str = "global") -> Float8Declaration:
+    """Linears computed in FP8 with torchao's `recipe` ("tensorwise" or "rowwise"); `data_scales`:
+    "global" (one device's scales) or "local" (each rank's rows scaled alone). Module docstring."""
+    if recipe not in RECIPES:
+        raise PlanError(f"float8(recipe={recipe!r}): the recipes are {sorted(RECIPES)}")
+    if data_scales not in ("global", "local"):
+        raise PlanError(f"float8(data_scales={data_scales!r}): 'global' (one device's scales) or 'local' (each rank "
+                        f"scales the rows it holds)")
+    as_tuple = lambda value: (value,) if isinstance(value, str) else tuple(value)  # noqa: E731
+    return Float8Declaration(recipe=recipe, modules=None if modules is None else as_tuple(modules),
+                             exclude=as_tuple(exclude), data_scales=data_scales)

@@ -38,6 +38,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from autopar.core.errors import PlanError
+from autopar.core.ops import float8_gather
 from autopar.core.zero_units import ShardUnit, copy_gathered, gather_layout, grad_layout, refresh_groups, shard_views
 
 _c10d = torch.ops._c10d_functional
@@ -73,8 +74,11 @@ class UnitCalls:
         return UnitCalls, (list(self.units.values()),)
 
     def gather_unit(self, shards: tuple[torch.Tensor, ...], *, unit: int) -> tuple[torch.Tensor, ...]:
+        """The gathered parameters, then one fp32 scale per FP8-gathered one (`float8_gather`)."""
+        params = self.units[unit].params
         return tuple(torch.empty(p.shape, dtype=s.dtype, device=s.device).requires_grad_(s.requires_grad)
-                     for p, s in zip(self.units[unit].params, shards))
+                     for p, s in zip(params, shards)) + tuple(
+            torch.empty((), dtype=torch.float32, device=shards[0].device) for _ in self.units[unit].float8)
 
     def release_unit(self, *, unit: int) -> None:
         return None
@@ -93,12 +97,16 @@ class _GatherUnit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, state, index, *shards):
         ctx.state, ctx.index = state, index
-        return tuple(full.view_as(full) for full in state.gathered(index))
+        fulls = tuple(full.view_as(full) for full in state.gathered(index))
+        scales = tuple(state.scales[index]) if state.units[index].float8 else ()
+        ctx.mark_non_differentiable(*scales)
+        return fulls + scales
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.state.reduce_gradients(ctx.index, list(grads))
-        return (None, None) + (None,) * len(grads)
+        params = len(ctx.state.units[ctx.index].params)
+        ctx.state.reduce_gradients(ctx.index, list(grads[:params]))
+        return (None, None) + (None,) * params
 
 
 class _Boundary(torch.autograd.Function):
@@ -132,7 +140,9 @@ class ShardedState(UnitCalls):
         self.groups = groups
         self.order = order  # units in forward (first-gather) order
         self.full: dict[int, list[torch.Tensor]] = dict(fulls)  # stages 1/2: persistent from the start
-        self._pending: dict[int, _Gather] = {}  # gathers in flight (stage 3: prefetched)
+        self._pending: dict[int, Any] = {}  # gathers in flight (stage 3: prefetched): _Gather, or a pair with FP8's
+        self.scales: dict[int, torch.Tensor] = {}  # FP8-gathered units: their weights' scales (`float8_gather`)
+        self._scale_versions: dict[int, tuple[int, ...]] = {}  # the shards' versions those scales were taken of
         self._owner: dict[int, tuple[int, int]] = {full.untyped_storage().data_ptr(): (index, i)
                                                    for index, fulls in self.full.items() for i, full in enumerate(fulls)}
         self._grad_buffers = {u.index: torch.zeros(u.gathered_numel, dtype=u.reduce_dtype,
@@ -171,12 +181,30 @@ class ShardedState(UnitCalls):
     # ---- forward
     def _launch(self, index: int) -> None:
         unit = self.units[index]
-        self._pending[index] = _issue_gather(self.shards[index], unit, unit.shard_numel, self.groups[unit.axis])
+        if not unit.float8:
+            self._pending[index] = _issue_gather(self.shards[index], unit, unit.shard_numel, self.groups[unit.axis])
+            return
+        rest, _ = float8_gather.split(unit)
+        chosen = set(unit.float8)
+        others = [s for i, s in enumerate(self.shards[index]) if i not in chosen]
+        # the scales of the forward's gather serve its backward's while the shards are unchanged
+        versions = tuple(self.shards[index][i]._version for i in unit.float8)
+        known = self._scale_versions.get(index) == versions and index in self.scales
+        fp8 = float8_gather.issue(self.shards[index], unit, self.groups, self.scales[index] if known else None)
+        self.scales[index], self._scale_versions[index] = fp8.scales, versions
+        self._pending[index] = (_issue_gather(others, rest, rest.shard_numel, self.groups[unit.axis]) if others
+                                else None, fp8)
 
     def _finish(self, index: int) -> list[torch.Tensor]:
         if index not in self._pending:
             self._launch(index)
-        return gather_layout(self.units[index], self._pending.pop(index).landed().view(-1))
+        unit, pending = self.units[index], self._pending.pop(index)
+        if not unit.float8:
+            return gather_layout(unit, pending.landed().view(-1))
+        rest, fp8 = pending
+        others = iter(gather_layout(float8_gather.split(unit)[0], rest.landed().view(-1)) if rest is not None else [])
+        chosen = iter(fp8.landed())
+        return [next(chosen) if i in unit.float8 else next(others) for i in range(len(unit.params))]
 
     def gathered(self, index: int) -> list[torch.Tensor]:
         unit = self.units[index]
@@ -271,6 +299,7 @@ class ShardedState(UnitCalls):
         unit = self.units[index]
         if unit.stage == 3:
             self.release(index)
+            self.scales.pop(index, None)  # FP8 gathers: the step's scales served their backward
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
