@@ -23,7 +23,8 @@ from autopar.core.ops.float8_matmul import float8_matmul
 from autopar.runtime.launch import launch
 from autopar.tools.comm_gate import comm_summary
 from examples.gpt import GPT, GPTConfig, example_batch
-from tests.numerics import EPS, STEPS, distributed_rank, single_device
+from tests.numerics import EPS, STEPS, distributed_rank, single_device, train_step
+from tests.test_mixed_precision import pipeline_step
 from tests.numerics_checks import (NOISE_FLOOR, assert_ledger_equals_measured, assert_matches, assert_memory_equals_ledger,
                                    max_relative_error)
 
@@ -49,6 +50,9 @@ CASES = {
     "dp2_tensorwise_local": ("dp=2", [autopar.data_parallel()], "tensorwise", "local"),
     "dp2_rowwise": ("dp=2", [autopar.data_parallel()], "rowwise"),
     "dp2_tensorwise": ("dp=2", [autopar.data_parallel()], "tensorwise"),
+    # a pipeline's micro-batches are scaled one by one: one device accumulating over the same micro-batches
+    "pp2_rowwise": ("pp=2", [autopar.pipeline_parallel(microbatches=2)], "rowwise"),
+    "cp2_rowwise": ("cp=2", [autopar.context_parallel()], "rowwise"),
     "dp2_bf16_rowwise": ("dp=2", [autopar.data_parallel(), autopar.mixed_precision(torch.bfloat16)], "rowwise"),
     "zero3_tp2_sp_rowwise": ("dp=2,tp=2", [autopar.zero(stage=3), autopar.sequence_parallel()], "rowwise"),
     # gathered by all-gather (gloo's own default is owner broadcasts): the weights travel in FP8
@@ -63,6 +67,7 @@ def run_cases(rank: int, world: int, names: list[str]) -> list[dict]:
         mesh, strategies, recipe, *scales = CASES[name]
         declared = autopar.float8(recipe, data_scales=scales[0] if scales else "global")
         results.append(distributed_rank(rank, world, build, BATCHES, mesh, strategies + [declared],
+                                        step=pipeline_step if name.startswith("pp") else train_step,
                                         eps=BF16_EPS if name in BF16_CASES else EPS))
     return results
 
@@ -88,7 +93,8 @@ def test_one_device_equals_torchao():
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world, names", [(2, ["dp2_rowwise", "dp2_tensorwise", "dp2_bf16_rowwise",
-                                              "dp2_rowwise_local", "dp2_tensorwise_local"]),
+                                              "dp2_rowwise_local", "dp2_tensorwise_local", "pp2_rowwise",
+                                              "cp2_rowwise"]),
                                           (4, ["zero3_tp2_sp_rowwise", "zero3_tp2_tensorwise"])])
 def test_fp8_linears_equal_torchaos_single_device_model(world, names):
     """Losses, whole gradients and parameters after 3 AdamW steps against torchao's model on one
@@ -106,7 +112,8 @@ def test_fp8_linears_equal_torchaos_single_device_model(world, names):
     for index, name in enumerate(names):
         bf16 = name in BF16_CASES
         local = CASES[name][3:] == ("local",)
-        reference = single_device(lambda: torchao_model(CASES[name][2]), BATCHES, microbatches=2 if local else 1,
+        micro = 2 if local or name.startswith("pp") else 1
+        reference = single_device(lambda: torchao_model(CASES[name][2]), BATCHES, microbatches=micro,
                                   param_dtype=torch.bfloat16 if bf16 else None, eps=BF16_EPS if bf16 else EPS)
         results = [rank_results[index] for rank_results in per_rank]
         try:
@@ -119,7 +126,7 @@ def test_fp8_linears_equal_torchaos_single_device_model(world, names):
             # looser, 14.5% against 5% (measured 2026-12-07): FP8 silently left out would fail the case
             assert largest_errors(reference, [plain[bf16]])["grads"] > (2 if bf16 else 10) * BOUNDS[name]
             assert_ledger_equals_measured(results)
-            assert_memory_equals_ledger(results, reference)
+            assert_memory_equals_ledger(results, reference, activations=not name.startswith("pp"))
         except AssertionError as error:
             raise AssertionError(f"{name} ({CASES[name][0]}): {error}") from None
 
@@ -140,7 +147,13 @@ def largest_errors(reference: dict, results: list[dict]) -> dict[str, float]:
 # its measured reasons (per-rank partial sums rounded to bf16; the loss itself rounded to bf16)
 BF16_CASES = {"dp2_bf16_rowwise"}
 BF16_EPS = 1e-2
-BOUNDS = {"dp2_rowwise_local": 1e-5, "dp2_tensorwise_local": 1e-5, "dp2_bf16_rowwise": 5e-2, "dp2_rowwise": 1e-5, "dp2_tensorwise": 1e-5, "zero3_tp2_sp_rowwise": 1e-5, "zero3_tp2_tensorwise": 1e-5}
+# context parallelism computes attention in blocks merged by their log-sum-exp, which rounds the
+# attention's output and its gradients in another order than one device (~1e-7 relative, well
+# inside 1e-5 without FP8); an 8-bit cast amplifies that where a value lies on a rounding boundary
+# of e4m3, moving it to its neighbour (1/16 of its size): measured 3.7e-4 on the largest gradient
+# entry and 2.4e-5 on the parameters (2026-12-07), and 2.4% with tensorwise's e5m2 gradients
+# (1/8 steps), which this test leaves out
+BOUNDS = {"pp2_rowwise": 1e-5, "cp2_rowwise": 1e-3, "dp2_rowwise_local": 1e-5, "dp2_tensorwise_local": 1e-5, "dp2_bf16_rowwise": 5e-2, "dp2_rowwise": 1e-5, "dp2_tensorwise": 1e-5, "zero3_tp2_sp_rowwise": 1e-5, "zero3_tp2_tensorwise": 1e-5}
 
 
 def test_scales_are_all_reduced_where_an_axis_cuts_them():
@@ -229,7 +242,7 @@ def test_zero3_gathers_tensorwise_weights_in_fp8_and_a_widening_fails_the_gate(m
 
 
 def test_the_composed_price_adds_the_scale_all_reduces_a_planned_data_axis_makes():
-    """The planner composes dp by formula from plans without it (`planner/float8_scales.py`): the
+    """The planner composes dp by formula from plans without it (`planner/float8_pricing.py`): the
     seconds one-device scales add to dp's all-reduces (global less local scales) equal, candidate by
     candidate, what the candidates planned whole with their dp axis add; local scales add none."""
     from tests.test_composed_cost import NODE, planned_and_composed
@@ -249,3 +262,42 @@ def test_the_composed_price_adds_the_scale_all_reduces_a_planned_data_axis_makes
     for label, seconds in added.items():
         planned, composed = (seconds["global"][i] - seconds["local"][i] for i in (0, 1))
         assert planned > 0 and abs(composed / planned - 1) <= 0.01, (label, seconds)
+
+
+def test_the_composed_price_gathers_zero3s_fp8_weights_in_fp8_as_a_planned_plan_does():
+    """ZeRO-3 units gather tensorwise FP8 weights one byte an element, in a second all-gather beside
+    the unit's own: what FP8 changes in the dp all-gathers' seconds is the same, candidate by
+    candidate, composed (`composed_cost`: `Part.fp8_gathered`) as planned whole (the plans run the
+    FP8 gathers). On this tiny model the second call's latency outweighs the bytes saved."""
+    from tests.test_composed_cost import NODE, planned_and_composed
+    from autopar.planner.search_space import SearchSpace
+
+    config = GPTConfig(n_layer=4, d_model=64, n_head=4, d_ff=256, seq_len=32)
+    model, batch = GPT(config), example_batch(config, batch=8)
+    seconds = {}
+    for declared in (None, autopar.float8("tensorwise", data_scales="local")):
+        space = SearchSpace(axes=("dp", "tp"), zero_stages=(3,), sequence_parallel=(False,), recompute=(),
+                            float8=declared)
+        for label, candidate, full, part in planned_and_composed(model, NODE, batch, space):
+            if candidate.degree("dp") > 1 and full is not None:
+                key = (label.replace(" × fp8 tensorwise local", ""), declared is not None)
+                seconds[key] = [e.comm_by_kind.get("dp all_gather", 0.0) for e in (full, part)]
+    assert len(seconds) >= 4
+    for (label, fp8), (planned, composed) in seconds.items():
+        if fp8:
+            changed = [(planned, composed)[i] - seconds[(label, False)][i] for i in (0, 1)]
+            assert changed[0] != 0 and abs(changed[1] / changed[0] - 1) <= 0.01, (label, changed)
+
+
+def test_the_cli_declares_float8():
+    """`autopar plan --float8 rowwise[:local]` adds the declaration; anything else is refused."""
+    import argparse
+
+    from autopar.tools.cli import _precision_option
+
+    declared = _precision_option(argparse.Namespace(mixed_precision=None, float8="tensorwise:local"))
+    assert declared == [autopar.float8("tensorwise", data_scales="local")]
+    both = _precision_option(argparse.Namespace(mixed_precision="bf16", float8="rowwise"))
+    assert both[1] == autopar.float8("rowwise") and both[0].param_dtype == torch.bfloat16
+    with pytest.raises(PlanError, match="RECIPE:local"):
+        _precision_option(argparse.Namespace(mixed_precision=None, float8="rowwise:global"))

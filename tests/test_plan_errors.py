@@ -106,10 +106,10 @@ def test_unknown_strategy_object_is_refused():
 def test_size_one_axes_insert_nothing():
     plan = plan_gpt("dp=1", [autopar.data_parallel()])
     inserted = {r.name: r.nodes_after - r.nodes_before for r in plan.pass_records}
-    assert inserted == {"drop_empty_concats": 0, "causal_masks": 0, "lower_moe": 0, "propagate_placements": 0, "insert_collectives": 0,
-                        "insert_grad_reductions": 0, "split_pipeline": 0, "shard_parameters": 0, "cast_parameters": 0,
-                        "cast_outputs": 0, "recompute": 0,
-                        "chunk_collectives": 0, "schedule_collectives": 0}
+    assert inserted == {"drop_empty_concats": 0, "causal_masks": 0, "lower_moe": 0, "float8_linears": 0,
+                        "propagate_placements": 0, "insert_collectives": 0, "insert_grad_reductions": 0,
+                        "split_pipeline": 0, "shard_parameters": 0, "cast_parameters": 0, "cast_outputs": 0,
+                        "recompute": 0, "chunk_collectives": 0, "schedule_collectives": 0}
     assert plan.comm.entries == []
 
 

@@ -61,7 +61,7 @@ from autopar.compiler.trace import reuse_shortened, reused_trace, trace_model
 from autopar.core.errors import PlanError
 from autopar.core.ir import SPEC, local_numel, module_stack
 from autopar.core.ops import moe
-from autopar.planner.float8_scales import data_axis_scales
+from autopar.planner.float8_pricing import data_axis_scales, fp8_gathered_weights
 from autopar.planner.search_space import Candidate
 from autopar.planner.split_backward import split_backward_holds
 
@@ -124,6 +124,8 @@ class Part:
     # stage of blocks holds it, the rest's the head's on the last stage); measured for searches
     # with split-backward schedules only
     hold_bytes: int = 0
+    # ZeRO-3's FP8-gathered weights (`float8_pricing.fp8_gathered_weights`): "bytes" (compute dtype), "elements"
+    fp8_gathered: Counter = field(default_factory=Counter)
 
 
 @dataclass
@@ -210,10 +212,9 @@ def _state(plan: Any) -> Part:
     categories = {name: int(value) for name, value in memory.by_category().items()}
     tensors = sum(1 for e in memory.entries if e.category == "optimizer state")
     uses, synced = _comm(plan)
-    for (phase, nbytes), calls in data_axis_scales(plan).items():  # FP8 scales over the composed dp
-        uses[CommUse(phase, "dp", "all_reduce", nbytes)] += calls
+    uses.update({CommUse(p, "dp", "all_reduce", n): c for (p, n), c in data_axis_scales(plan).items()})  # FP8's
     return Part(param_bytes=categories["parameters"], param_tensors=tensors, buffer_bytes=categories["model buffers"],
-                comm=uses, grad_sync=synced)
+                comm=uses, grad_sync=synced, fp8_gathered=fp8_gathered_weights(plan))
 
 
 def _attributed_state(plan: Any, block: str) -> tuple[Part, Part]:
@@ -247,8 +248,8 @@ def _attributed_state(plan: Any, block: str) -> tuple[Part, Part]:
         if entry.phase != "grad_sync" and inside(entry.module):
             part.comm[CommUse(entry.phase, entry.axis, entry.kind, int(plan.comm.number(entry.logical_bytes)),
                               entry.behind)] += entry.times
-    for (phase, nbytes), calls in data_axis_scales(plan, inside).items():
-        part.comm[CommUse(phase, "dp", "all_reduce", nbytes)] += calls
+    part.comm.update({CommUse(p, "dp", "all_reduce", n): c for (p, n), c in data_axis_scales(plan, inside).items()})
+    part.fp8_gathered = fp8_gathered_weights(plan, inside)
     for bucket in (b for stage in stages for b in stage.buckets):
         mine = sum(numels[name] for name in bucket.params if inside(name)) * bucket.dtype.itemsize
         for axis in bucket.axes:
@@ -256,7 +257,7 @@ def _attributed_state(plan: Any, block: str) -> tuple[Part, Part]:
                 part.grad_sync[axis] += mine
     rest = Part(whole.param_bytes - part.param_bytes, whole.param_tensors - part.param_tensors,
                 whole.buffer_bytes - part.buffer_bytes, comm=whole.comm - part.comm,
-                grad_sync=whole.grad_sync - part.grad_sync)
+                grad_sync=whole.grad_sync - part.grad_sync, fp8_gathered=whole.fp8_gathered - part.fp8_gathered)
     return part, rest
 
 
@@ -302,11 +303,13 @@ def _state_parts(two: Part, one: Part) -> tuple[Part, Part]:
     """(block, rest) of what the placements state: the two plans' difference, and the one-block
     plan less it."""
     block = Part(two.param_bytes - one.param_bytes, two.param_tensors - one.param_tensors,
-                 two.buffer_bytes - one.buffer_bytes, comm=two.comm - one.comm, grad_sync=two.grad_sync - one.grad_sync)
+                 two.buffer_bytes - one.buffer_bytes, comm=two.comm - one.comm, grad_sync=two.grad_sync - one.grad_sync,
+                 fp8_gathered=two.fp8_gathered - one.fp8_gathered)
     rest = Part(one.param_bytes - block.param_bytes, one.param_tensors - block.param_tensors,
                 one.buffer_bytes - block.buffer_bytes, comm=one.comm - block.comm,
-                grad_sync=one.grad_sync - block.grad_sync)
+                grad_sync=one.grad_sync - block.grad_sync, fp8_gathered=one.fp8_gathered - block.fp8_gathered)
     return block, rest
+
 
 
 def _parts(state: tuple[Part, Part], whole: Part, inside: Part) -> tuple[Part, Part]:

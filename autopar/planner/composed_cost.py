@@ -51,7 +51,7 @@ the real plans on small models.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from functools import lru_cache
 
 from autopar.compiler.ledger.peak import moments
@@ -314,16 +314,24 @@ def _gradient_and_optimizer(ledgers: BlockLedgers, candidate: Candidate, cluster
         gathers = micro if zero == 3 else 1
         reduction = gradient_exchange_kind("auto", cluster.backend)  # reduce-scatter, or gloo's exchange
         gather = parameter_gather_kind("auto", cluster.backend)  # all-gather, or gloo's owner broadcasts
-        for unit, count in zip(units, tensors):
+        # a block unit's tensorwise FP8 weights travel one byte an element, after an all-reduce of
+        # their largest magnitudes (`core/ops/float8_gather.py`; by all-gather only)
+        fp8 = block.fp8_gathered if zero == 3 and gather == "all_gather" else Counter()
+        for index, (unit, count) in enumerate(zip(units, tensors)):
             tail.behind_backward.append(price(reduction, "dp", unit, stage=at))
             copy = RUNTIME_COPY_TRAFFIC * unit / cluster.bandwidth_for(unit) + (2 + count) * cluster.op_overhead
             tail.copies += copy
             if zero < 3:
                 tail.copies += copy
-            else:
-                tail.behind_forward += _gather_seconds(price, gather, dp, unit, gathers, at)
-                tail.behind_backward += _gather_seconds(price, gather, dp, unit, gathers, at)
-                tail.copies += 2 * gathers * copy
+                continue
+            mine = fp8 if index < stage.blocks and fp8["elements"] else Counter()
+            for nbytes in [unit - mine["bytes"]] + ([mine["elements"]] if mine else []):
+                tail.behind_forward += _gather_seconds(price, gather, dp, nbytes, gathers, at)
+                tail.behind_backward += _gather_seconds(price, gather, dp, nbytes, gathers, at)
+            if mine:
+                scales = mine["tensors"] * (mine["bytes"] // mine["elements"])
+                tail.behind_forward += [price("all_reduce", "dp", scales, gathers, stage=at)] * gathers
+            tail.copies += 2 * gathers * copy
         for part in (stage.stages if zero < 3 else []):  # each pipeline stage's units in one collective
             staged = part.blocks * block.param_bytes + rest_params(ledgers, part.first, part.last)
             tail.after += sum(_gather_seconds(price, gather, dp, staged, 1, at))

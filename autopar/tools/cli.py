@@ -57,7 +57,7 @@ from autopar.compiler.plan_file import load_plan, save_plan
 from autopar.compiler.strategies.context import context_parallel
 from autopar.compiler.strategies.data_parallel import data_parallel, replicated
 from autopar.compiler.strategies.expert import expert_parallel
-from autopar.compiler.strategies.mixed_precision import mixed_precision
+from autopar.compiler.strategies.mixed_precision import float8, mixed_precision
 from autopar.compiler.strategies.pipeline import pipeline_parallel
 from autopar.compiler.strategies.recompute import recompute
 from autopar.compiler.strategies.schedule import schedule
@@ -142,13 +142,24 @@ def _precision_option(args: argparse.Namespace) -> list[Any]:
     """`--mixed-precision bf16[:fp32]`: autopar.mixed_precision(compute dtype[, reduce dtype])."""
     text = getattr(args, "mixed_precision", None)
     if not text:
-        return []
+        return _float8_option(args)
     names = text.split(":")
     if len(names) > 2 or any(name not in _DTYPES for name in names):
         raise PlanError(f"--mixed-precision {text}: expected COMPUTE[:REDUCE] with each of {', '.join(_DTYPES)}, "
                         f"e.g. bf16 or bf16:fp32")
     dtypes = [getattr(torch, _DTYPES[name]) for name in names]
-    return [mixed_precision(*dtypes)]
+    return [mixed_precision(*dtypes)] + _float8_option(args)
+
+
+def _float8_option(args: argparse.Namespace) -> list[Any]:
+    """`--float8 rowwise|tensorwise[:local]`: autopar.float8(recipe[, data_scales="local"])."""
+    text = getattr(args, "float8", None)
+    if not text:
+        return []
+    recipe, _, scales = text.partition(":")
+    if scales not in ("", "local"):
+        raise PlanError(f"--float8 {text}: expected RECIPE or RECIPE:local, e.g. rowwise or tensorwise:local")
+    return [float8(recipe, data_scales=scales or "global")]
 
 
 def _recompute_option(args: argparse.Namespace) -> list[Any]:
@@ -358,6 +369,8 @@ def _planning_arguments(command: argparse.ArgumentParser) -> None:
                          help="every collective waits where it is issued (the scheduling pass off)")
     command.add_argument("--mixed-precision", help="compute dtype over fp32 masters, and optionally the reduction's: "
                                                    "bf16, bf16:fp32 (the default reduction), fp16")
+    command.add_argument("--float8", help="linears in FP8 with torchao's recipe: rowwise or tensorwise, with :local "
+                                          "for each rank's rows scaled alone, e.g. rowwise:local")
     command.add_argument("--chunks", type=int,
                          help="async TP: each TP/SP linear and its forward collective in this many pieces of rows")
     command.add_argument("--no-load-balance", action="store_true",
