@@ -268,6 +268,15 @@ def regathered_shard_bound(plan: Any) -> int:
                 if e.why == "the shard saved for backward gathered again"), default=0)
 
 
+def ledger_dtypes(plan: Any, rank: int) -> dict[tuple[str, str, str], int]:
+    """(kind, axis, dtype) -> logical bytes per step of `rank`'s ledger entries."""
+    result: dict[tuple[str, str, str], int] = {}
+    for entry in plan.comm.for_rank(rank):
+        key = (entry.kind, entry.axis, str(entry.dtype).removeprefix("torch."))
+        result[key] = result.get(key, 0) + entry.times * int(plan.comm.number(entry.logical_bytes))
+    return result
+
+
 def rank_summary(module: Any, rank: int, world: int, setup: CommCounter, *, memory: bool = True) -> dict[str, Any]:
     """What a rank reports besides its steps: setup traffic, ledgers, layout, the named sizes.
     `memory=False` leaves the memory ledger out (its activation entries run the rank graph on
@@ -276,7 +285,8 @@ def rank_summary(module: Any, rank: int, world: int, setup: CommCounter, *, memo
     plan = module.plan
     kept = lambda unit: unit.stage == 3 and not unit.reshard  # noqa: E731
     return {"rank": rank, "world": world, "setup_comm": setup.by_key(group_to_axis),
-            "ledger": plan.comm.by_key(rank=rank), **({"memory_ledger": memory_ledger(module, rank)} if memory else {}),
+            "ledger": plan.comm.by_key(rank=rank), "ledger_dtypes": ledger_dtypes(plan, rank),
+            **({"memory_ledger": memory_ledger(module, rank)} if memory else {}),
             "layout": parameter_layout(module), "group_to_axis": group_to_axis,
             "kept_units": {"padded": unit_bytes(plan, keep=kept, padded=True),
                            "unpadded": unit_bytes(plan, keep=kept, padded=False)},
@@ -304,7 +314,8 @@ def distributed_rank(rank: int, world: int, build: Callable[[], torch.nn.Module]
     meshes = settle_garbage()
     check = comparison_mesh(module)
     result = rank_summary(module, rank, world, setup, memory=memory)
-    result.update(losses=[], grads=[], params=[], norms=[], comm=[], held=[], peak=[], device_mesh_bytes=[])
+    result.update(losses=[], grads=[], params=[], norms=[], comm=[], comm_dtypes=[], held=[], peak=[],
+                  device_mesh_bytes=[])
     instruments.storages.track(batches)  # the harness's own: alive throughout, named in the peak's "at rest"
     result["batch_bytes"] = distinct_storage_bytes([t for batch in batches for t in batch])
     for batch in batches:
@@ -325,7 +336,9 @@ def distributed_rank(rank: int, world: int, build: Callable[[], torch.nn.Module]
         result["held"].append(held_bytes(instruments.storages, module=module, optimizer=optimizer,
                                          exclude=[batches, local, loss, result["norms"]]))
         result["device_mesh_bytes"].append(device_mesh_bytes(instruments.storages, meshes))
-        result["comm"].append(instruments.next_counter().by_phase(result["group_to_axis"]))
+        counter = instruments.next_counter()
+        result["comm"].append(counter.by_phase(result["group_to_axis"]))
+        result["comm_dtypes"].append(counter.by_dtype(result["group_to_axis"]))
         result["losses"].append(loss.detach().clone())
         result["loss_bytes"] = loss.untyped_storage().nbytes()
         result["grads"].append(whole_tensors(module, check, grads=True))

@@ -103,7 +103,8 @@ def _merged(phases: dict[str, dict], names: tuple[str, ...]) -> dict:
 
 def assert_ledger_equals_measured(results: list[dict[str, Any]], *, extra_phases: tuple[str, ...] = ()) -> None:
     """Each step's collectives, counted per phase over the whole step (zero_grad and local_batch
-    included, where the ledger expects none), equal the static ledger's; setup moves nothing.
+    included, where the ledger expects none), equal the static ledger's, and so do the bytes per
+    dtype handed over (`assert_ledger_dtypes_equal_measured`); setup moves nothing.
     `extra_phases` are phases the ledger does not model (e.g. `clip`), left to the caller."""
     for rank, result in enumerate(results):
         assert result["setup_comm"] == SETUP_COLLECTIVES, f"rank {rank}: parallelize moved {result['setup_comm']}"
@@ -116,6 +117,24 @@ def assert_ledger_equals_measured(results: list[dict[str, Any]], *, extra_phases
                 expected_here = expected
             expected_here = {phase: calls for phase, calls in expected_here.items() if calls}
             assert measured == expected_here, f"rank {rank} step {step}: measured {measured} != ledger {expected_here}"
+    if not extra_phases and all("comm_dtypes" in result for result in results):
+        assert_ledger_dtypes_equal_measured(results)
+
+
+# 8-bit floats travel as bytes: gloo has no 8-bit float type, and torch hands NCCL 8-bit floats as uint8
+WIRE_DTYPES = {"float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+
+
+def assert_ledger_dtypes_equal_measured(results: list[dict[str, Any]]) -> None:
+    """Each step's bytes per (kind, axis, dtype) equal the ledger's, the dtype being what the process
+    handed to torch.distributed (the ledger's 8-bit floats as the uint8 they travel as)."""
+    for rank, result in enumerate(results):
+        expected: dict[tuple[str, str, str], int] = {}
+        for (kind, axis, dtype), nbytes in result["ledger_dtypes"].items():
+            key = (kind, axis, WIRE_DTYPES.get(dtype, dtype))
+            expected[key] = expected.get(key, 0) + nbytes
+        for step, measured in enumerate(result["comm_dtypes"]):
+            assert measured == expected, f"rank {rank} step {step}: measured {measured} != ledger {expected}"
 
 
 # ---- memory: every difference between the ledger and the measured bytes, named

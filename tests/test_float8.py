@@ -25,8 +25,8 @@ from autopar.tools.comm_gate import comm_summary
 from examples.gpt import GPT, GPTConfig, example_batch
 from tests.numerics import EPS, STEPS, distributed_rank, single_device, train_step
 from tests.test_mixed_precision import pipeline_step
-from tests.numerics_checks import (NOISE_FLOOR, assert_ledger_equals_measured, assert_matches, assert_memory_equals_ledger,
-                                   max_relative_error)
+from tests.numerics_checks import (NOISE_FLOOR, assert_ledger_equals_measured,
+                                   assert_matches, assert_memory_equals_ledger, max_relative_error)
 
 float8_config = pytest.importorskip("torchao.float8")
 

@@ -11,8 +11,8 @@ namespaces that move nothing (waits, autograd wrappers, NaN checks, DTensor's gr
 Each call is recorded as a `MeasuredCollective`: the phase it ran in (`with counter.phase(
 "forward"): ...`; "unphased" outside any), kind, process-group name, logical bytes S with the
 ledger's convention (all-reduce, reduce-scatter, all-to-all, broadcast, reduce: input; all-gather
-and gather: output; scatter: the root's input; send/recv: the tensor; barrier: 0) and, for
-point-to-point ops, the peer's rank in the group. Point-to-point wire bytes equal logical bytes.
+and gather: output; scatter: the root's input; send/recv: the tensor; barrier: 0), the dtype of
+the first tensor it was handed and, for point-to-point ops, the peer's rank in the group. Point-to-point wire bytes equal logical bytes.
 Classic ops name their group by a `ProcessGroup` script object (unboxed for its name); functional
 ops by the group name string. Ops on fake tensors (shape-only runs, such as the planner's check
 that a plan's rank graphs run) move nothing and are not counted. The counter sees what torch.distributed receives, not what the
@@ -48,6 +48,18 @@ class MeasuredCollective:
     group: str
     logical_bytes: int
     peer: int | None = None  # point-to-point: the other rank, in the group
+    dtype: str = ""  # the element type handed over ("float32", "uint8", ...): its first tensor's
+
+
+def _dtype(value: Any) -> str:
+    """The dtype of the first tensor in `value` (a tensor, or nested lists and tuples of them)."""
+    if isinstance(value, torch.Tensor):
+        return str(value.dtype).removeprefix("torch.")
+    for item in value if isinstance(value, (list, tuple)) else ():
+        found = _dtype(item)
+        if found:
+            return found
+    return ""
 
 
 def _bytes(value: Any) -> int:
@@ -155,14 +167,15 @@ class CommCounter(TorchDispatchMode):
             ops, peers, _, tensors, group = args
             for op, peer, tensor in zip(ops, peers, tensors, strict=True):
                 kind = "send" if "send" in op else "recv"
-                self.calls.append(MeasuredCollective(self._phase, kind, _group_name(group), _bytes(tensor), peer))
+                self.calls.append(MeasuredCollective(self._phase, kind, _group_name(group), _bytes(tensor), peer,
+                                                     _dtype(tensor)))
             return
         if name not in _KINDS:
             raise UnknownCollective(f"{func} is a communication op the counter does not know; add it to "
                                     f"autopar.measure.comm_counter._KINDS with its kind and logical bytes")
         kind, nbytes, group_index, peer = _KINDS[name]
         self.calls.append(MeasuredCollective(self._phase, kind, _group_name(args[group_index]), nbytes(args, kwargs),
-                                             peer(args) if peer is not None else None))
+                                             peer(args) if peer is not None else None, _dtype(args)))
 
     # ---- reading
     def phases(self) -> list[str]:
@@ -178,6 +191,13 @@ class CommCounter(TorchDispatchMode):
                 row[0] += 1
                 row[1] += call.logical_bytes
         return {key: (calls, nbytes) for key, (calls, nbytes) in result.items()}
+
+    def by_dtype(self, group_to_axis: dict[str, str]) -> dict[tuple[str, str, str], int]:
+        """(kind, axis, dtype handed over) -> logical bytes, over every phase."""
+        result: dict[tuple[str, str, str], int] = defaultdict(int)
+        for call in self.calls:
+            result[(call.kind, group_to_axis.get(call.group, call.group), call.dtype)] += call.logical_bytes
+        return dict(result)
 
     def by_phase(self, group_to_axis: dict[str, str]) -> dict[str, dict[tuple[str, str], tuple[int, int]]]:
         return {phase: self.by_key(group_to_axis, phase=phase) for phase in self.phases()}

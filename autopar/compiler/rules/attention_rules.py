@@ -166,13 +166,14 @@ def _context_collectives(node: torch.fx.Node, placements: tuple[Placement, ...],
     dk, dv = local(k_val, torch.float32), local(v_val, torch.float32)
     dtype = k_val.dtype
     if method == "ring":  # one send and one receive per tensor and step (module docstring of the kernel)
-        moved = [("forward", k, size - 1, "ring: K blocks to the next rank"),
-                 ("forward", v, size - 1, "ring: V blocks to the next rank"),
-                 ("backward", k, size - 1, "ring: K blocks again"), ("backward", v, size - 1, "ring: V blocks again"),
-                 ("backward", dk, size, "ring: dK accumulators (fp32), the last one home"),
-                 ("backward", dv, size, "ring: dV accumulators (fp32), the last one home")]
-        return [InternalCollective(kind, axis, phase, nbytes, dtype, why, calls=calls)
-                for phase, nbytes, calls, why in moved if calls for kind in ("send", "recv")]
+        moved = [("forward", k, size - 1, dtype, "ring: K blocks to the next rank"),
+                 ("forward", v, size - 1, dtype, "ring: V blocks to the next rank"),
+                 ("backward", k, size - 1, dtype, "ring: K blocks again"),
+                 ("backward", v, size - 1, dtype, "ring: V blocks again"),
+                 ("backward", dk, size, torch.float32, "ring: dK accumulators (fp32), the last one home"),
+                 ("backward", dv, size, torch.float32, "ring: dV accumulators (fp32), the last one home")]
+        return [InternalCollective(kind, axis, phase, nbytes, moved_dtype, why, calls=calls)
+                for phase, nbytes, calls, moved_dtype, why in moved if calls for kind in ("send", "recv")]
     if method == "allgather":  # S of a gather is the gathered size, of a reduce-scatter its input
         return [InternalCollective("all_gather", axis, phase, simplified(size * t), dtype, f"{name} all-gathered{again}")
                 for phase, again in (("forward", ""), ("backward", " again (only the shards are saved)"))
