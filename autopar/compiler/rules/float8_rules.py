@@ -8,6 +8,7 @@
 | S(d), d a row dimension | R      | S(d)           | rows (M)      |
 | S(-1)                   | S(1)   | Partial(sum)   | inner (K)     |
 | R                       | S(0)   | S(-1)          | cols (N)      |
+| R                       | a fused projection's blocks cut (strided S(0)) | the blocks cut alike (strided S(-1)) | cols (N) |
 | anything else           | R      | R (both gathered first) | nothing |
 
 A Partial input is reduced first: an 8-bit cast is not linear, so partial sums cannot be cast
@@ -23,7 +24,7 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from autopar.compiler.rules.registry import InternalCollective, RuleContext, RuleResult, register, spec_like
 from autopar.core.ir import shard_dim, simplified, sym_size
@@ -38,13 +39,17 @@ def float8_matmul_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx
     w_out: list[Placement] = []
     out: list[Placement] = []
     cut: dict[str, list[str]] = {"rows": [], "inner": [], "cols": []}
+    row_parts = 1  # how many pieces the rows are cut in (the ledger's local sizes), reduced over or not
     for i, axis in enumerate(ctx.mesh_names):
         px, pw = x.placements[i], weight.placements[i]
         dim = shard_dim(px)
         if dim is not None and dim < last:
             kind, placements = "rows", (px, Replicate(), px)
+            row_parts *= ctx.mesh_shape[i]
         elif dim == last or shard_dim(pw) == 1:
             kind, placements = "inner", (Shard(last), Shard(1), Partial())
+        elif isinstance(pw, _StridedShard) and pw.dim == 0:  # a fused projection's blocks, each cut
+            kind, placements = "cols", (Replicate(), pw, _StridedShard(last, split_factor=pw.split_factor))
         elif shard_dim(pw) == 0:
             kind, placements = "cols", (Replicate(), Shard(0), Shard(last))
         else:
@@ -60,11 +65,11 @@ def float8_matmul_rule(node: torch.fx.Node, specs: list[DTensorSpec | None], ctx
         required=[spec_like(x, tuple(x_out)), spec_like(weight, tuple(w_out))] + [None] * (len(specs) - 2),
         local_kernel=float8_matmul,
         kernel_kwargs={name: ("groups", ",".join(axes)) for name, axes in cut.items()},
-        internal=_scale_collectives(node, cut, recipe, ctx))
+        internal=_scale_collectives(node, cut, recipe, ctx, row_parts))
 
 
-def _scale_collectives(node: torch.fx.Node, cut: dict[str, list[str]], recipe: str, ctx: RuleContext
-                       ) -> list[InternalCollective]:
+def _scale_collectives(node: torch.fx.Node, cut: dict[str, list[str]], recipe: str, ctx: RuleContext,
+                       row_parts: int) -> list[InternalCollective]:
     """One all-reduce (max) per scale and per axis cutting a dimension the scale spans; bytes: the
     rank's largest magnitudes (one per row the scale keeps, or one for the tensor)."""
     x_val, w_val = node.args[0].meta["val"], node.args[1].meta["val"]
@@ -79,7 +84,7 @@ def _scale_collectives(node: torch.fx.Node, cut: dict[str, list[str]], recipe: s
     m = sympy.Integer(1)
     for extent in x_val.shape[:-1]:
         m *= sym_size(extent)
-    m = m / _product(size[a] for a in cut["rows"])
+    m = m / row_parts
     k, n = local(x_val.shape[-1], "inner"), local(w_val.shape[0], "cols")
     # operand -> (dtype of its largest magnitudes, its local extents along (dim 0, dim 1))
     operands = {"x": (x_val.dtype, (m, k)), "wt": (w_val.dtype, (k, n)), "go": (x_val.dtype, (m, n))}
@@ -98,9 +103,3 @@ def _scale_collectives(node: torch.fx.Node, cut: dict[str, list[str]], recipe: s
 
 _NAMES = {"x": "the input", "wt": "the weight", "go": "the output gradient"}
 
-
-def _product(values: object) -> int:
-    total = 1
-    for value in values:
-        total *= value
-    return total

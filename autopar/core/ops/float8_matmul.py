@@ -24,7 +24,8 @@ What each reduction moves is declared for the ledger by `autopar/compiler/rules/
 which also lists them (`reductions`); the kernel and the rule read the same table.
 
 The products run as torchao's emulation does (`torch.mm` of the dequantized fp32 operands); on a
-CUDA device of compute capability 8.9 or more they run `torch._scaled_mm`, torchao's kernel there.
+CUDA device of compute capability 8.9 or more they run `torch._scaled_mm` as torchao calls it
+there (`_scaled_mm`; not yet run on such a device).
 """
 from __future__ import annotations
 
@@ -120,11 +121,31 @@ def _product(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
              out_dtype: torch.dtype, scaled_kernel: bool) -> torch.Tensor:
     """a [M, K] times b [K, N] of 8-bit values with their scales, rounded to `out_dtype`;
     `scaled_kernel`: `torch._scaled_mm` whatever the device (the planner's fake runs pricing an
-    accelerator, `ledger/fake_tensors.on_device`; with it the casts are priced as compiled, `_scaled`)."""
-    if scaled_kernel or (a.is_cuda and torch.cuda.get_device_capability(a.device) >= (8, 9)):
-        return torch._scaled_mm(a, b.t().contiguous().t(), scale_a=a_scale.reciprocal(),
-                                scale_b=b_scale.reciprocal(), out_dtype=out_dtype)
+    accelerator, `ledger/fake_tensors.on_device`; with it the casts are priced as compiled, `_scaled`).
+    Sizes the FP8 kernel does not take (K or N not a multiple of 16) run the emulation anywhere."""
+    aligned = a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0
+    accelerated = a.is_cuda and torch.cuda.get_device_capability(a.device) >= (8, 9)
+    if aligned and (scaled_kernel or accelerated):
+        return _scaled_mm(a, a_scale, b, b_scale, out_dtype)
     return torch.mm(a.float() / a_scale, b.float() / b_scale).to(out_dtype)
+
+
+def _scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """`torch._scaled_mm` as torchao calls it (`float8_ops.addmm_float8_unwrapped`): a row-major,
+    b column-major; per-row scales applied after the product, into bf16 where fp16/fp32 was asked."""
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    b = b.t().contiguous().t() if b.stride(-1) == 1 else b
+    a_inverse, b_inverse = a_scale.reciprocal(), b_scale.reciprocal()
+    rowwise = a_scale.dim() == 2 and b_scale.dim() == 2
+    after = a_inverse * b_inverse if rowwise else None
+    if rowwise:
+        a_inverse = b_inverse = a_inverse.new_ones(())
+    produced = torch.bfloat16 if rowwise and out_dtype in (torch.float16, torch.float32) else out_dtype
+    out = torch._scaled_mm(a, b, scale_a=a_inverse, scale_b=b_inverse, out_dtype=produced)
+    if after is not None:
+        out *= after
+    return out.to(out_dtype)
 
 
 def _groups(spans: tuple[str, ...], cut: dict[str, tuple[str, ...]]) -> tuple[str, ...]:

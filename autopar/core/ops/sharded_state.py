@@ -253,6 +253,7 @@ class ShardedState(UnitCalls):
     def release_all(self) -> None:
         for index in [i for i in self.full if self.units[i].stage == 3]:
             self._drop(index)
+            self.scales.pop(index, None)
 
     # ---- gradient accumulation without re-gathering (ParallelModule.no_sync)
     def start_accumulating(self) -> None:
@@ -299,7 +300,8 @@ class ShardedState(UnitCalls):
         unit = self.units[index]
         if unit.stage == 3:
             self.release(index)
-            self.scales.pop(index, None)  # FP8 gathers: the step's scales served their backward
+            if not self.holding:  # FP8 gathers: the scales served their backward (held units keep theirs)
+                self.scales.pop(index, None)
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
