@@ -1,19 +1,18 @@
 """Pass 0c (FP8 linears): the products of the linears `float8()` names become FP8 products.
 
-Under `float8(recipe=...)` (`autopar/compiler/strategies/mixed_precision.py`), every linear layer's product in
-the traced graph (what `torch.nn.functional.linear` records: `mm(x, permute(weight))`,
+Under `float8(recipe=...)` (`autopar/compiler/strategies/mixed_precision.py`), every linear layer's
+product in the traced graph (what `torch.nn.functional.linear` records: `mm(x, permute(weight))`,
 `addmm(bias, x, permute(weight))`, or `matmul(x, t(weight))` for a non-contiguous input; weight a
-2-D parameter) whose module the declaration selects is replaced by
-`float8_matmul(x, weight, recipe=...)` (`autopar/core/ops/float8_matmul.py`), plus the bias added
-after it (torchao's `Float8Linear` order); with `float8(data_scales="local")` the node carries
-`local_rows=True`, which its rule reads (no all-reduce over the axes cutting the rows). Runs before placements are propagated, so that the
-rule of `float8_matmul` (`autopar/compiler/rules/float8_rules.py`) places it and declares its scales'
-collectives like any op's. The selection is recorded in `CompileContext.float8_linears` (module
-path -> weight), which `autopar plan --explain` and the plan file show.
+2-D parameter) whose module the declaration selects is replaced by `float8_matmul(x, weight,
+recipe=...)` (`autopar/core/ops/float8_matmul.py`), plus the bias added after it (torchao's
+`Float8Linear` order); with `float8(data_scales="local")` the node carries `local_rows=True`, which
+its rule reads (no all-reduce over the axes cutting the rows). Runs before placements are
+propagated, so that the rule of `float8_matmul` (`autopar/compiler/rules/float8_rules.py`) places it
+and declares its scales' collectives like any op's. The selection is recorded in
+`CompileContext.float8_linears` (module path -> weight).
 
-Refused by name: a selected linear whose input or output features are not multiples of 16, and
-globs that select no linear (a typo would otherwise silently keep everything in high precision).
-"""
+Refused by name: a selected linear whose input or output features are not multiples of 16, and globs
+that select no linear (a typo would otherwise silently keep everything in high precision)."""
 from __future__ import annotations
 
 import fnmatch
@@ -93,7 +92,8 @@ def _replace(graph: torch.fx.Graph, node: torch.fx.Node, weight: torch.fx.Node, 
     x = node.args[1] if node.target is aten.addmm.default else node.args[0]
     bias = node.args[0] if node.target is aten.addmm.default else None
     with graph.inserting_before(node):
-        product = graph.call_function(float8_matmul, (x, weight), {"recipe": recipe, **({"local_rows": True} if local else {})})
+        kwargs = {"recipe": recipe, **({"local_rows": True} if local else {})}
+        product = graph.call_function(float8_matmul, (x, weight), kwargs)
         with torch.no_grad():
             product.meta["val"] = float8_matmul(x.meta["val"], weight.meta["val"], recipe=recipe)
         result = product

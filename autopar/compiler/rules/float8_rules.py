@@ -8,15 +8,15 @@
 | S(d), d a row dimension | R      | S(d)           | rows (M)      |
 | S(-1)                   | S(1)   | Partial(sum)   | inner (K)     |
 | R                       | S(0)   | S(-1)          | cols (N)      |
-| R                       | a fused projection's blocks cut (strided S(0)) | the blocks cut alike (strided S(-1)) | cols (N) |
+| R                       | strided S(0) | strided S(-1) | cols (N): a fused projection's blocks, each cut |
 | anything else           | R      | R (both gathered first) | nothing |
 
-A Partial input is reduced first: an 8-bit cast is not linear, so partial sums cannot be cast
-apart. Under `float8(data_scales="local")` (the node's `local_rows`) the axes cutting the rows are
-not listed: each rank scales the rows it holds. The kernel all-reduces (max) each scale's largest magnitude over the axes cutting the
-dimensions it spans (`float8_matmul.reductions`), so every rank casts with one device's scales;
-`_scale_collectives` declares those all-reduces for the comm ledger, in the magnitude's dtype.
-"""
+A Partial input is reduced first: an 8-bit cast is not linear, so partial sums cannot be cast apart.
+Under `float8(data_scales="local")` (the node's `local_rows`) the axes cutting the rows are not
+listed: each rank scales the rows it holds. The kernel all-reduces (max) each scale's largest
+magnitude over the axes cutting the dimensions it spans (`float8_matmul.reductions`), so every rank
+casts with one device's scales; `_scale_collectives` declares those all-reduces for the comm ledger,
+in the magnitude's dtype."""
 from __future__ import annotations
 
 import sympy

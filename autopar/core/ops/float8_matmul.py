@@ -188,7 +188,8 @@ class _Float8Matmul(torch.autograd.Function):
             g_both = reductions(recipe)[2]
             xs, ws = kept
             gq, gs = gq2, gs2 = _scaled(go, recipe.grad_dtype, None, _groups(g_both.spans, cut), power, fused)
-            xq, wq = cast_to_float8(x2, xs, recipe.input_dtype, fused), cast_to_float8(wt, ws, recipe.weight_dtype, fused)
+            xq = cast_to_float8(x2, xs, recipe.input_dtype, fused)
+            wq = cast_to_float8(wt, ws, recipe.weight_dtype, fused)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = _product(gq, gs, wq.t(), ws.t(), grad.dtype, fused).reshape(*x.shape)
