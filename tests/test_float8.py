@@ -9,6 +9,7 @@ linear but `lm_head`, as `float8()`'s default), so the bound is about parallelis
 process `float8_matmul` equals torchao's `Float8Linear` bit for bit (`test_one_device_equals_torchao`)."""
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import functools
@@ -18,16 +19,22 @@ import pytest
 import torch
 
 import autopar
+from autopar.compiler.ledger.fake_run import ops_run
 from autopar.core.errors import PlanError
+from autopar.core.ir import ARG_SPECS, describe
 from autopar.core.ops.float8_matmul import float8_matmul
+from autopar.cost.cluster import Cluster
+from autopar.planner.search_space import SearchSpace
 from autopar.runtime.launch import launch
-from autopar.tools.comm_gate import comm_summary
+from autopar.tools.cli import _precision_option
+from autopar.tools.comm_gate import comm_summary, compare
 from examples.gpt import GPT, GPTConfig, example_batch
-from examples.hf_models import token_batch
+from examples.hf_models import tiny_causal_lm, token_batch
 from tests.numerics import EPS, STEPS, distributed_rank, single_device, train_step
-from tests.test_mixed_precision import pipeline_step
 from tests.numerics_checks import (NOISE_FLOOR, assert_ledger_equals_measured,
                                    assert_matches, assert_memory_equals_ledger, max_relative_error)
+from tests.test_composed_cost import NODE, planned_and_composed
+from tests.test_mixed_precision import pipeline_step
 
 float8_config = pytest.importorskip("torchao.float8")
 
@@ -203,8 +210,6 @@ def test_an_accelerator_prices_fp8_products_at_its_fp8_rate():
     is not gloo), every product of a converted linear is an 8-bit `_scaled_mm` in the op ledger, the
     head's stays in the model's dtype, and the same FLOPs as without FP8 cost less on an H100
     (1,979 against 67 TFLOP/s for fp32 products); the CPU's own runs keep the emulation (fp32)."""
-    from autopar.compiler.ledger.fake_run import ops_run
-    from autopar.cost.cluster import Cluster
 
     def products(plan: autopar.Plan) -> dict[str, int]:
         ops = ops_run(plan, 0)
@@ -235,7 +240,6 @@ def test_zero3_gathers_tensorwise_weights_in_fp8_and_a_widening_fails_the_gate(m
     all-reduces, and the rest of each unit in bf16. A change that gathers them in bf16 again (the FP8
     gather switched off: torchtitan's issue 3123) fails the gate as WIDENED even with a tolerance that
     explains the bytes."""
-    from autopar.tools.comm_gate import compare
     shard_parameters = importlib.import_module("autopar.compiler.passes.shard_parameters")  # the module, not the pass
 
     strategies = [autopar.zero(stage=3), autopar.tensor_parallel(), autopar.float8("tensorwise"),
@@ -247,7 +251,7 @@ def test_zero3_gathers_tensorwise_weights_in_fp8_and_a_widening_fails_the_gate(m
     fp8_weights = sum(p.numel() for name, p in build().named_parameters() if name.endswith("proj.weight")) // 2
     assert gathered[("dp", "float8_e4m3fn")] == 2 * fp8_weights
     assert [u.float8_axes for u in plan.context.units if u.float8] == [("tp",), ("tp",)]
-    monkeypatch.setattr(shard_parameters, "_float8_weight", lambda node: False)
+    monkeypatch.setattr(shard_parameters, "gathered_in_float8", lambda node: False)
     widened = autopar.plan(build(), "dp=2,tp=2", strategies=strategies, example_inputs=BATCHES[0])
     result = compare(comm_summary(plan), comm_summary(widened), tolerance_pct=300)
     assert not result.passed
@@ -258,8 +262,6 @@ def test_the_composed_price_adds_the_scale_all_reduces_a_planned_data_axis_makes
     """The planner composes dp by formula from plans without it (`planner/float8_pricing.py`): the
     seconds one-device scales add to dp's all-reduces (global less local scales) equal, candidate by
     candidate, what the candidates planned whole with their dp axis add; local scales add none."""
-    from tests.test_composed_cost import NODE, planned_and_composed
-    from autopar.planner.search_space import SearchSpace
 
     config = GPTConfig(n_layer=4, d_model=64, n_head=4, d_ff=256, seq_len=32)
     model, batch = GPT(config), example_batch(config, batch=8)
@@ -282,8 +284,6 @@ def test_the_composed_price_gathers_zero3s_fp8_weights_in_fp8_as_a_planned_plan_
     the unit's own: what FP8 changes in the dp all-gathers' seconds is the same, candidate by
     candidate, composed (`composed_cost`: `Part.fp8_gathered`) as planned whole (the plans run the
     FP8 gathers). On this tiny model the second call's latency outweighs the bytes saved."""
-    from tests.test_composed_cost import NODE, planned_and_composed
-    from autopar.planner.search_space import SearchSpace
 
     config = GPTConfig(n_layer=4, d_model=64, n_head=4, d_ff=256, seq_len=32)
     model, batch = GPT(config), example_batch(config, batch=8)
@@ -304,9 +304,7 @@ def test_the_composed_price_gathers_zero3s_fp8_weights_in_fp8_as_a_planned_plan_
 
 def test_the_cli_declares_float8():
     """`autopar plan --float8 rowwise[:local]` adds the declaration; anything else is refused."""
-    import argparse
 
-    from autopar.tools.cli import _precision_option
 
     declared = _precision_option(argparse.Namespace(mixed_precision=None, float8="tensorwise:local"))
     assert declared == [autopar.float8("tensorwise", data_scales="local")]
@@ -317,7 +315,6 @@ def test_the_cli_declares_float8():
 
 
 def _phi3_rank(rank: int, world: int) -> dict:
-    from examples.hf_models import tiny_causal_lm
     return distributed_rank(rank, world, functools.partial(tiny_causal_lm, "phi3"), PHI3_BATCHES, "tp=2",
                             [autopar.tensor_parallel(), autopar.float8("rowwise")], memory=False)
 
@@ -331,8 +328,6 @@ def test_a_fused_projection_keeps_its_layout_and_trains_like_torchaos(request):
     rowwise: the fused weights stay cut block by block (no weight is redistributed) and 3 steps
     match torchao's converted model at 1e-5, the collectives equal to the ledger."""
     request.getfixturevalue("transformers")
-    from examples.hf_models import tiny_causal_lm
-    from autopar.core.ir import ARG_SPECS, describe
 
     plan = autopar.plan(tiny_causal_lm("phi3"), "tp=2", example_inputs=PHI3_BATCHES[0],
                         strategies=[autopar.tensor_parallel(), autopar.float8("rowwise")])

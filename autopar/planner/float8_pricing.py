@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from autopar.compiler.passes.shard_parameters import gathered_in_float8
 from autopar.core.ir import RULE, SPEC, hint, local_numel, module_path
 from autopar.core.ops.float8_matmul import RECIPES, float8_matmul, reductions
 
@@ -62,16 +63,14 @@ def fp8_gathered_weights(plan: Any, inside: Callable[[str], bool] | None = None)
             continue
         if inside is not None and not inside(info.target):
             continue
-        readers = [user for use in node.users for user in (use.users if _is_cast(use) else [use])]
-        if not all(r.target is float8_matmul and r.kwargs.get("recipe") == "tensorwise" for r in readers):
+        if not gathered_in_float8(node):
             continue
-        spec = readers[0].args[1].meta[SPEC]
+        reader = next(iter(node.users))
+        reader = next(iter(reader.users)) if reader.target is torch.ops.aten._to_copy.default else reader
+        spec = reader.args[1].meta[SPEC]
         count = int(plan.comm.number(local_numel(spec.tensor_meta.shape, spec.placements, plan.mesh.shape)))
         nbytes += count * spec.tensor_meta.dtype.itemsize
         elements += count
         tensors += 1
     return Counter(bytes=nbytes, elements=elements, tensors=tensors)
 
-
-def _is_cast(node: Any) -> bool:
-    return getattr(node, "target", None) is torch.ops.aten._to_copy.default

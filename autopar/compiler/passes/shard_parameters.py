@@ -93,7 +93,7 @@ def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declar
             self_contained or (not name and declared.reshard_root))
         master = ctx.master_dtypes.get(params[0].fqn, dtype)
         kinds = _kinds(declared, backend=ctx.strategy.backend)
-        fp8 = tuple(i for i, n in enumerate(nodes) if _float8_weight(n)) \
+        fp8 = tuple(i for i, n in enumerate(nodes) if gathered_in_float8(n)) \
             if declared.stage == 3 and kinds["gather_kind"] == "all_gather" else ()
         cutting = {ctx.mesh.names[i] for position in fp8 for i, p in enumerate(nodes[position].meta[SPEC].placements)
                    if shard_dim(p) is not None and ctx.mesh.shape[i] > 1}
@@ -106,13 +106,17 @@ def _plan_units(gm: torch.fx.GraphModule, ctx: CompileContext, axis: str, declar
     return units
 
 
-def _float8_weight(node: torch.fx.Node) -> bool:
-    """A parameter read only as the weight of tensorwise FP8 products: its unit gathers it in FP8
+def gathered_in_float8(node: torch.fx.Node) -> bool:
+    """A parameter read only as the weight of tensorwise FP8 products (directly, or through mixed
+    precision's cast, as a layout's plan reads it): its ZeRO-3 unit gathers it in FP8
     (`autopar/core/ops/float8_gather.py`; rowwise weights are cast per row along each product's
     dimension, which one gathered FP8 copy cannot serve, so they are gathered in the compute dtype,
-    as torchao gathers them)."""
-    return bool(node.users) and all(user.target is float8_matmul and user.args[1] is node
-                                    and user.kwargs.get("recipe") == "tensorwise" for user in node.users)
+    as torchao gathers them). The planner prices the same weights (`planner/float8_pricing.py`)."""
+    # (reader, the value it reads): the parameter itself, or its cast
+    reads = [(user, use) if use.target is torch.ops.aten._to_copy.default else (use, node)
+             for use in node.users for user in (use.users if use.target is torch.ops.aten._to_copy.default else [use])]
+    return bool(reads) and all(user.target is float8_matmul and user.args[1] is value
+                               and user.kwargs.get("recipe") == "tensorwise" for user, value in reads)
 
 
 def _float8_scales(graph: torch.fx.Graph, gather: torch.fx.Node, unit: ShardUnit, items: list[torch.fx.Node],

@@ -23,12 +23,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from autopar.core.ops.collective_calls import raw_all_reduce
-from autopar.core.ops.float8_matmul import RECIPES, cast_to_float8
+from autopar.core.ops.float8_matmul import RECIPES, cast_to_float8, scale_of
 from autopar.core.zero_units import ShardUnit, gather_layout
 
 _c10d = torch.ops._c10d_functional
 _E4M3 = RECIPES["tensorwise"].weight_dtype
-_EPS = 1e-12
 
 
 def split(unit: ShardUnit) -> tuple[ShardUnit, ShardUnit]:
@@ -45,7 +44,7 @@ def scales(shards: list[torch.Tensor], unit: ShardUnit, groups: dict[str, str]) 
     amax = torch.stack([t.abs().max() for t in low])
     for axis in (unit.axis, *unit.float8_axes):
         amax = raw_all_reduce(amax, groups[axis], "max")
-    return (torch.finfo(_E4M3).max / torch.clamp(amax.to(torch.float64), min=_EPS)).to(torch.float32)
+    return scale_of(amax, _E4M3)
 
 
 @dataclass

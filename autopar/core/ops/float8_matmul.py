@@ -97,16 +97,21 @@ def _scaled(t: torch.Tensor, dtype: torch.dtype, dim: int | None, groups: tuple[
     meant to be compiled; the eager chain of abs, amax, multiply, clamp and cast moves ~6x the bytes)."""
     if priced:
         amax = torch.linalg.vector_norm(t, float("inf"), dim=dim, keepdim=dim is not None)
-        for group in groups:
-            amax = raw_all_reduce(amax, group, "max")
-        return t.to(dtype), (torch.finfo(dtype).max / amax.to(torch.float32))
-    amax = t.abs().max() if dim is None else torch.amax(t.abs(), dim=dim, keepdim=True)
+    else:
+        amax = t.abs().max() if dim is None else torch.amax(t.abs(), dim=dim, keepdim=True)
     for group in groups:
         amax = raw_all_reduce(amax, group, "max")
-    scale = (torch.finfo(dtype).max / torch.clamp(amax.to(torch.float64), min=_EPS)).to(torch.float32)
-    if power_of_2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    if priced:
+        return t.to(dtype), (torch.finfo(dtype).max / amax.to(torch.float32))
+    scale = scale_of(amax, dtype, power_of_2)
     return cast_to_float8(t, scale, dtype, False), scale
+
+
+def scale_of(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool = False) -> torch.Tensor:
+    """torchao's scale for largest magnitudes `amax` (`float8_utils.amax_to_scale`): the 8-bit
+    dtype's largest value over them, in float64 then float32, optionally rounded down to a power of 2."""
+    scale = (torch.finfo(dtype).max / torch.clamp(amax.to(torch.float64), min=_EPS)).to(torch.float32)
+    return torch.exp2(torch.floor(torch.log2(scale))) if power_of_2 else scale
 
 
 def cast_to_float8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, priced: bool) -> torch.Tensor:
