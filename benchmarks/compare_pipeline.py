@@ -11,6 +11,12 @@ micro-batches and train on the same global batch:
 | interleaved_1f1b | schedule="interleaved_1f1b", v=2      | ScheduleInterleaved1F1B, two stages per rank    |
 | zb_h1            | schedule="zb_h1"                      | ScheduleInterleavedZeroBubble, one stage a rank |
 | dualpipev        | schedule="dualpipev" (2 stages a rank)| ScheduleDualPipeV, stages s and 2p-1-s on rank s |
+| dualpipev_apart  | the same, overlap=False               | ScheduleDualPipeV                               |
+
+DualPipeV's paired forward and backward run side by side in autopar (`runtime/overlap.py`, two
+threads of the rank); PyTorch's runtime runs an OVERLAP_F_B action's two halves one after the
+other unless a custom function is registered for it. `dualpipev_apart` runs autopar's pairs one
+after the other too.
 
 ZB-H1 has no class of its own in PyTorch: `ScheduleInterleavedZeroBubble` is the paper's ZB1P
 (zero bubble over several stages per rank) and accepts a one-stage list, which is ZB-H1. The
@@ -100,6 +106,7 @@ class Row:
     virtual: int
     pytorch_schedule: type
     pytorch_description: str
+    overlap: bool | None = None  # autopar's `pipeline_parallel(overlap=)` (None: the schedule's default)
 
 
 ROWS = {
@@ -110,6 +117,9 @@ ROWS = {
     "zb_h1": Row("zb_h1", 1, ScheduleInterleavedZeroBubble,
                  "ScheduleInterleavedZeroBubble (ZB1P) with one stage per rank, i.e. ZB-H1"),
     "dualpipev": Row("dualpipev", 2, ScheduleDualPipeV, "ScheduleDualPipeV, stages c and 2p-1-c on rank c"),
+    # autopar's paired forwards and backwards one after the other, as PyTorch's runtime runs them
+    "dualpipev_apart": Row("dualpipev", 2, ScheduleDualPipeV,
+                           "ScheduleDualPipeV; autopar with overlap=False (its pairs one after the other)", False),
 }
 
 
@@ -198,7 +208,7 @@ def stage_bounds(plan: Any, layers: int) -> list[int]:
 def autopar_side(row: Row, settings: Settings, global_batch: tuple) -> tuple[PipelineProgram, list[int]]:
     """autopar's program on this rank, and the cut its plan chose."""
     strategy = autopar.pipeline_parallel(schedule=row.schedule, microbatches=settings.microbatches,
-                                         virtual_stages=row.virtual)
+                                         virtual_stages=row.virtual, overlap=row.overlap)
     module = autopar.parallelize(build_model(settings), f"pp={settings.pp}", strategies=[strategy],
                                  example_inputs=global_batch)
     local = module.local_batch(*global_batch)

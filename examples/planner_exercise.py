@@ -67,8 +67,12 @@ def _published() -> list[tuple[str, object, Cluster, SearchSpace, list[Candidate
     # micro-batch, virtual stages of 4 blocks), Megatron's MoE table (256 sequences of 4K for
     # Mixtral), DeepSeek-V3's report (15,360 sequences of 4K): micro-batches are counted per
     # pipeline replica, one sequence each
-    deepseek = [Candidate((("pp", 16), ("dp", 2), ("ep", 64)), zero=1, schedule="1f1b", microbatches=120, recompute=r)
-                for r in (None, "selective", "full")]
+    # DeepSeek's DualPipe as autopar runs it, the V (`dualpipev`: its paired forwards and backwards
+    # hide each other's all-to-alls), without ZeRO-1 (which autopar's DualPipeV refuses)
+    deepseek = ([Candidate((("pp", 16), ("dp", 2), ("ep", 64)), zero=1, schedule="1f1b", microbatches=120, recompute=r)
+                 for r in (None, "selective", "full")]
+                + [Candidate((("pp", 16), ("dp", 2), ("ep", 64)), schedule="dualpipev", microbatches=120, virtual=2,
+                             recompute=r) for r in (None, "full")])
     mixtral = [Candidate((("pp", 4), ("dp", 2), ("ep", 8), ("tp", 4)), zero=1, sequence_parallel=True,
                          schedule="1f1b" if v == 1 else "interleaved_1f1b", microbatches=16, virtual=v, recompute=r,
                          regather=g)

@@ -281,7 +281,7 @@ def rank_summary(module: Any, rank: int, world: int, setup: CommCounter, *, memo
     """What a rank reports besides its steps: setup traffic, ledgers, layout, the named sizes.
     `memory=False` leaves the memory ledger out (its activation entries run the rank graph on
     fake tensors, ~0.5-1 s per rank) for callers that check no memory."""
-    group_to_axis = {name: axis for axis, name in module.groups.items()}
+    group_to_axis = module.group_keys()
     plan = module.plan
     kept = lambda unit: unit.stage == 3 and not unit.reshard  # noqa: E731
     return {"rank": rank, "world": world, "setup_comm": setup.by_key(group_to_axis),

@@ -144,7 +144,7 @@ def _rank_case(rank: int, world: int, name: str) -> dict[str, list]:
         def step_losses(how: str, step_batches: list) -> list:
             return _accumulate(how, lambda batch: module(*module.local_batch(*batch)), step_batches, module.no_sync)
 
-    group_to_axis = {group: axis for axis, group in module.groups.items()}
+    group_to_axis = module.group_keys()
     result: dict[str, list] = {"losses": [], "grads": [], "params": [], "comm": []}
     for (how, set_to_none), step_batches in zip(_script(pipelined), batches):
         optimizer.zero_grad(set_to_none=set_to_none)

@@ -340,7 +340,7 @@ def _dropping_step(rank: int, world: int, factor: float) -> dict:
     with counter:
         loss = module(*module.local_batch(*batches[0]))
         loss.backward()
-    group_to_axis = {name: axis for axis, name in module.groups.items()}
+    group_to_axis = module.group_keys()
     moved = sum(nbytes for (kind, _), (_, nbytes) in counter.by_key(group_to_axis).items() if kind == "all_to_all")
     grads = [p.grad for p in module.parameters()]
     return {"routing": list(moe.ROUTING), "moved": moved, "loss": float(loss),

@@ -7,8 +7,9 @@ micro-batches, their gradients accumulated (`single_device(microbatches=m)`), at
 outside equals the ledger of the rank's stages; bytes held after each step equal the memory
 ledger; the step's peak lies within the ledger's bounds:
 - pp=2 and pp=4 under every schedule (GPipe, 1F1B, interleaved 1F1B with two stages per rank,
-  ZB-H1), the GPT and Llama on each; DualPipeV (two stages per rank in a V) with the GPT on pp=2
-  (an MoE on pp=2 × ep=2 and pp=4: tests/test_moe.py);
+  ZB-H1), the GPT and Llama on each; DualPipeV (two stages per rank in a V, its paired forwards
+  and backwards side by side) with the GPT on pp=2 and pp=2 × tp=2 + SP (an MoE on pp=2 × ep=2
+  and pp=4: tests/test_moe.py);
 - dp=2 x tp=2 x pp=2 on 8 ranks (data parallel, Megatron TP+SP, 1F1B);
 - ZeRO-1 x pp and FSDP x pp (DeepSeek-V3's and torchtitan's compositions);
 - a tied GPT-2 embedding and head held by the first and last of 4 stages;
@@ -157,7 +158,9 @@ FOUR = ([case(model, "pp=4", schedule, virtual, layers=8 if virtual > 1 else 4)
            case("gpt", "pp=2,dp=2", "interleaved_1f1b", 2, layers=8, data="fsdp"),
            case("tied_gpt2", "pp=4", "1f1b"),
            # async TP in each stage: micro-batches of 4 rows, 2 per tp rank, in 2 pieces
-           case("gpt", "pp=2,tp=2", tensor="sp_chunks", microbatches=2)])
+           case("gpt", "pp=2,tp=2", tensor="sp_chunks", microbatches=2),
+           # DualPipeV's paired forwards run their TP+SP collectives on the side thread's groups
+           case("gpt", "pp=2,tp=2", "dualpipev", 2, tensor="sp")])
 EIGHT = [case("gpt", "pp=2,dp=2,tp=2", data="dp", tensor="sp"), case("llama", "pp=2,dp=2,tp=2", data="zero1",
                                                                           tensor="sp")]
 
@@ -259,8 +262,11 @@ def _in_flight_rank(rank: int, world: int, schedules: list[tuple[str, int]]) -> 
     result = {}
     for schedule, microbatches in schedules:
         torch.manual_seed(0)
+        # DualPipeV's pairs one after the other: `InFlight` tells actions' allocations apart by
+        # time, and a pair's forward and backward allocate at the same time on two threads
+        overlap = {"overlap": False} if schedule == "dualpipev" else {}
         module = autopar.parallelize(gpt(4), "pp=2", strategies=[autopar.pipeline_parallel(
-            schedule=schedule, microbatches=microbatches)], example_inputs=batch)
+            schedule=schedule, microbatches=microbatches, **overlap)], example_inputs=batch)
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
         for _ in range(2):  # the second step: optimizer state exists, as in the ledger
             optimizer.zero_grad()

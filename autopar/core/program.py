@@ -37,6 +37,7 @@ class PipelineLayout:
     batch_dim: int
     starts: tuple[str, ...]  # the block each stage after the first starts with
     balance: str  # how the cut was chosen ("declared", or the cost it balanced)
+    overlap: bool = False  # the schedule's paired forwards run beside their backwards (`schedules.overlapped`)
 
     @property
     def stages(self) -> int:

@@ -143,17 +143,27 @@ def _dual_pipe_v(p: int, v: int, m: int) -> list[list[Action]]:
 
     1. 2(p-c-1) forwards of a;          2. c+1 times F(a) F(b);
     3. p-c-1 times B(b) W(b) F(b);      4. m-2p+c+1 times F(a) B+W(b) then F(b) B+W(a): the
-       steady state, where each forward runs beside another micro-batch's backward (on a GPU
-       one's compute hides the other's all-to-alls; here the pair runs one after the other);
-    5. p-c-1 times B+W(b) F(b) B+W(a);  6. c+1 times B(b) B(a), full backwards for the first half
-       and input gradients only for the second (on odd ranks one step earlier for b);
+       steady state, where each forward runs beside another micro-batch's backward (`overlapped`:
+       one's compute hides the other's all-to-alls), except the last rank's first F(a) B(b),
+       which run one after the other so that the first backward reaches the others sooner;
+    5. p-c-1 times B+W(b) then F(b) beside B+W(a);
+    6. c+1 times B(b) B(a), full backwards for the first half and input gradients only for the
+       second (on odd ranks one step earlier for b);
     7. p-c-1 times W then B(a);         8. the Ws still pending, oldest first.
 
     Needs m >= 2p (every stage's micro-batches in flight through the V)."""
-    orders = []
+    return [list(order) for order in _dual_pipe_v_with_pairs(p, m)[0]]
+
+
+@lru_cache(maxsize=256)
+def _dual_pipe_v_with_pairs(p: int, m: int) -> tuple[tuple[tuple[Action, ...], ...], tuple[frozenset[int], ...]]:
+    """DualPipeV's lists (`_dual_pipe_v`) and, per rank, the positions of its forwards that run
+    beside the full backward after them (phases 4 and 5)."""
+    orders, pairs = [], []
     for c in range(p):
         a, b = v_stages(p, c)
         order: list[Action] = []
+        beside: set[int] = set()
         done = {("F", a): 0, ("F", b): 0, ("B", a): 0, ("B", b): 0}
         weights: list[Action] = []  # Ws of input-only backwards, oldest first
 
@@ -180,13 +190,17 @@ def _dual_pipe_v(p: int, v: int, m: int) -> list[list[Action]]:
             backward(b, full=False)
             pending_weight()
             forward(b)
-        for _ in range(m - 2 * p + c + 1):
+        for i in range(m - 2 * p + c + 1):
+            if not (i == 0 and c == p - 1):
+                beside.add(len(order))
             forward(a)
             backward(b, full=True)
+            beside.add(len(order))
             forward(b)
             backward(a, full=True)
         for _ in range(p - c - 1):
             backward(b, full=True)
+            beside.add(len(order))
             forward(b)
             backward(a, full=True)
         split = False
@@ -200,8 +214,9 @@ def _dual_pipe_v(p: int, v: int, m: int) -> list[list[Action]]:
             backward(a, full=not split)
         while weights:
             pending_weight()
-        orders.append(order)
-    return orders
+        orders.append(tuple(order))
+        pairs.append(frozenset(beside))
+    return tuple(orders), tuple(pairs)
 
 
 GENERATORS: dict[str, Callable[[int, int, int], list[list[Action]]]] = {
@@ -220,6 +235,20 @@ def actions(schedule: str, *, degree: int, virtual: int, microbatches: int) -> l
         raise ValueError(f"{schedule} runs 2 stages per rank (got {virtual}) and at least 2 × {degree} micro-batches "
                          f"(got {microbatches})")
     return GENERATORS[schedule](degree, virtual, microbatches)
+
+
+# schedules whose lists pair a forward with the full backward after it, to run side by side
+OVERLAPPING = {"dualpipev"}
+
+
+def overlapped(schedule: str, *, degree: int, virtual: int, microbatches: int) -> list[frozenset[int]]:
+    """Per pipeline rank, the positions i in its list (`actions`) whose forward runs beside the
+    full backward at i + 1 (another stage, another micro-batch): DualPipeV's steady state. Empty
+    for schedules that run one action at a time."""
+    if schedule not in OVERLAPPING:
+        return [frozenset()] * degree
+    actions(schedule, degree=degree, virtual=virtual, microbatches=microbatches)  # the same checks
+    return list(_dual_pipe_v_with_pairs(degree, microbatches)[1])
 
 
 @dataclass(frozen=True)
@@ -246,15 +275,21 @@ def _inputs(action: Action, stages: int, latency: float, rank_of: Callable[[int]
 
 def simulate(orders: list[list[Action]], cost: Callable[[Action], float], *, stages: int,
              split_backward: bool = False, latency: float = 0.0, cores: int | None = None,
-             rank_of: Callable[[int], int] | None = None) -> list[Timed]:
+             rank_of: Callable[[int], int] | None = None, pairs: list[frozenset[int]] | None = None,
+             pair_cost: Callable[[Action, Action], float] | None = None) -> list[Timed]:
     """Every action's start and end when each rank runs its list in order (see module docstring).
 
     `cores`: ranks share that many processors (processor sharing: r running ranks each progress
     at min(1, cores / r)), as on a machine with fewer cores than pipeline ranks; None: one each.
     `rank_of`: the rank of each stage (`PipelineLayout.coordinate`), so that a hand-over between
-    two stages of one rank waits no `latency`; None: every hand-over waits it."""
+    two stages of one rank waits no `latency`; None: every hand-over waits it.
+    `pairs`: per rank, positions whose action runs beside the next one (`overlapped`): the two
+    start once both have their inputs and end together, after `pair_cost(first, second)`
+    (default: the sum of their costs, compute that shares one processor)."""
+    pairs = pairs or [frozenset()] * len(orders)
+    pair_cost = pair_cost or (lambda first, second: cost(first) + cost(second))
     end: dict[Action, float] = {}
-    started: dict[int, tuple[float, float]] = {}  # rank -> (start, work left) of its current action
+    started: dict[int, tuple[float, float, int]] = {}  # rank -> (start, work left, actions) of what it runs
     timed: list[Timed] = []
     position = [0] * len(orders)
     now = 0.0
@@ -263,11 +298,14 @@ def simulate(orders: list[list[Action]], cost: Callable[[Action], float], *, sta
         for rank, order in enumerate(orders):
             if position[rank] >= len(order) or rank in started:
                 continue
-            needed = _inputs(order[position[rank]], stages, latency, rank_of)
+            count = 2 if position[rank] in pairs[rank] else 1
+            running = order[position[rank]:position[rank] + count]
+            needed = [need for action in running for need in _inputs(action, stages, latency, rank_of)]
             if all(a in end for a, _ in needed):
                 ready = max([now] + [end[a] + lag for a, lag in needed])
                 if ready <= now + 1e-12:
-                    started[rank] = (now, cost(order[position[rank]]))
+                    work = cost(running[0]) if count == 1 else pair_cost(*running)
+                    started[rank] = (now, work, count)
                 else:
                     waiting_until.append(ready)
         if not started:
@@ -277,30 +315,48 @@ def simulate(orders: list[list[Action]], cost: Callable[[Action], float], *, sta
             now = min(waiting_until)
             continue
         rate = 1.0 if cores is None else min(1.0, cores / len(started))
-        step = min([left / rate for _, left in started.values()] + [t - now for t in waiting_until])
+        step = min([left / rate for _, left, _ in started.values()] + [t - now for t in waiting_until])
         now += step
         for rank in list(started):
-            start, left = started[rank]
+            start, left, count = started[rank]
             left -= step * rate
             if left > 1e-9:
-                started[rank] = (start, left)
+                started[rank] = (start, left, count)
                 continue
-            action = orders[rank][position[rank]]
-            end[action] = now
-            timed.append(Timed(action, rank, start, now))
-            position[rank] += 1
+            for action in orders[rank][position[rank]:position[rank] + count]:
+                end[action] = now
+                timed.append(Timed(action, rank, start, now))
+            position[rank] += count
             del started[rank]
     return timed
 
 
+def busy_seconds(timed: list[Timed], ranks: int) -> list[float]:
+    """Per rank: the time it runs something, time when two of its actions overlap (`overlapped`) counted once."""
+    busy = [0.0] * ranks
+    reached = [min((t.start for t in timed), default=0.0)] * ranks  # the end of what is already counted
+    for t in sorted(timed, key=lambda t: t.start):
+        busy[t.rank] += max(0.0, t.end - max(t.start, reached[t.rank]))
+        reached[t.rank] = max(reached[t.rank], t.end)
+    return busy
+
+
 def bubble_fractions(timed: list[Timed], ranks: int) -> list[float]:
     """Per rank: the fraction of the step (first start to last end, over all ranks) it is idle."""
-    begin = min(t.start for t in timed)
-    span = max(t.end for t in timed) - begin
-    busy = [0.0] * ranks
-    for t in timed:
-        busy[t.rank] += t.end - t.start
-    return [1 - b / span for b in busy]
+    span = max(t.end for t in timed) - min(t.start for t in timed)
+    return [1 - b / span for b in busy_seconds(timed, ranks)]
+
+
+def done_in_pairs(orders: list[list[Action]], pairs: list[frozenset[int]]) -> frozenset[Action]:
+    """The Ws of the full backwards that run in a pair (`overlapped`): their work is done in the pair."""
+    done = set()
+    for order, positions in zip(orders, pairs):
+        for i in positions:
+            b, w = order[i + 1], order[i + 2]
+            if not (b.kind == "B" and w.kind == "W" and (b.stage, b.microbatch) == (w.stage, w.microbatch)):
+                raise ValueError(f"position {i} pairs {order[i]} with {b}, which is no full backward (next: {w})")
+            done.add(w)
+    return frozenset(done)
 
 
 def whole_backwards(order: "list[Action] | tuple[Action, ...]") -> frozenset[int]:

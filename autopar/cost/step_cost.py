@@ -123,6 +123,14 @@ def exposed_seconds(calls: list[float], compute: float, overlap: float, *, unhid
     return total - min(total - fixed, overlap * compute)
 
 
+def pair_seconds(forward: tuple[float, float], backward: tuple[float, float]) -> float:
+    """A forward and another micro-batch's backward run side by side (DualPipeV's pairs), each
+    given as (compute, blocking communication) seconds: the two computations share the rank's
+    processor, and each one's communication waits while the other computes — DeepSeek-V3's claim
+    for its all-to-alls, taken whole: the longer of the two sums."""
+    return max(forward[0] + backward[0], forward[1] + backward[1])
+
+
 def _optimizer_seconds(ledger: Any, cluster: Cluster) -> float:
     seconds = 0.0
     for entry in ledger.entries:
@@ -212,12 +220,14 @@ def _pipelined(plan: Any, cluster: Cluster, ranks: list[int], parts: dict[int, _
     micro = layout.microbatches
     holder = {stage.index: rank for rank in ranks for stage in plan.stages_of_rank(rank)}
     forward, backward = {}, {}
+    computing_f, computing_b = {}, {}  # their compute alone (a pair hides the rest: `pair_seconds`)
 
     def inside(axis: str) -> bool:  # a stage's own transfers (context parallelism's ring), not the pipeline's
         return axis != layout.axis
 
     for index, rank in holder.items():
         compute_f, compute_b = ops[index].forward.seconds(cluster), ops[index].backward.seconds(cluster)
+        computing_f[index], computing_b[index] = compute_f, compute_b
         blocking_f = parts[rank].seconds("blocking", stage=index, phase="forward") / micro
         blocking_b = parts[rank].seconds("blocking", stage=index, phase="backward") / micro
         ring_f = parts[rank].calls("p2p", stage=index, phase="forward", axis=inside)
@@ -231,6 +241,10 @@ def _pipelined(plan: Any, cluster: Cluster, ranks: list[int], parts: dict[int, _
                                              unhidden=None) / micro)
     split = layout.schedule in schedules.SPLIT_BACKWARD
     whole = {stage.index for stage in plan.stages if not stage.receives}
+    orders = schedules.actions(layout.schedule, degree=layout.degree, virtual=layout.virtual, microbatches=micro)
+    pairs = schedules.overlapped(layout.schedule, degree=layout.degree, virtual=layout.virtual,
+                                 microbatches=micro) if layout.overlap else None
+    in_pairs = schedules.done_in_pairs(orders, pairs) if pairs else frozenset()
 
     # ranks sharing processors: an action's work in processor-seconds, the pipeline's share of the
     # node's processors (its data-parallel replicas run beside it)
@@ -240,19 +254,21 @@ def _pipelined(plan: Any, cluster: Cluster, ranks: list[int], parts: dict[int, _
     def cost(action: schedules.Action) -> float:
         if action.kind == "F":
             return forward[action.stage] / speedup
-        if split and action.stage in whole:
+        if split and action.stage in whole or action in in_pairs:
             return backward[action.stage] / speedup if action.kind == "B" else 0.0
         return (backward[action.stage] / 2 if split else backward[action.stage]) / speedup
 
+    def pair_cost(f: schedules.Action, b: schedules.Action) -> float:  # b: a full backward (its W is done in it)
+        return pair_seconds((computing_f[f.stage], forward[f.stage] - computing_f[f.stage]),
+                            (computing_b[b.stage], backward[b.stage] - computing_b[b.stage])) / speedup
+
     handovers = [cluster.handover_seconds(row.logical_bytes, row.link) for rank in ranks for row in parts[rank].rows
                  if row.calls and row.axis == layout.axis and _kind(row) == "p2p"]
-    orders = schedules.actions(layout.schedule, degree=layout.degree, virtual=layout.virtual, microbatches=micro)
     timed = schedules.simulate(orders, cost, stages=layout.stages, split_backward=split,
-                               latency=max(handovers, default=0.0), cores=cores, rank_of=layout.coordinate)
+                               latency=max(handovers, default=0.0), cores=cores, rank_of=layout.coordinate,
+                               pairs=pairs, pair_cost=pair_cost)
     span = max(t.end for t in timed)
-    busy = defaultdict(float)
-    for t in timed:
-        busy[t.rank] += t.end - t.start
+    busy = dict(enumerate(schedules.busy_seconds(timed, layout.degree)))
     critical = max(busy, key=busy.get)
     compute = min(busy[critical], sum(ops[i].forward.seconds(cluster) + ops[i].backward.seconds(cluster)
                                       for i, r in holder.items()

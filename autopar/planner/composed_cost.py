@@ -66,6 +66,7 @@ from autopar.cost.step_cost import (
     RUNTIME_COPY_TRAFFIC,
     StepEstimate,
     exposed_seconds,
+    pair_seconds,
 )
 from autopar.planner.block_ledgers import BlockLedgers, Part
 from autopar.planner.composed_memory import activation_peaks, peak_terms, rank_memory, rest_params, rest_tensors
@@ -353,23 +354,35 @@ def _gather_seconds(price: _Pricer, kind: str, dp: int, nbytes: int, gathers: in
 
 
 def _split_span(stages: list[_Stage], candidate: Candidate, cluster: Cluster, micro: int, send: float,
-                pp: int) -> float:
-    """The span of a split-backward schedule (ZB-H1, DualPipeV), by `schedules.simulate`: their W
-    passes fill what 1F1B leaves idle and DualPipeV's phases mix full and split backwards, for
-    which no closed form is kept here; each stage's F is its forward (with what blocks it and its
-    ring), B and W each half its backward (a full backward: both), every hand-over between ranks
-    waiting `send` (the one at a V's turn moves nothing)."""
+                pp: int) -> tuple[float, float]:
+    """The span of a split-backward schedule (ZB-H1, DualPipeV), by `schedules.simulate`, and the
+    seconds its busiest rank spends running: their W passes fill what 1F1B leaves idle and
+    DualPipeV's phases mix full and split backwards, for which no closed form is kept here; each
+    stage's F is its forward (with what blocks it and its ring), B and W each half its backward (a
+    full backward: both), every hand-over between ranks waiting `send` (the one at a V's turn
+    moves nothing); DualPipeV's paired forward and full backward take `pair_seconds`."""
+    computing_f = {s.index: s.compute_f for s in stages}
+    computing_b = {s.index: s.compute_b for s in stages}
     forward = {s.index: s.compute_f + s.blocking_f + exposed_seconds(s.sends, s.compute_f + s.compute_b,
                                                                      cluster.overlap, unhidden="first") for s in stages}
     backward = {s.index: s.compute_b + s.blocking_b for s in stages}
+    orders = schedules.actions(candidate.schedule, degree=pp, virtual=candidate.virtual, microbatches=micro)
+    pairs = schedules.overlapped(candidate.schedule, degree=pp, virtual=candidate.virtual, microbatches=micro)
+    in_pairs = schedules.done_in_pairs(orders, pairs)
 
     def cost(action: schedules.Action) -> float:
+        if action in in_pairs:
+            return 0.0
         return forward[action.stage] if action.kind == "F" else backward[action.stage] / 2
 
-    orders = schedules.actions(candidate.schedule, degree=pp, virtual=candidate.virtual, microbatches=micro)
+    def pair_cost(f: schedules.Action, b: schedules.Action) -> float:  # b: a full backward (its W is done in it)
+        return pair_seconds((computing_f[f.stage], forward[f.stage] - computing_f[f.stage]),
+                            (computing_b[b.stage], backward[b.stage] - computing_b[b.stage]))
+
     timed = schedules.simulate(orders, cost, stages=len(stages), split_backward=True, latency=send,
-                               rank_of=lambda stage: schedules.stage_coordinate(candidate.schedule, pp, stage))
-    return max(t.end for t in timed) - min(t.start for t in timed)
+                               rank_of=lambda stage: schedules.stage_coordinate(candidate.schedule, pp, stage),
+                               pairs=pairs, pair_cost=pair_cost)
+    return max(t.end for t in timed) - min(t.start for t in timed), max(schedules.busy_seconds(timed, pp))
 
 
 def _pipelined(stages: list[_Stage], ranks: list[_Rank], candidate: Candidate, cluster: Cluster, price: _Pricer,
@@ -397,11 +410,12 @@ def _pipelined(stages: list[_Stage], ranks: list[_Rank], candidate: Candidate, c
                 + exposed_seconds(s.sends, s.compute_f + s.compute_b, cluster.overlap, unhidden="first")  # cp's ring
                 for s in r.stages) for r in ranks]
     critical = max(range(pp), key=work.__getitem__)
+    busy = micro * work[critical]
     if candidate.schedule in schedules.SPLIT_BACKWARD:
-        span = _split_span(stages, candidate, cluster, micro, send, pp)
+        span, running = _split_span(stages, candidate, cluster, micro, send, pp)
+        busy = min(busy, running)  # DualPipeV's pairs: one's communication hidden behind the other's compute
     else:
         span = sum(work) / virtual + (micro - 1 / virtual) * work[critical] + 2 * (chunks - 1) * send
-    busy = micro * work[critical]
     compute = micro * sum(s.compute_f + s.compute_b for s in ranks[critical].stages)
     ends = []
     for rank in ranks:

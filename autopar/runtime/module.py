@@ -114,6 +114,15 @@ class ParallelModule(torch.nn.Module):
         if plan.pipeline is not None:
             self.pipeline = PipelineExecutor(plan, rank=rank, runners=self.stages, groups=self.groups)
 
+    def group_keys(self) -> dict[str, str]:
+        """Every process group this rank's program hands work to, by name -> the mesh key it spans
+        (an axis, `dp+cp`, `pp@0,3`): `groups`, and the copies a pipeline's side thread issues on
+        (`runtime/overlap.py`)."""
+        keys = {name: key for key, name in self.groups.items()}
+        if self.pipeline is not None and self.pipeline.lanes is not None:
+            keys.update(self.pipeline.lanes.axes(self.groups))
+        return keys
+
     def _register(self, plan: Plan, stages: list, state: dict[str, torch.Tensor]) -> tuple[dict, dict, dict, dict]:
         """This rank's parameter shards (ZeRO units' dim-0 shards and replicated compute copies)
         and buffers, registered under their original names."""

@@ -12,6 +12,11 @@ the batch dimension, then runs the rank's list of actions (`autopar.core.schedul
   next action (DualPipeV's full backwards) runs whole, and that W has nothing left to do;
 - W(stage, k): the weight gradient (`stage_backward_weight`).
 
+Under DualPipeV (`PipelineLayout.overlap`) each forward the schedule pairs with the full backward
+after it (`schedules.overlapped`) runs beside it, on a side thread with its own copies of the
+process groups (`runtime/overlap.py`): one micro-batch's all-to-alls and receives wait while the
+other computes.
+
 Every stage holds its gradients until its last backward of the step (`StageRunner.hold`): the
 data-parallel all-reduce, ZeRO's reduce-scatter and a tied parameter's sum over its stages run
 once per step, not per micro-batch (with a split backward, explicitly after the last W); a step run
@@ -41,6 +46,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 
 from autopar.core import schedules
 from autopar.core.ops import p2p
+from autopar.runtime.overlap import Lanes, SideThread
 from autopar.runtime.stage import StageRunner
 
 
@@ -71,6 +77,13 @@ class PipelineExecutor:
         closing = "W" if self.split else "B"
         self.last_backward = {a.stage: i for i, a in enumerate(self.actions) if a.kind == closing}
         self.group = groups[layout.axis]
+        self.pairs = frozenset()  # positions of forwards run beside the backward after them
+        if layout.overlap:
+            self.pairs = schedules.overlapped(layout.schedule, degree=layout.degree, virtual=layout.virtual,
+                                              microbatches=layout.microbatches)[coordinate]
+        # collective: every rank of the job makes the same copies (an overlapping layout pairs on every rank)
+        self.lanes = Lanes(plan, groups, layout.axis) if layout.overlap else None
+        self.side = SideThread(self.lanes) if self.lanes is not None else None
         # the rank's device (its stages' parameters): receive buffers, tokens and the shared loss live there
         self.device = next((param.device for runner in runners for param in runner.parameters.values()), None)
         self.loss_source = plan.mesh.neighbour(rank, layout.axis, layout.coordinate(layout.stages - 1) - coordinate)
@@ -102,34 +115,51 @@ class PipelineExecutor:
 
     def step(self, inputs: list[Any]) -> torch.Tensor:
         micro = self._microbatches(inputs)
-        exchange = p2p.Exchange(self.rank, device=self.device)
+        exchange = p2p.Exchange(self.rank, device=self.device,
+                                gradient_groups=self.lanes.gradients if self.lanes is not None else {})
         for runner in self.runners.values():
             runner.hold()
         live: dict[tuple[int, int], Any] = {}
-        losses: list[torch.Tensor] = []
+        losses: dict[int, torch.Tensor] = {}  # micro-batch -> its loss (the last stage's forwards)
         self.timeline = []
-        for position, action in enumerate(self.actions):
-            runner = self.runners[action.stage]
-            key = (action.stage, action.microbatch)
-            start, waited_before = time.perf_counter(), exchange.waited
-            with p2p.active(exchange, action.microbatch):
-                if action.kind == "F":
-                    token = torch.zeros((), requires_grad=True, device=self.device) if runner.receives else None
-                    outputs = runner.run(micro[action.microbatch], token)
-                    live[key] = (outputs, token)
-                    if runner.is_last:
-                        losses.append(outputs[0].detach())
-                elif action.kind == "B":
-                    self._backward(runner, key, live, closing=self.last_backward[action.stage] == position,
-                                   whole=position in self.whole)
-                else:
-                    stage_backward_weight(iter(runner.parameters.values()), live.pop(key))
-                    if self.last_backward[action.stage] == position:
-                        runner.synchronise_now()
-            self.timeline.append(TimedAction(action.kind, action.stage, action.microbatch, start,
-                                             time.perf_counter(), exchange.waited - waited_before))
+        position = 0
+        while position < len(self.actions):
+            if position in self.pairs:  # this forward beside the full backward after it (module docstring)
+                join = self.side.start(self._run, position, exchange, micro, live, losses)
+                try:
+                    backward = self._run(position + 1, exchange, micro, live, losses)
+                finally:
+                    forward = join()
+                self.timeline += [forward, backward]
+                position += 2
+            else:
+                self.timeline.append(self._run(position, exchange, micro, live, losses))
+                position += 1
         exchange.finish()
-        return self._shared_loss(losses)
+        return self._shared_loss([losses[k] for k in sorted(losses)])
+
+    def _run(self, position: int, exchange: p2p.Exchange, micro: list[list[Any]], live: dict,
+             losses: dict[int, torch.Tensor]) -> TimedAction:
+        """The action at `position` of the rank's list, timed."""
+        action = self.actions[position]
+        runner = self.runners[action.stage]
+        key = (action.stage, action.microbatch)
+        start = time.perf_counter()
+        with p2p.active(exchange, action.microbatch) as turn:
+            if action.kind == "F":
+                token = torch.zeros((), requires_grad=True, device=self.device) if runner.receives else None
+                outputs = runner.run(micro[action.microbatch], token)
+                live[key] = (outputs, token)
+                if runner.is_last:
+                    losses[action.microbatch] = outputs[0].detach()
+            elif action.kind == "B":
+                self._backward(runner, key, live, closing=self.last_backward[action.stage] == position,
+                               whole=position in self.whole)
+            else:
+                stage_backward_weight(iter(runner.parameters.values()), live.pop(key))
+                if self.last_backward[action.stage] == position:
+                    runner.synchronise_now()
+        return TimedAction(action.kind, action.stage, action.microbatch, start, time.perf_counter(), turn.waited)
 
     def _backward(self, runner: StageRunner, key: tuple[int, int], live: dict, *, closing: bool,
                   whole: bool = False) -> None:

@@ -74,8 +74,12 @@ def build_bubble_ledger(plan: Any, *, cores: int | None = None) -> BubbleLedger:
 
     orders = schedules.actions(layout.schedule, degree=layout.degree, virtual=layout.virtual,
                                microbatches=layout.microbatches)
+    pairs = schedules.overlapped(layout.schedule, degree=layout.degree, virtual=layout.virtual,
+                                 microbatches=layout.microbatches) if layout.overlap else None
+    # a pair's two halves share the rank's processor: compute alone, they take their sum (what
+    # overlapping them hides is communication, which this ledger does not price)
     timed = schedules.simulate(orders, cost, stages=layout.stages, split_backward=split, cores=cores,
-                               rank_of=layout.coordinate)
+                               rank_of=layout.coordinate, pairs=pairs)
     return BubbleLedger(schedule=layout.schedule, degree=layout.degree, virtual=layout.virtual,
                         microbatches=layout.microbatches, stage_flops=flops, timeline=timed,
                         fractions=schedules.bubble_fractions(timed, layout.degree))

@@ -253,7 +253,8 @@ def split_pipeline(program: Program, ctx: CompileContext) -> Program:
     stage_of = assign_stages(gm, node_block, block_stage, count - 1)
     layout = PipelineLayout(axis=axis, degree=degree, virtual=pipeline.virtual_stages,
                             microbatches=pipeline.microbatches, schedule=pipeline.schedule,
-                            batch_dim=pipeline.batch_dim, starts=tuple(blocks[s] for s in starts[1:]), balance=balance)
+                            batch_dim=pipeline.batch_dim, starts=tuple(blocks[s] for s in starts[1:]), balance=balance,
+                            overlap=pipeline.overlap)
     program.pipeline = layout
     program.stages, program.ties = _Builder(gm, ctx, layout, stage_of).build()
     return program

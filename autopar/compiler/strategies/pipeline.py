@@ -17,6 +17,10 @@ filling the bubbles at 1F1B's activation memory) and `dualpipev` (DeepSeek-V3's 
 into a V: two stages per rank, rank c holding stages c and 2p-1-c, so the first rank holds the
 embedding's stage and the loss's; a forward beside another micro-batch's backward in the steady
 state; at least 2p micro-batches; `virtual_stages` 1 or 2 both mean its two).
+
+`overlap` (DualPipeV only; default on): the forward and the backward the schedule pairs run side by
+side, one's collectives waiting while the other computes (`autopar/runtime/overlap.py`);
+`overlap=False` runs them one after the other.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from autopar.compiler.strategies import Strategy
 from autopar.compiler.strategies.pipeline_layout import cut_points, parse_layout
 from autopar.core.errors import PlanError
+from autopar.core.schedules import OVERLAPPING
 
 SCHEDULES = {
     "gpipe": "all forwards, then all backwards (GPipe; breadth-first over virtual stages)",
@@ -46,12 +51,16 @@ class PipelineDeclaration:
     batch_dim: int
     layout: str | None = None  # the layout string `stages` came from
     layout_blocks: int | None = None  # the blocks it lists: the model must have as many
+    overlap: bool = False  # paired forwards and backwards run side by side (DualPipeV)
 
 
 def pipeline_parallel(*, axis: str = "pp", schedule: str = "1f1b", microbatches: int = 4,
                       stages: "list[str] | tuple[str, ...] | None" = None, layout: str | None = None,
-                      virtual_stages: int = 1, batch_dim: int = 0) -> Strategy:
+                      virtual_stages: int = 1, batch_dim: int = 0, overlap: bool | None = None) -> Strategy:
     """Pipeline parallelism over `axis` (see the module docstring)."""
+    if overlap and schedule not in OVERLAPPING:
+        raise PlanError(f"overlap=True: schedule {schedule!r} runs one action at a time; only "
+                        f"{', '.join(sorted(OVERLAPPING))} pairs a forward with another micro-batch's backward")
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown pipeline schedule {schedule!r}; choose one of: "
                         + "; ".join(f"{name} ({what})" for name, what in SCHEDULES.items()))
@@ -82,7 +91,8 @@ def pipeline_parallel(*, axis: str = "pp", schedule: str = "1f1b", microbatches:
     declaration = PipelineDeclaration(schedule=schedule, microbatches=microbatches,
                                       stages=tuple(stages) if stages is not None else None,
                                       virtual_stages=virtual_stages, batch_dim=batch_dim, layout=layout,
-                                      layout_blocks=layout_blocks)
+                                      layout_blocks=layout_blocks,
+                                      overlap=schedule in OVERLAPPING if overlap is None else overlap)
     return Strategy(name=f"pipeline[{schedule}, m={microbatches}" + (f", v={virtual_stages}]" if virtual_stages > 1
                                                                      else "]"),
                     axis=axis, pipeline=declaration)

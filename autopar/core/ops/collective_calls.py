@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from autopar.core.ops.collective_lanes import on_lane
+
 _c10d = torch.ops._c10d_functional
 
 
@@ -25,7 +27,7 @@ def raw_all_reduce(x: torch.Tensor, group: str, reduce_op: str = "sum") -> torch
 # output before it has arrived; `land_*` waits for it and lays it out. The raw_* steps run both at
 # once; `autopar.core.ops.in_flight` runs them apart (the scheduling pass's deferred steps).
 def issue_all_reduce(x: torch.Tensor, group: str, reduce_op: str = "sum") -> torch.Tensor:
-    return _c10d.all_reduce(x.contiguous(), reduce_op, group)
+    return _c10d.all_reduce(x.contiguous(), reduce_op, on_lane(group))
 
 
 # A collective's buffer is rank-major (the pieces of dim 0 are the ranks'). On any other dim the
@@ -37,7 +39,7 @@ def raw_all_gather(x: torch.Tensor, group: str, size: int, dim: int) -> torch.Te
 
 
 def issue_all_gather(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
-    return _c10d.all_gather_into_tensor(x.contiguous(), size, group)
+    return _c10d.all_gather_into_tensor(x.contiguous(), size, on_lane(group))
 
 
 def land_all_gather(pending: torch.Tensor, shape: tuple, size: int, dim: int) -> torch.Tensor:
@@ -55,11 +57,11 @@ def raw_reduce_scatter(x: torch.Tensor, group: str, size: int, dim: int) -> torc
 
 def issue_reduce_scatter(x: torch.Tensor, group: str, size: int, dim: int) -> torch.Tensor:
     if dim == 0:
-        return _c10d.reduce_scatter_tensor(x.contiguous(), "sum", size, group)
+        return _c10d.reduce_scatter_tensor(x.contiguous(), "sum", size, on_lane(group))
     shape = tuple(x.shape)
     pieces = x.reshape(*shape[:dim], size, shape[dim] // size, *shape[dim + 1:]).movedim(dim, 0)
     rank_major = pieces.contiguous().flatten(0, 1)
-    return _c10d.reduce_scatter_tensor(rank_major, "sum", size, group)
+    return _c10d.reduce_scatter_tensor(rank_major, "sum", size, on_lane(group))
 
 
 def raw_all_to_all(x: torch.Tensor, group: str, size: int, split_dim: int, concat_dim: int) -> torch.Tensor:
@@ -76,7 +78,7 @@ def issue_all_to_all(x: torch.Tensor, group: str, size: int, split_dim: int) -> 
     shape = tuple(x.shape)
     chunks = x.reshape(*shape[:split_dim], size, shape[split_dim] // size, *shape[split_dim + 1:]).movedim(split_dim, 0)
     numel = math.prod(chunks.shape[1:])
-    pending = _c10d.all_to_all_single(chunks.contiguous().view(-1), [numel] * size, [numel] * size, group)
+    pending = _c10d.all_to_all_single(chunks.contiguous().view(-1), [numel] * size, [numel] * size, on_lane(group))
     return pending, tuple(chunks.shape[1:])
 
 

@@ -48,6 +48,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autopar.core.ops import collective_calls, collectives
 from autopar.core.ops.attention_blocks import block_kernel
+from autopar.core.ops.collective_lanes import on_lane
 from autopar.core.sequence_chunks import chunk_ids, chunks_total, natural_order, rank_order
 
 
@@ -102,14 +103,15 @@ def _kv_chunks(source: int, k: torch.Tensor, v: torch.Tensor, size: int, layout:
 
 
 def _process_group(name: str) -> Any:
-    return _resolve_process_group(name)
+    return _resolve_process_group(on_lane(name))
 
 
 class _RingExchange:
     """K/V blocks around the ring of the axis: block t is the one of rank (index - t) mod N."""
 
     def __init__(self, group: str, size: int, index: int, *, shapes_only: bool = False) -> None:
-        self.pg = None if shapes_only else _process_group(group)
+        # the group is resolved at each shift (`on_lane`): the backward may run on another thread than the forward
+        self.group, self.shapes_only = group, shapes_only
         self.size, self.index = size, index
         self.next, self.prev = (index + 1) % size, (index - 1) % size
 
@@ -117,13 +119,14 @@ class _RingExchange:
         """Post sends of `tensors` to the next rank and receives of the previous rank's (on fake
         tensors, at plan time: only the buffers, as functional collectives' fake kernels do)."""
         works, received = [], []
+        pg = None if self.shapes_only else _process_group(self.group)
         for j, tensor in enumerate(tensors):
             buffer = torch.empty_like(tensor)
             received.append(buffer)
-            if self.pg is None:
+            if pg is None:
                 continue
-            works.append(dist.isend(tensor.contiguous(), group=self.pg, group_dst=self.next, tag=tag + j))
-            works.append(dist.irecv(buffer, group=self.pg, group_src=self.prev, tag=tag + j))
+            works.append(dist.isend(tensor.contiguous(), group=pg, group_dst=self.next, tag=tag + j))
+            works.append(dist.irecv(buffer, group=pg, group_src=self.prev, tag=tag + j))
         return works, received
 
     def forward_blocks(self, k: torch.Tensor, v: torch.Tensor):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from autopar.core.ops.collective_calls import raw_all_reduce
+from autopar.core.ops.collective_lanes import on_lane
 from autopar.core.ops.float8_matmul import RECIPES, cast_to_float8, scale_of
 from autopar.core.zero_units import ShardUnit, gather_layout
 
@@ -71,4 +72,4 @@ def issue(shards: list[torch.Tensor], unit: ShardUnit, groups: dict[str, str], k
     cast = [cast_to_float8(shards[i].detach().to(unit.dtype), s, _E4M3, False).reshape(-1)
             for i, s in zip(unit.float8, scale)]
     send = torch.cat(cast).view(torch.uint8)
-    return Float8Gather(_c10d.all_gather_into_tensor(send, unit.group_size, groups[unit.axis]), scale, unit)
+    return Float8Gather(_c10d.all_gather_into_tensor(send, unit.group_size, on_lane(groups[unit.axis])), scale, unit)

@@ -39,6 +39,8 @@ import torch
 from tabulate import tabulate
 from torch._subclasses.fake_tensor import FakeTensor
 
+from autopar.core.ops.collective_lanes import on_lane
+
 _c10d = torch.ops._c10d_functional
 
 # (name of the experts block, rows sent per destination, rows received per source, this rank's rows
@@ -84,7 +86,7 @@ def moe_rejoin(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _rows_all_to_all(x: torch.Tensor, send: list[int], receive: list[int], group: str) -> torch.Tensor:
-    out = _c10d.all_to_all_single(x.contiguous(), receive, send, group)
+    out = _c10d.all_to_all_single(x.contiguous(), receive, send, on_lane(group))
     return _c10d.wait_tensor(out)
 
 
@@ -141,7 +143,8 @@ def moe_dispatch(x_perm: torch.Tensor, offsets: torch.Tensor, *, group: str, siz
     counts, kept_rows = _kept_rows(offsets, x_perm.shape[0], capacity_factor)
     sending = counts.view(size, -1)
     received = _c10d.wait_tensor(_c10d.all_to_all_single(sending.reshape(-1).contiguous(), [local_experts] * size,
-                                                         [local_experts] * size, group)).view(size, local_experts)
+                                                         [local_experts] * size, on_lane(group)))
+    received = received.view(size, local_experts)
     demand = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())
     sizes = torch.cat([sending.sum(1), received.sum(1), demand]).tolist()  # one sync: all_to_all's splits are host ints
     send, receive = sizes[:size], sizes[size:2 * size]

@@ -17,13 +17,16 @@ A forward send is waited, and its buffer let go, when the gradient of that value
 micro-batch arrives (the peer has long received it); the other sends (gradients) are waited at
 the end of the step (`Exchange.finish`); receives block until their tensor is
 there. Messages are matched by tag: (boundary value, micro-batch, direction), so the order in
-which a schedule posts them does not matter. The micro-batch comes from the `Exchange` the stage
-runner makes current (`Exchange.microbatch`). A peer that is this rank itself (two virtual
-stages of one rank) hands the tensor over in memory, moving nothing.
+which a schedule posts them does not matter. The micro-batch comes from the `Turn` the pipeline
+runtime makes current for each action (`active(exchange, microbatch)`), per thread: a rank that
+runs a forward beside another micro-batch's backward (DualPipeV) has two turns at once, one per
+thread, on one `Exchange`. A peer that is this rank itself (two virtual stages of one rank) hands
+the tensor over in memory, moving nothing.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -41,20 +44,26 @@ def _tag(value: int, microbatch: int, direction: int) -> int:
 
 @dataclass
 class Exchange:
-    """Point-to-point state of one rank for one step: the current micro-batch, sends in flight,
-    and the in-memory mailbox between two stages of this rank."""
+    """Point-to-point state of one rank for one step: sends in flight and the in-memory mailbox
+    between two stages of this rank (its dicts are touched by one Python step at a time: the
+    interpreter's lock makes each insertion and removal whole, across threads)."""
 
     rank: int
-    microbatch: int = 0
     pending: dict[int, tuple[Any, torch.Tensor]] = field(default_factory=dict)  # tag -> send in flight
     mailbox: dict[int, torch.Tensor] = field(default_factory=dict)
-    waited: float = 0.0  # seconds blocked in receives (the measured timeline subtracts them)
     device: "torch.device | None" = None  # where receive buffers live: the rank's (None: torch's default)
+    # the group gradients travel on, where they have their own (`runtime/overlap.py`: a forward's
+    # activations and another micro-batch's gradients in flight from two threads at once)
+    gradient_groups: dict[str, str] = field(default_factory=dict)
+
+    def _group_of(self, group: str, tag: int) -> str:
+        return self.gradient_groups.get(group, group) if tag % 2 == _BACKWARD else group
 
     def send(self, tensor: torch.Tensor, peer: int, group: str, tag: int) -> None:
         if peer == self.rank:
             self.mailbox[tag] = tensor
             return
+        group = self._group_of(group, tag)
         tensor = tensor.contiguous()
         work = dist.isend(tensor, dst=peer, group=_group(group), tag=tag)
         self.pending[tag] = (work, tensor)  # the buffer must outlive the send
@@ -62,10 +71,11 @@ class Exchange:
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, peer: int, group: str, tag: int) -> torch.Tensor:
         if peer == self.rank:
             return self.mailbox.pop(tag)
+        group = self._group_of(group, tag)
         buffer = torch.empty(shape, dtype=dtype, device=self.device)
         start = time.perf_counter()
         dist.irecv(buffer, src=peer, group=_group(group), tag=tag).wait()
-        self.waited += time.perf_counter() - start
+        _turn().waited += time.perf_counter() - start
         if tag % 2 == _BACKWARD and tag - 1 in self.pending:
             # the gradient of what this rank sent forward is here: the peer received that send long
             # ago, so it is complete and its buffer can go (gloo's sends report completion only
@@ -83,36 +93,55 @@ class Exchange:
             raise RuntimeError(f"pipeline step ended with {len(self.mailbox)} undelivered in-memory messages")
 
 
-_current: list[Exchange] = []
+@dataclass
+class Turn:
+    """One action's use of the exchange: its micro-batch and the seconds it blocked in receives
+    (the measured timeline subtracts them)."""
+
+    exchange: Exchange
+    microbatch: int
+    waited: float = 0.0
+
+
+_turns = threading.local()  # .stack: this thread's turns, innermost last
 
 
 def _group(name: str) -> Any:
     return _resolve_process_group(name)
 
 
-def current() -> Exchange:
-    if not _current:
+def _turn() -> Turn:
+    stack = getattr(_turns, "stack", None)
+    if not stack:
         raise RuntimeError("a pipeline send/recv ran outside a pipeline schedule; pipeline-parallel modules "
                            "train with module.train_step(...)")
-    return _current[-1]
+    return stack[-1]
+
+
+def current() -> Exchange:
+    return _turn().exchange
 
 
 @contextlib.contextmanager
-def active(exchange: Exchange, microbatch: int) -> Iterator[Exchange]:
-    exchange.microbatch = microbatch
-    _current.append(exchange)
+def active(exchange: Exchange, microbatch: int) -> Iterator[Turn]:
+    """Make `microbatch`'s turn on `exchange` current in this thread."""
+    if not hasattr(_turns, "stack"):
+        _turns.stack = []
+    turn = Turn(exchange, microbatch)
+    _turns.stack.append(turn)
     try:
-        yield exchange
+        yield turn
     finally:
-        _current.pop()
+        _turns.stack.pop()
 
 
 class _Send(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, peer, value):
-        exchange = current()
-        ctx.args = (tuple(x.shape), x.dtype, peer, group, _tag(value, exchange.microbatch, _BACKWARD), exchange)
-        exchange.send(x.detach(), peer, group, _tag(value, exchange.microbatch, _FORWARD))
+        turn = _turn()
+        exchange = turn.exchange
+        ctx.args = (tuple(x.shape), x.dtype, peer, group, _tag(value, turn.microbatch, _BACKWARD), exchange)
+        exchange.send(x.detach(), peer, group, _tag(value, turn.microbatch, _FORWARD))
         return x.new_zeros(())
 
     @staticmethod
@@ -124,9 +153,9 @@ class _Send(torch.autograd.Function):
 class _Recv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, token, group, peer, value, shape, dtype):
-        exchange = current()
-        ctx.args = (peer, group, _tag(value, exchange.microbatch, _BACKWARD), exchange)
-        return exchange.recv(tuple(shape), dtype, peer, group, _tag(value, exchange.microbatch, _FORWARD))
+        turn = _turn()
+        ctx.args = (peer, group, _tag(value, turn.microbatch, _BACKWARD), turn.exchange)
+        return turn.exchange.recv(tuple(shape), dtype, peer, group, _tag(value, turn.microbatch, _FORWARD))
 
     @staticmethod
     def backward(ctx, grad):
@@ -144,8 +173,8 @@ class _Recv(torch.autograd.Function):
 def send_activation(x: torch.Tensor, *, group: str, peer: int, value: int) -> torch.Tensor:
     """Send `x` to `peer` (forward); its gradient comes back from `peer` in backward. Returns a token."""
     if not (x.requires_grad and torch.is_grad_enabled()):
-        exchange = current()
-        exchange.send(x.detach(), peer, group, _tag(value, exchange.microbatch, _FORWARD))
+        turn = _turn()
+        turn.exchange.send(x.detach(), peer, group, _tag(value, turn.microbatch, _FORWARD))
         return x.new_zeros(())
     return _Send.apply(x, group, peer, value)
 
@@ -155,8 +184,8 @@ def recv_activation(token: torch.Tensor, *, group: str, peer: int, value: int, s
                     dtype: torch.dtype, requires_grad: bool = True) -> torch.Tensor:
     """Receive a value from `peer` (forward); send its gradient back in backward."""
     if not (requires_grad and torch.is_grad_enabled()):
-        exchange = current()
-        return exchange.recv(tuple(shape), dtype, peer, group, _tag(value, exchange.microbatch, _FORWARD))
+        turn = _turn()
+        return turn.exchange.recv(tuple(shape), dtype, peer, group, _tag(value, turn.microbatch, _FORWARD))
     return _Recv.apply(token, group, peer, value, shape, dtype)
 
 

@@ -39,6 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from autopar.core.errors import PlanError
 from autopar.core.ops import float8_gather
+from autopar.core.ops.collective_lanes import on_lane
 from autopar.core.zero_units import ShardUnit, copy_gathered, gather_layout, grad_layout, refresh_groups, shard_views
 
 _c10d = torch.ops._c10d_functional
@@ -329,7 +330,7 @@ class ShardedState(UnitCalls):
 
     def _launch_reduction(self, index: int, flat: torch.Tensor) -> None:
         unit = self.units[index]
-        group = self.groups[unit.axis]
+        group = on_lane(self.groups[unit.axis])
         if unit.reduce_kind == "all_to_all":  # each owner receives every rank's piece of its shard
             pieces = [unit.shard_numel] * unit.group_size
             self._reducing[index] = _c10d.all_to_all_single(flat, pieces, pieces, group)
@@ -349,7 +350,7 @@ class ShardedState(UnitCalls):
             unit = self.units[index]
             shard_grad = self._landed_shard(unit, pending)
             for axis in unit.extra_axes:
-                shard_grad = _c10d.wait_tensor(_c10d.all_reduce(shard_grad, "sum", self.groups[axis]))
+                shard_grad = _c10d.wait_tensor(_c10d.all_reduce(shard_grad, "sum", on_lane(self.groups[axis])))
             shard_grad = shard_grad.to(unit.master_dtype)
             for param, grad in zip(self.shards[index], shard_views(unit, shard_grad)):
                 if param.grad is None:
@@ -426,7 +427,7 @@ def _issue_gather(shards: list[torch.Tensor], unit: ShardUnit, row_numel: int, g
     if unit.gather_kind == "broadcast":
         return _issue_broadcasts(flat, unit, row_numel, group)
     send = torch.cat(flat).to(unit.dtype)
-    return _Gather(None, [_c10d.all_gather_into_tensor(send, unit.group_size, group)], unit.group_size)
+    return _Gather(None, [_c10d.all_gather_into_tensor(send, unit.group_size, on_lane(group))], unit.group_size)
 
 
 # run eagerly under compile=True (a stage-3 gather is launched inside a compiled forward): AOT
@@ -435,9 +436,9 @@ def _issue_gather(shards: list[torch.Tensor], unit: ShardUnit, row_numel: int, g
 def _issue_broadcasts(flat: list[torch.Tensor], unit: ShardUnit, row_numel: int, group: str) -> _Gather:
     """Each owner's row straight into the gathered buffer (no send copy), then broadcast from it."""
     buffer = torch.empty(unit.group_size, row_numel, dtype=unit.dtype, device=flat[0].device)
-    row, column = buffer[dist.get_rank(_resolve_process_group(group))], 0
+    row, column = buffer[dist.get_rank(_resolve_process_group(on_lane(group)))], 0
     for shard in flat:
         row[column:column + shard.numel()].copy_(shard)
         column += shard.numel()
-    return _Gather(buffer, [_c10d.broadcast_(buffer[owner], owner, group) for owner in range(unit.group_size)],
+    return _Gather(buffer, [_c10d.broadcast_(buffer[owner], owner, on_lane(group)) for owner in range(unit.group_size)],
                    unit.group_size)

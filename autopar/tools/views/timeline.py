@@ -7,7 +7,9 @@ and one a run recorded (`PipelineExecutor.timeline` of every rank, seconds; time
 receive is drawn hatched at the action's start). Forwards are blue, backwards green (with a
 split backward: input gradient green, weight gradient orange), each labelled stage.micro-batch;
 a thin line joins an action to the one on the next rank that waited for its send; white is idle.
-Each panel's title gives its idle fraction per rank.
+Two actions of one rank that run at once (DualPipeV's overlapped pairs) share the row: the
+forward in its top half, the backward in its bottom half. Each panel's title gives its idle
+fraction per rank.
 """
 from __future__ import annotations
 
@@ -33,13 +35,17 @@ def _panel(timed: Sequence[Timed], *, x0: float, title: str, unit: str, waited: 
         parts.append(f'<rect x="{x0 + LEFT}" y="{y}" width="{PANEL - LEFT - 10}" height="{ROW - 6}" class="lane"/>')
         parts.append(f'<text x="{x0 + 4}" y="{y + ROW / 2}" class="rank">pp rank {rank}</text>')
     where = {}
+    shared = _side_by_side(timed)
     for t in timed:
         x, width = x0 + LEFT + (t.start - begin) * scale, max((t.end - t.start) * scale, 0.6)
         y = TOP + t.rank * ROW
+        height = (ROW - 6) / 2 if t in shared else ROW - 6
+        top = y + height if t in shared and t.action.kind != "F" else y
         where[(t.action.kind, t.action.stage, t.action.microbatch)] = (x, width, y)
         label = f"{t.action.kind}{t.action.stage}.{t.action.microbatch}"
-        parts.append(f'<rect x="{x:.2f}" y="{y}" width="{width:.2f}" height="{ROW - 6}" fill="{COLORS[t.action.kind]}" '
-                     f'class="action"><title>{label}: {t.start - begin:.4g} to {t.end - begin:.4g} {unit}</title></rect>')
+        parts.append(f'<rect x="{x:.2f}" y="{top:.1f}" width="{width:.2f}" height="{height:.1f}" '
+                     f'fill="{COLORS[t.action.kind]}" class="action"><title>{label}: {t.start - begin:.4g} to '
+                     f'{t.end - begin:.4g} {unit}</title></rect>')
         blocked = (waited or {}).get((t.rank, t.action.kind, t.action.stage, t.action.microbatch), 0.0)
         if blocked > 0:
             parts.append(f'<rect x="{x - blocked * scale:.2f}" y="{y}" width="{blocked * scale:.2f}" height="{ROW - 6}" '
@@ -52,6 +58,21 @@ def _panel(timed: Sequence[Timed], *, x0: float, title: str, unit: str, waited: 
         if peer is not None and peer[2] != y:
             parts.append(f'<line x1="{x + width:.2f}" y1="{y + ROW - 6}" x2="{peer[0]:.2f}" y2="{peer[2]}" class="p2p"/>')
     return parts
+
+
+def _side_by_side(timed: Sequence[Timed]) -> set[Timed]:
+    """The actions that run while another action of their rank runs."""
+    by_rank: dict[int, list[Timed]] = {}
+    for t in timed:
+        if t.end > t.start:
+            by_rank.setdefault(t.rank, []).append(t)
+    shared = set()
+    for actions in by_rank.values():
+        actions.sort(key=lambda t: t.start)
+        for first, second in zip(actions, actions[1:]):
+            if second.start < first.end:
+                shared |= {first, second}
+    return shared
 
 
 def render_timeline(*, predicted: Sequence[Timed] | None = None, measured: Sequence[Timed] | None = None,
