@@ -7,7 +7,8 @@ same MoE at a 1M-token context (`examples/scale.py` for the shapes and batches)?
 at 8K; TP8 × CP16 × PP16 × DP4 at 128K) and DeepSeek-V3 on 2048 GPUs (PP16 × EP64, ZeRO-1):
 the planner's choice, and the published layout priced by the same model. `--float8 rowwise`:
 the same with every candidate's linears in FP8 (`autopar.float8`); `--local-scales`: each rank
-scaling its own rows (`float8(data_scales="local")`).
+scaling its own rows (`float8(data_scales="local")`). `--pairs-side-by-side`: DualPipeV's pairs
+priced side by side on the GPU clusters too (a what-if: autopar runs them so on CPU ranks only).
 Each prints, per case, the search's time, its top candidates (memory, bytes, predicted step,
 why each lost) and the winner's binding constraint. Every figure comes from two small plans per
 in-node layout composed with the ledger formulas (`autopar/planner/composed_cost.py`) on the preset
@@ -25,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` is not an installed package
 from autopar.compiler.strategies.mixed_precision import float8
+from autopar.core import schedules
 from autopar.cost.cluster import Cluster
 from autopar.core.errors import PlanError
 from autopar.planner.layout_pricer import price_composed
@@ -133,8 +135,13 @@ def main() -> None:
                              "at the cluster's FP8 rate (the FP8 columns of docs/planner.md)")
     parser.add_argument("--local-scales", action="store_true",
                         help="with --float8: each rank scales its own rows (float8(data_scales='local'), torchao's way)")
+    parser.add_argument("--pairs-side-by-side", action="store_true",
+                        help="a what-if: price DualPipeV's paired forwards and backwards side by side on the GPU "
+                             "clusters too, which autopar's runtime does on CPU ranks only (docs/pipeline.md)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.pairs_side_by_side:
+        schedules.SIDE_BY_SIDE_BACKENDS.add("nccl")
     if args.which == "seed":
         cases = [(title, build, SEED_CLUSTER, space, []) for title, build, space in SEED]
     else:

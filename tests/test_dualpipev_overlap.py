@@ -9,10 +9,11 @@
   `CommCounter`), and the loss, gradients and parameters equal the same plan with its pairs run
   one after the other (`overlap=False`) to the bit. Equality with one device, and the ledger
   against the bytes counted, are `tests/test_moe.py`'s (`pp2_ep2_dualpipev`, `pp4_dualpipev`).
-- Prices: a pair takes the longer of its two computations and its two communications
+- Prices: where the ranks run pairs side by side (CPU ranks: `schedules.SIDE_BY_SIDE_BACKENDS`)
+  a pair takes the longer of its two computations and its two communications
   (`step_cost.pair_seconds`), so a plan whose all-to-alls block less than the other half
-  computes gains exactly their time on every pair; the bubble ledger, which prices compute only,
-  gains nothing.
+  computes gains exactly their time on every pair; on accelerator ranks (one after the other)
+  nothing; the bubble ledger, which prices compute only, gains nothing.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import autopar
 from autopar.compiler.ledger.bubble import build_bubble_ledger
 from autopar.core import schedules
 from autopar.cost.cluster import Cluster
-from autopar.cost.step_cost import estimate
+from autopar.cost.step_cost import estimate, pair_seconds
 from autopar.measure.comm_counter import CommCounter
 from autopar.runtime.launch import launch
 from examples.gpt import example_batch
@@ -119,16 +120,29 @@ def _moe_plan(overlap: bool) -> autopar.Plan:
         example_inputs=example_batch(MOE, batch=8))
 
 
+# a node of 4 whose ranks run the pairs side by side (gloo's: `schedules.SIDE_BY_SIDE_BACKENDS`), and
+# the same node on NCCL, where they run one after the other
+SIDE_BY_SIDE = dataclasses.replace(Cluster.preset("h100x1"), gpus_per_node=4, backend="gloo", name="node of 4, gloo")
+ONE_AFTER_THE_OTHER = dataclasses.replace(SIDE_BY_SIDE, backend="nccl", name="node of 4, nccl")
+
+
 def test_the_step_price_hides_each_pairs_all_to_alls_and_the_bubble_ledger_does_not_move():
-    """On a GPU cluster the paired plan's step is cheaper than the same plan run pair by pair, and
-    by no more than its blocking communication; the compute-only bubble ledger is the same."""
-    cluster = dataclasses.replace(Cluster.preset("h100x1"), gpus_per_node=4, name="h100 node of 4")
+    """Where the ranks run the pairs side by side, the paired plan's step is cheaper than the same
+    plan run pair by pair, by no more than its blocking communication; where they do not
+    (accelerator ranks) the two price the same; the compute-only bubble ledger is the same."""
     paired, apart = _moe_plan(True), _moe_plan(False)
-    fast, slow = estimate(paired, cluster), estimate(apart, cluster)
+    fast, slow = estimate(paired, SIDE_BY_SIDE), estimate(apart, SIDE_BY_SIDE)
     assert fast.seconds < slow.seconds
     assert slow.seconds - fast.seconds <= slow.parts["communication"]
     assert fast.parts["compute"] == pytest.approx(slow.parts["compute"])
+    assert estimate(paired, ONE_AFTER_THE_OTHER).seconds == estimate(apart, ONE_AFTER_THE_OTHER).seconds
     assert build_bubble_ledger(paired).fractions == pytest.approx(build_bubble_ledger(apart).fractions)
+
+
+def test_a_pair_takes_no_less_than_either_half_alone():
+    assert pair_seconds((1.0, 10.0), (1.0, 0.0)) == 11.0  # the forward's own compute, then its wait
+    assert pair_seconds((1.0, 0.5), (2.0, 0.5)) == 3.0  # each wait behind the other's compute
+    assert pair_seconds((1.0, 2.0), (1.0, 2.0)) == 4.0  # the waits outlast the computes
 
 
 def test_overlap_is_refused_for_a_schedule_that_runs_one_action_at_a_time():
@@ -191,9 +205,11 @@ def test_the_planner_prices_dualpipev_with_its_pairs():
     stage = dataclasses.make_dataclass("S", ["index", "compute_f", "compute_b", "blocking_f", "blocking_b", "sends"])
     stages = [stage(i, 1.0, 2.0, 0.5, 0.5, []) for i in range(4)]
     candidate = dataclasses.make_dataclass("C", ["schedule", "virtual"])("dualpipev", 2)
-    cluster = Cluster.preset("h100x1")
-    span, running = composed_cost._split_span(stages, candidate, cluster, 8, 0.0, 2)
+    span, running = composed_cost._split_span(stages, candidate, SIDE_BY_SIDE, 8, 0.0, 2)
     work = 8 * 2 * (1.0 + 2.0 + 0.5 + 0.5)  # per rank: two stages, F + B each, per micro-batch
-    fewest = min(len(pairs) for pairs in schedules.overlapped("dualpipev", degree=2, virtual=2, microbatches=8))
-    assert running == pytest.approx(work - fewest * 1.0)  # each pair hides its 0.5 + 0.5 behind 3 s of compute
-    assert span >= running
+    pairs = schedules.overlapped("dualpipev", degree=2, virtual=2, microbatches=8)
+    for rank in range(2):  # each pair hides its 0.5 + 0.5 behind 3 s of compute
+        assert running[rank] == pytest.approx(work - len(pairs[rank]) * 1.0)
+    assert span >= max(running)
+    _, apart = composed_cost._split_span(stages, candidate, ONE_AFTER_THE_OTHER, 8, 0.0, 2)
+    assert apart == pytest.approx([work, work])

@@ -239,6 +239,13 @@ def actions(schedule: str, *, degree: int, virtual: int, microbatches: int) -> l
 
 # schedules whose lists pair a forward with the full backward after it, to run side by side
 OVERLAPPING = {"dualpipev"}
+# where the pairs run side by side (`runtime/overlap.py`): ranks on the CPU, gloo's. On an
+# accelerator each half would need a stream of its own, with the streams of the tensors one half
+# frees while the other's kernels read them recorded (not written yet); on one shared stream the
+# two threads' collectives can queue in different orders on two ranks and deadlock them. There
+# the pairs run one after the other, and are priced so.
+SIDE_BY_SIDE_DEVICES = {"cpu"}
+SIDE_BY_SIDE_BACKENDS = {"gloo"}
 
 
 def overlapped(schedule: str, *, degree: int, virtual: int, microbatches: int) -> list[frozenset[int]]:

@@ -126,9 +126,10 @@ def exposed_seconds(calls: list[float], compute: float, overlap: float, *, unhid
 def pair_seconds(forward: tuple[float, float], backward: tuple[float, float]) -> float:
     """A forward and another micro-batch's backward run side by side (DualPipeV's pairs), each
     given as (compute, blocking communication) seconds: the two computations share the rank's
-    processor, and each one's communication waits while the other computes — DeepSeek-V3's claim
-    for its all-to-alls, taken whole: the longer of the two sums."""
-    return max(forward[0] + backward[0], forward[1] + backward[1])
+    processor, each one's communication waits while the other computes — DeepSeek-V3's claim for
+    its all-to-alls, taken whole — and neither half takes less than its own compute and
+    communication one after the other."""
+    return max(forward[0] + backward[0], forward[1] + backward[1], sum(forward), sum(backward))
 
 
 def _optimizer_seconds(ledger: Any, cluster: Cluster) -> float:
@@ -242,8 +243,9 @@ def _pipelined(plan: Any, cluster: Cluster, ranks: list[int], parts: dict[int, _
     split = layout.schedule in schedules.SPLIT_BACKWARD
     whole = {stage.index for stage in plan.stages if not stage.receives}
     orders = schedules.actions(layout.schedule, degree=layout.degree, virtual=layout.virtual, microbatches=micro)
+    side_by_side = layout.overlap and cluster.backend in schedules.SIDE_BY_SIDE_BACKENDS
     pairs = schedules.overlapped(layout.schedule, degree=layout.degree, virtual=layout.virtual,
-                                 microbatches=micro) if layout.overlap else None
+                                 microbatches=micro) if side_by_side else None
     in_pairs = schedules.done_in_pairs(orders, pairs) if pairs else frozenset()
 
     # ranks sharing processors: an action's work in processor-seconds, the pipeline's share of the

@@ -354,13 +354,14 @@ def _gather_seconds(price: _Pricer, kind: str, dp: int, nbytes: int, gathers: in
 
 
 def _split_span(stages: list[_Stage], candidate: Candidate, cluster: Cluster, micro: int, send: float,
-                pp: int) -> tuple[float, float]:
+                pp: int) -> tuple[float, list[float]]:
     """The span of a split-backward schedule (ZB-H1, DualPipeV), by `schedules.simulate`, and the
-    seconds its busiest rank spends running: their W passes fill what 1F1B leaves idle and
+    seconds each rank spends running: their W passes fill what 1F1B leaves idle and
     DualPipeV's phases mix full and split backwards, for which no closed form is kept here; each
     stage's F is its forward (with what blocks it and its ring), B and W each half its backward (a
     full backward: both), every hand-over between ranks waiting `send` (the one at a V's turn
-    moves nothing); DualPipeV's paired forward and full backward take `pair_seconds`."""
+    moves nothing); DualPipeV's paired forward and full backward take `pair_seconds` where the
+    cluster's ranks run them side by side (`schedules.SIDE_BY_SIDE_BACKENDS`)."""
     computing_f = {s.index: s.compute_f for s in stages}
     computing_b = {s.index: s.compute_b for s in stages}
     forward = {s.index: s.compute_f + s.blocking_f + exposed_seconds(s.sends, s.compute_f + s.compute_b,
@@ -368,6 +369,8 @@ def _split_span(stages: list[_Stage], candidate: Candidate, cluster: Cluster, mi
     backward = {s.index: s.compute_b + s.blocking_b for s in stages}
     orders = schedules.actions(candidate.schedule, degree=pp, virtual=candidate.virtual, microbatches=micro)
     pairs = schedules.overlapped(candidate.schedule, degree=pp, virtual=candidate.virtual, microbatches=micro)
+    if cluster.backend not in schedules.SIDE_BY_SIDE_BACKENDS:
+        pairs = [frozenset()] * pp
     in_pairs = schedules.done_in_pairs(orders, pairs)
 
     def cost(action: schedules.Action) -> float:
@@ -382,7 +385,7 @@ def _split_span(stages: list[_Stage], candidate: Candidate, cluster: Cluster, mi
     timed = schedules.simulate(orders, cost, stages=len(stages), split_backward=True, latency=send,
                                rank_of=lambda stage: schedules.stage_coordinate(candidate.schedule, pp, stage),
                                pairs=pairs, pair_cost=pair_cost)
-    return max(t.end for t in timed) - min(t.start for t in timed), max(schedules.busy_seconds(timed, pp))
+    return max(t.end for t in timed) - min(t.start for t in timed), schedules.busy_seconds(timed, pp)
 
 
 def _pipelined(stages: list[_Stage], ranks: list[_Rank], candidate: Candidate, cluster: Cluster, price: _Pricer,
@@ -413,7 +416,7 @@ def _pipelined(stages: list[_Stage], ranks: list[_Rank], candidate: Candidate, c
     busy = micro * work[critical]
     if candidate.schedule in schedules.SPLIT_BACKWARD:
         span, running = _split_span(stages, candidate, cluster, micro, send, pp)
-        busy = min(busy, running)  # DualPipeV's pairs: one's communication hidden behind the other's compute
+        busy = min(busy, running[critical])  # DualPipeV's pairs: one's communication hidden behind the other's compute
     else:
         span = sum(work) / virtual + (micro - 1 / virtual) * work[critical] + 2 * (chunks - 1) * send
     compute = micro * sum(s.compute_f + s.compute_b for s in ranks[critical].stages)

@@ -1,5 +1,6 @@
 """A forward beside another micro-batch's backward on one pipeline rank: DualPipeV's overlapped
-pairs (`autopar.core.schedules.overlapped`), run by `runtime/pipeline.py`.
+pairs (`autopar.core.schedules.overlapped`), run by `runtime/pipeline.py` on CPU ranks
+(`schedules.SIDE_BY_SIDE_DEVICES`: on an accelerator each half would need a stream of its own).
 
 Why a thread: an autograd backward cannot be paused at its all-to-all to run another micro-batch's
 forward up to its own (DualPipe interleaves hand-cut chunks of both; autopar's stages are whole
@@ -10,20 +11,17 @@ computes; gloo's and NCCL's collectives progress on their own threads and stream
 What the side thread needs to be the caller's twin:
 - its collectives on copies of the groups (`Lanes`): two threads issue collectives in no fixed
   order, and a group must receive them in the same order on all its ranks
-  (`autopar.core.ops.collective_lanes`);
+  (`autopar.core.ops.collective_calls`: lanes);
 - the point-to-point messages of forwards and of backwards on two copies of the pipeline axis's
   group (`Lanes.gradients`): a pair's forward only sends and receives activations, its backward
   only gradients, so each copy is driven by one thread at a time;
-- the caller's dispatch modes (a communication counter, a memory tracker: torch keeps them per
-  thread), grad mode, and on an accelerator its current device and stream.
-
-On an accelerator the side thread issues its kernels on the caller's current stream: with a
-second stream, tensors the pair frees while the other stream still reads them would need
-`record_stream` bookkeeping that has not been written, so the kernels of the pair's two halves
-are queued on one stream and what overlaps is their host-side work and their collectives.
+- what torch keeps per thread and a forward reads: the caller's dispatch modes (a communication
+  counter, a memory tracker), grad mode, CPU autocast, and the innermost saved-tensor hooks (a
+  caller's `save_on_cpu`, say; the stage installs its own inside).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any, Callable
 
@@ -32,7 +30,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
 from autopar.core.mesh import JOIN
-from autopar.core.ops.collective_lanes import lane
+from autopar.core.ops.collective_calls import lane
 
 
 class Lanes:
@@ -67,21 +65,25 @@ class SideThread:
 
     def start(self, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
         """Start `fn(*args)` on the side thread; the returned `join()` waits for it and gives its
-        result (or raises what it raised)."""
+        result (or raises what it raised); `join(timeout, raise_error=False)` waits at most that
+        long and raises nothing (the thread is a daemon: a process can end while it waits)."""
         modes = [m for m in _get_current_dispatch_mode_stack() if getattr(m, "_dispatch_key", None) is None]
         grad = torch.is_grad_enabled()
-        # an accelerator's current device and stream are the thread's own: the caller's, here too
-        stream = torch.accelerator.current_stream() if torch.accelerator.is_available() else None
+        autocast = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)  # noqa: SLF001 (no public reader)
         outcome: dict[str, Any] = {}
 
         def body() -> None:
-            if stream is not None:
-                torch.accelerator.set_device_index(stream.device.index)
-                torch.accelerator.set_stream(stream)
             for mode in modes:
                 _push_mode(mode)
             try:
-                with torch.set_grad_enabled(grad), lane(self.lanes.names):
+                with contextlib.ExitStack() as inherited:
+                    inherited.enter_context(torch.set_grad_enabled(grad))
+                    if autocast is not None:
+                        inherited.enter_context(torch.autocast("cpu", dtype=autocast))
+                    if hooks is not None:
+                        inherited.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
+                    inherited.enter_context(lane(self.lanes.names))
                     outcome["value"] = fn(*args)
             except BaseException as error:  # handed to the caller's join
                 outcome["error"] = error
@@ -92,9 +94,9 @@ class SideThread:
         thread = threading.Thread(target=body, name="autopar-pipeline-side", daemon=True)
         thread.start()
 
-        def join() -> Any:
-            thread.join()
-            if "error" in outcome:
+        def join(timeout: float | None = None, raise_error: bool = True) -> Any:
+            thread.join(timeout)
+            if "error" in outcome and raise_error:
                 raise outcome["error"]
-            return outcome["value"]
+            return outcome.get("value")
         return join

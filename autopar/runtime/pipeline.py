@@ -12,10 +12,11 @@ the batch dimension, then runs the rank's list of actions (`autopar.core.schedul
   next action (DualPipeV's full backwards) runs whole, and that W has nothing left to do;
 - W(stage, k): the weight gradient (`stage_backward_weight`).
 
-Under DualPipeV (`PipelineLayout.overlap`) each forward the schedule pairs with the full backward
-after it (`schedules.overlapped`) runs beside it, on a side thread with its own copies of the
-process groups (`runtime/overlap.py`): one micro-batch's all-to-alls and receives wait while the
-other computes.
+Under DualPipeV (`PipelineLayout.overlap`) on CPU ranks, each forward the schedule pairs with the
+full backward after it (`schedules.overlapped`) runs beside it, on a side thread with its own
+copies of the process groups (`runtime/overlap.py`): one micro-batch's all-to-alls and receives
+wait while the other computes. On accelerator ranks the pairs run one after the other
+(`schedules.SIDE_BY_SIDE_DEVICES`).
 
 Every stage holds its gradients until its last backward of the step (`StageRunner.hold`): the
 data-parallel all-reduce, ZeRO's reduce-scatter and a tied parameter's sum over its stages run
@@ -37,6 +38,7 @@ it waited on receives, for the measured bubble and the timeline picture.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +50,9 @@ from autopar.core import schedules
 from autopar.core.ops import p2p
 from autopar.runtime.overlap import Lanes, SideThread
 from autopar.runtime.stage import StageRunner
+
+
+PAIR_ABANDON_S = 10.0  # how long a failed backward waits for the forward beside it before raising
 
 
 @dataclass(frozen=True)
@@ -77,15 +82,22 @@ class PipelineExecutor:
         closing = "W" if self.split else "B"
         self.last_backward = {a.stage: i for i, a in enumerate(self.actions) if a.kind == closing}
         self.group = groups[layout.axis]
-        self.pairs = frozenset()  # positions of forwards run beside the backward after them
-        if layout.overlap:
-            self.pairs = schedules.overlapped(layout.schedule, degree=layout.degree, virtual=layout.virtual,
-                                              microbatches=layout.microbatches)[coordinate]
-        # collective: every rank of the job makes the same copies (an overlapping layout pairs on every rank)
-        self.lanes = Lanes(plan, groups, layout.axis) if layout.overlap else None
-        self.side = SideThread(self.lanes) if self.lanes is not None else None
         # the rank's device (its stages' parameters): receive buffers, tokens and the shared loss live there
         self.device = next((param.device for runner in runners for param in runner.parameters.values()), None)
+        self.pairs = frozenset()  # positions of forwards run beside the backward after them
+        self.lanes = None
+        if layout.overlap:
+            device = (self.device or torch.device("cpu")).type
+            if device in schedules.SIDE_BY_SIDE_DEVICES:
+                self.pairs = schedules.overlapped(layout.schedule, degree=layout.degree, virtual=layout.virtual,
+                                                  microbatches=layout.microbatches)[coordinate]
+                # collective: every rank of the job makes the same copies (all its ranks are on one kind of device)
+                self.lanes = Lanes(plan, groups, layout.axis)
+            elif rank == 0:
+                warnings.warn(f"{layout.schedule}: the paired forwards and backwards run one after the other on "
+                              f"{device} ranks (side by side they need a stream each, not written yet: "
+                              f"docs/pipeline.md); overlap=False says so without this warning", stacklevel=2)
+        self.side = SideThread(self.lanes) if self.lanes is not None else None
         self.loss_source = plan.mesh.neighbour(rank, layout.axis, layout.coordinate(layout.stages - 1) - coordinate)
         self.timeline: list[TimedAction] = []
 
@@ -128,8 +140,11 @@ class PipelineExecutor:
                 join = self.side.start(self._run, position, exchange, micro, live, losses)
                 try:
                     backward = self._run(position + 1, exchange, micro, live, losses)
-                finally:
-                    forward = join()
+                except BaseException:
+                    # the forward may wait on a peer that waits on this backward: give it a moment, then go
+                    join(timeout=PAIR_ABANDON_S, raise_error=False)
+                    raise
+                forward = join()
                 self.timeline += [forward, backward]
                 position += 2
             else:
@@ -146,6 +161,8 @@ class PipelineExecutor:
         key = (action.stage, action.microbatch)
         start = time.perf_counter()
         with p2p.active(exchange, action.microbatch) as turn:
+            if action.kind != "F":  # its receives may run on the autograd engine's own threads
+                exchange.backward_turn = turn
             if action.kind == "F":
                 token = torch.zeros((), requires_grad=True, device=self.device) if runner.receives else None
                 outputs = runner.run(micro[action.microbatch], token)

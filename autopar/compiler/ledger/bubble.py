@@ -64,22 +64,26 @@ def build_bubble_ledger(plan: Any, *, cores: int | None = None) -> BubbleLedger:
 
     whole = {stage.index for stage in plan.stages if not stage.receives}  # nothing to split: B is the whole backward
 
-    def cost(action: schedules.Action) -> float:
-        forward = flops[action.stage] / unit
-        if action.kind == "F":
-            return forward
-        if split and action.stage in whole:
-            return 2 * forward if action.kind == "B" else 0.0
-        return forward if split else 2 * forward
-
     orders = schedules.actions(layout.schedule, degree=layout.degree, virtual=layout.virtual,
                                microbatches=layout.microbatches)
     pairs = schedules.overlapped(layout.schedule, degree=layout.degree, virtual=layout.virtual,
                                  microbatches=layout.microbatches) if layout.overlap else None
-    # a pair's two halves share the rank's processor: compute alone, they take their sum (what
-    # overlapping them hides is communication, which this ledger does not price)
+    in_pairs = schedules.done_in_pairs(orders, pairs) if pairs else frozenset()
+
+    def cost(action: schedules.Action) -> float:
+        forward = flops[action.stage] / unit
+        if action.kind == "F":
+            return forward
+        if split and action.stage in whole or action in in_pairs:
+            return 2 * forward if action.kind == "B" else 0.0
+        return forward if split else 2 * forward
+
+    # a pair's two halves share the rank's processor: compute alone, they take their sum, the full
+    # backward's W done in it (what overlapping them hides is communication, which this ledger does
+    # not price)
     timed = schedules.simulate(orders, cost, stages=layout.stages, split_backward=split, cores=cores,
-                               rank_of=layout.coordinate, pairs=pairs)
+                               rank_of=layout.coordinate, pairs=pairs,
+                               pair_cost=lambda f, b: cost(f) + 2 * flops[b.stage] / unit)
     return BubbleLedger(schedule=layout.schedule, degree=layout.degree, virtual=layout.virtual,
                         microbatches=layout.microbatches, stage_flops=flops, timeline=timed,
                         fractions=schedules.bubble_fractions(timed, layout.degree))

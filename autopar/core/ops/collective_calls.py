@@ -2,16 +2,46 @@
 collectives (`torch.ops._c10d_functional`, which work on gloo and NCCL and appear by name in traced
 graphs), whole (`raw_*`) or in two halves. `issue_*` hands the tensor to the process group and
 returns its output before it has arrived; `land_*` waits for it (`wait`) and lays it out. The
-autograd steps (`collectives.py`) and the deferred steps (`in_flight.py`) are built on these."""
+autograd steps (`collectives.py`) and the deferred steps (`in_flight.py`) are built on these.
+
+Lanes: a pipeline rank that runs a forward beside another micro-batch's backward (DualPipeV's
+overlapped pairs, `autopar/runtime/overlap.py`) issues collectives from two threads at once. The
+collectives of one process group must reach it in the same order on every rank of the group, and
+two threads interleave in no fixed order; so the side thread issues its collectives on its lane: a
+copy of each group over the same ranks, made at setup. Within one thread the order is the
+schedule's, the same on every rank of a group (ranks that share a tensor, expert, context or data
+group share their pipeline coordinate, so they run the same list with the same pairs). Every call
+site that hands a group name to torch.distributed resolves it through `on_lane`: inside
+`lane(names)` the lane's copy, anywhere else the name itself. Point-to-point steps between
+pipeline stages keep their group: their messages are matched by tag, not by order."""
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
+from typing import Iterator
 
 import torch
 
-from autopar.core.ops.collective_lanes import on_lane
-
 _c10d = torch.ops._c10d_functional
+_lanes = threading.local()  # .names: this thread's group name -> its lane's copy (None: no lane)
+
+
+def on_lane(name: str) -> str:
+    """The group name this thread's collectives use for `name` (module docstring: lanes)."""
+    names = getattr(_lanes, "names", None)
+    return names.get(name, name) if names else name
+
+
+@contextlib.contextmanager
+def lane(names: dict[str, str]) -> Iterator[None]:
+    """This thread issues its collectives on the copies `names` (group name -> copy's name)."""
+    previous = getattr(_lanes, "names", None)
+    _lanes.names = names
+    try:
+        yield
+    finally:
+        _lanes.names = previous
 
 
 def wait(tensor: torch.Tensor) -> torch.Tensor:

@@ -198,8 +198,9 @@ _regatherable: dict[StorageWeakRef, _Regatherable] = {}
 
 
 def _remember_shard(gathered: torch.Tensor, shard: torch.Tensor, how: tuple[str, int, int]) -> None:
-    for key in [k for k, entry in _regatherable.items() if entry.alive() is None]:
-        del _regatherable[key]
+    # a copy of the items: a pipeline's side thread (runtime/overlap.py) may add to the registry meanwhile
+    for key in [k for k, entry in list(_regatherable.items()) if entry.alive() is None]:
+        _regatherable.pop(key, None)
     _regatherable[StorageWeakRef(gathered.untyped_storage())] = _Regatherable(gathered, shard, how)
 
 

@@ -48,7 +48,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autopar.core.ops import collective_calls, collectives
 from autopar.core.ops.attention_blocks import block_kernel
-from autopar.core.ops.collective_lanes import on_lane
+from autopar.core.ops.collective_calls import on_lane
 from autopar.core.sequence_chunks import chunk_ids, chunks_total, natural_order, rank_order
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from autopar.core.ops.collective_calls import raw_all_reduce
-from autopar.core.ops.collective_lanes import on_lane
+from autopar.core.ops.collective_calls import on_lane
 from autopar.core.ops.float8_matmul import RECIPES, cast_to_float8, scale_of
 from autopar.core.zero_units import ShardUnit, gather_layout
 

@@ -39,7 +39,7 @@ import torch
 from tabulate import tabulate
 from torch._subclasses.fake_tensor import FakeTensor
 
-from autopar.core.ops.collective_lanes import on_lane
+from autopar.core.ops.collective_calls import on_lane
 
 _c10d = torch.ops._c10d_functional
 

@@ -55,6 +55,9 @@ class Exchange:
     # the group gradients travel on, where they have their own (`runtime/overlap.py`: a forward's
     # activations and another micro-batch's gradients in flight from two threads at once)
     gradient_groups: dict[str, str] = field(default_factory=dict)
+    # the turn of the backward running (one at a time per rank): an accelerator's autograd engine
+    # runs backward steps on threads of its own, which have no turn of their own
+    backward_turn: "Turn | None" = None
 
     def _group_of(self, group: str, tag: int) -> str:
         return self.gradient_groups.get(group, group) if tag % 2 == _BACKWARD else group
@@ -75,7 +78,9 @@ class Exchange:
         buffer = torch.empty(shape, dtype=dtype, device=self.device)
         start = time.perf_counter()
         dist.irecv(buffer, src=peer, group=_group(group), tag=tag).wait()
-        _turn().waited += time.perf_counter() - start
+        turn = _turn(required=False) or self.backward_turn
+        if turn is not None:
+            turn.waited += time.perf_counter() - start
         if tag % 2 == _BACKWARD and tag - 1 in self.pending:
             # the gradient of what this rank sent forward is here: the peer received that send long
             # ago, so it is complete and its buffer can go (gloo's sends report completion only
@@ -110,8 +115,10 @@ def _group(name: str) -> Any:
     return _resolve_process_group(name)
 
 
-def _turn() -> Turn:
+def _turn(*, required: bool = True) -> "Turn | None":
     stack = getattr(_turns, "stack", None)
+    if not stack and not required:
+        return None
     if not stack:
         raise RuntimeError("a pipeline send/recv ran outside a pipeline schedule; pipeline-parallel modules "
                            "train with module.train_step(...)")

@@ -39,7 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from autopar.core.errors import PlanError
 from autopar.core.ops import float8_gather
-from autopar.core.ops.collective_lanes import on_lane
+from autopar.core.ops.collective_calls import on_lane
 from autopar.core.zero_units import ShardUnit, copy_gathered, gather_layout, grad_layout, refresh_groups, shard_views
 
 _c10d = torch.ops._c10d_functional
