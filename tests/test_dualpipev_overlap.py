@@ -30,6 +30,7 @@ from autopar.core import schedules
 from autopar.cost.cluster import Cluster
 from autopar.cost.step_cost import estimate, pair_seconds
 from autopar.measure.comm_counter import CommCounter
+from autopar.planner import composed_cost
 from autopar.runtime.launch import launch
 from examples.gpt import example_batch
 from examples.moe import MoEConfig, MoEGPT
@@ -88,16 +89,13 @@ def test_a_pair_takes_the_longer_of_its_computations_and_its_communications():
     p, m = 2, 6
     orders = schedules.actions("dualpipev", degree=p, virtual=2, microbatches=m)
     pairs = schedules.overlapped("dualpipev", degree=p, virtual=2, microbatches=m)
-    done = schedules.done_in_pairs(orders, pairs)
     rank_of = lambda stage: schedules.stage_coordinate("dualpipev", p, stage)  # noqa: E731
     for c in (0.5, 1.0, 2.0):
-        def cost(a, paired=False):
-            if a in done and paired:
-                return 0.0
+        def cost(a):  # B and W each half the backward; a paired backward's W is done in its pair
             return 1 + c if a.kind == "F" else (2 + c) / 2
 
         plain = schedules.simulate(orders, cost, stages=2 * p, split_backward=True, rank_of=rank_of)
-        overlapped = schedules.simulate(orders, lambda a: cost(a, True), stages=2 * p, split_backward=True,
+        overlapped = schedules.simulate(orders, cost, stages=2 * p, split_backward=True,
                                         rank_of=rank_of, pairs=pairs, pair_cost=lambda f, b: max(3, 2 * c))
         busy_plain = schedules.busy_seconds(plain, p)
         busy = schedules.busy_seconds(overlapped, p)
@@ -200,8 +198,6 @@ def test_the_planner_prices_dualpipev_with_its_pairs():
     """`composed_cost._split_span` returns the busiest rank's running time below its work when the
     pairs hide communication (the composed candidates' agreement with the planned ones is
     tests/test_composed_cost.py's)."""
-    from autopar.planner import composed_cost
-
     stage = dataclasses.make_dataclass("S", ["index", "compute_f", "compute_b", "blocking_f", "blocking_b", "sends"])
     stages = [stage(i, 1.0, 2.0, 0.5, 0.5, []) for i in range(4)]
     candidate = dataclasses.make_dataclass("C", ["schedule", "virtual"])("dualpipev", 2)

@@ -8,8 +8,8 @@ outside equals the ledger of the rank's stages; bytes held after each step equal
 ledger; the step's peak lies within the ledger's bounds:
 - pp=2 and pp=4 under every schedule (GPipe, 1F1B, interleaved 1F1B with two stages per rank,
   ZB-H1), the GPT and Llama on each; DualPipeV (two stages per rank in a V, its paired forwards
-  and backwards side by side) with the GPT on pp=2 and pp=2 × tp=2 + SP (an MoE on pp=2 × ep=2
-  and pp=4: tests/test_moe.py);
+  and backwards side by side) with the GPT on pp=2, pp=2 × tp=2 + SP and pp=2 × cp=2 (ring) (an
+  MoE on pp=2 × ep=2 and pp=4: tests/test_moe.py);
 - dp=2 x tp=2 x pp=2 on 8 ranks (data parallel, Megatron TP+SP, 1F1B);
 - ZeRO-1 x pp and FSDP x pp (DeepSeek-V3's and torchtitan's compositions);
 - a tied GPT-2 embedding and head held by the first and last of 4 stages;
@@ -91,13 +91,15 @@ def pipeline_step(module: Any, local: list) -> torch.Tensor:
 
 
 def case(model: str, mesh: str, schedule: str = "1f1b", virtual: int = 1, *, layers: int = 4, data: str | None = None,
-         tensor: str | None = None, microbatches: int = 4) -> dict:
+         tensor: str | None = None, microbatches: int = 4, context: str | None = None) -> dict:
     strategies = [autopar.pipeline_parallel(schedule=schedule, microbatches=microbatches, virtual_stages=virtual)]
     strategies += {None: [], "dp": [autopar.data_parallel()], "zero1": [autopar.zero(stage=1)],
                    "fsdp": [autopar.fsdp()]}[data]
     strategies += {None: [], "sp": [autopar.sequence_parallel()],
                    "sp_chunks": [autopar.sequence_parallel(), autopar.schedule(chunks=2)]}[tensor]
-    name = f"{model}{layers}-{mesh}-{schedule}" + (f"-{data}" if data else "") + (f"-{tensor}" if tensor else "")
+    strategies += [autopar.context_parallel(method=context)] if context else []
+    name = (f"{model}{layers}-{mesh}-{schedule}" + (f"-{data}" if data else "") + (f"-{tensor}" if tensor else "")
+            + (f"-cp-{context}" if context else ""))
     return {"name": name, "model": model, "layers": layers, "mesh": mesh, "strategies": strategies,
             "microbatches": microbatches}
 
@@ -159,8 +161,10 @@ FOUR = ([case(model, "pp=4", schedule, virtual, layers=8 if virtual > 1 else 4)
            case("tied_gpt2", "pp=4", "1f1b"),
            # async TP in each stage: micro-batches of 4 rows, 2 per tp rank, in 2 pieces
            case("gpt", "pp=2,tp=2", tensor="sp_chunks", microbatches=2),
-           # DualPipeV's paired forwards run their TP+SP collectives on the side thread's groups
-           case("gpt", "pp=2,tp=2", "dualpipev", 2, tensor="sp")])
+           # DualPipeV's paired forwards run their TP+SP collectives and context parallelism's ring on
+           # the side thread's groups (the ring's backward on the main thread's)
+           case("gpt", "pp=2,tp=2", "dualpipev", 2, tensor="sp"),
+           case("gpt", "pp=2,cp=2", "dualpipev", 2, context="ring")])
 EIGHT = [case("gpt", "pp=2,dp=2,tp=2", data="dp", tensor="sp"), case("llama", "pp=2,dp=2,tp=2", data="zero1",
                                                                           tensor="sp")]
 

@@ -290,11 +290,18 @@ def simulate(orders: list[list[Action]], cost: Callable[[Action], float], *, sta
     at min(1, cores / r)), as on a machine with fewer cores than pipeline ranks; None: one each.
     `rank_of`: the rank of each stage (`PipelineLayout.coordinate`), so that a hand-over between
     two stages of one rank waits no `latency`; None: every hand-over waits it.
-    `pairs`: per rank, positions whose action runs beside the next one (`overlapped`): the two
-    start once both have their inputs and end together, after `pair_cost(first, second)`
-    (default: the sum of their costs, compute that shares one processor)."""
+    `pairs`: per rank, positions of a forward that runs beside the full backward after it
+    (`overlapped`): the two start once both have their inputs and end together, after
+    `pair_cost(forward, backward)`, which includes the backward's W (that W then takes nothing;
+    default: the three costs' sum, compute that shares one processor)."""
     pairs = pairs or [frozenset()] * len(orders)
-    pair_cost = pair_cost or (lambda first, second: cost(first) + cost(second))
+    in_pairs = _done_in_pairs(orders, pairs)
+    if pair_cost is None:
+        def pair_cost(first: Action, second: Action) -> float:
+            return cost(first) + cost(second) + cost(_action("W", second.stage, second.microbatch))
+
+    def alone(action: Action) -> float:  # a W done in its pair takes nothing
+        return 0.0 if action in in_pairs else cost(action)
     end: dict[Action, float] = {}
     started: dict[int, tuple[float, float, int]] = {}  # rank -> (start, work left, actions) of what it runs
     timed: list[Timed] = []
@@ -311,7 +318,7 @@ def simulate(orders: list[list[Action]], cost: Callable[[Action], float], *, sta
             if all(a in end for a, _ in needed):
                 ready = max([now] + [end[a] + lag for a, lag in needed])
                 if ready <= now + 1e-12:
-                    work = cost(running[0]) if count == 1 else pair_cost(*running)
+                    work = alone(running[0]) if count == 1 else pair_cost(*running)
                     started[rank] = (now, work, count)
                 else:
                     waiting_until.append(ready)
@@ -354,7 +361,7 @@ def bubble_fractions(timed: list[Timed], ranks: int) -> list[float]:
     return [1 - b / span for b in busy_seconds(timed, ranks)]
 
 
-def done_in_pairs(orders: list[list[Action]], pairs: list[frozenset[int]]) -> frozenset[Action]:
+def _done_in_pairs(orders: list[list[Action]], pairs: list[frozenset[int]]) -> frozenset[Action]:
     """The Ws of the full backwards that run in a pair (`overlapped`): their work is done in the pair."""
     done = set()
     for order, positions in zip(orders, pairs):

@@ -246,7 +246,6 @@ def _pipelined(plan: Any, cluster: Cluster, ranks: list[int], parts: dict[int, _
     side_by_side = layout.overlap and cluster.backend in schedules.SIDE_BY_SIDE_BACKENDS
     pairs = schedules.overlapped(layout.schedule, degree=layout.degree, virtual=layout.virtual,
                                  microbatches=micro) if side_by_side else None
-    in_pairs = schedules.done_in_pairs(orders, pairs) if pairs else frozenset()
 
     # ranks sharing processors: an action's work in processor-seconds, the pipeline's share of the
     # node's processors (its data-parallel replicas run beside it)
@@ -256,7 +255,7 @@ def _pipelined(plan: Any, cluster: Cluster, ranks: list[int], parts: dict[int, _
     def cost(action: schedules.Action) -> float:
         if action.kind == "F":
             return forward[action.stage] / speedup
-        if split and action.stage in whole or action in in_pairs:
+        if split and action.stage in whole:
             return backward[action.stage] / speedup if action.kind == "B" else 0.0
         return (backward[action.stage] / 2 if split else backward[action.stage]) / speedup
 

@@ -362,25 +362,22 @@ def _split_span(stages: list[_Stage], candidate: Candidate, cluster: Cluster, mi
     full backward: both), every hand-over between ranks waiting `send` (the one at a V's turn
     moves nothing); DualPipeV's paired forward and full backward take `pair_seconds` where the
     cluster's ranks run them side by side (`schedules.SIDE_BY_SIDE_BACKENDS`)."""
-    computing_f = {s.index: s.compute_f for s in stages}
-    computing_b = {s.index: s.compute_b for s in stages}
+    by_index = {s.index: s for s in stages}
     forward = {s.index: s.compute_f + s.blocking_f + exposed_seconds(s.sends, s.compute_f + s.compute_b,
                                                                      cluster.overlap, unhidden="first") for s in stages}
     backward = {s.index: s.compute_b + s.blocking_b for s in stages}
     orders = schedules.actions(candidate.schedule, degree=pp, virtual=candidate.virtual, microbatches=micro)
-    pairs = schedules.overlapped(candidate.schedule, degree=pp, virtual=candidate.virtual, microbatches=micro)
-    if cluster.backend not in schedules.SIDE_BY_SIDE_BACKENDS:
-        pairs = [frozenset()] * pp
-    in_pairs = schedules.done_in_pairs(orders, pairs)
+    side_by_side = cluster.backend in schedules.SIDE_BY_SIDE_BACKENDS
+    pairs = schedules.overlapped(candidate.schedule, degree=pp, virtual=candidate.virtual,
+                                 microbatches=micro) if side_by_side else None
 
     def cost(action: schedules.Action) -> float:
-        if action in in_pairs:
-            return 0.0
         return forward[action.stage] if action.kind == "F" else backward[action.stage] / 2
 
     def pair_cost(f: schedules.Action, b: schedules.Action) -> float:  # b: a full backward (its W is done in it)
-        return pair_seconds((computing_f[f.stage], forward[f.stage] - computing_f[f.stage]),
-                            (computing_b[b.stage], backward[b.stage] - computing_b[b.stage]))
+        computing_f, computing_b = by_index[f.stage].compute_f, by_index[b.stage].compute_b
+        return pair_seconds((computing_f, forward[f.stage] - computing_f),
+                            (computing_b, backward[b.stage] - computing_b))
 
     timed = schedules.simulate(orders, cost, stages=len(stages), split_backward=True, latency=send,
                                rank_of=lambda stage: schedules.stage_coordinate(candidate.schedule, pp, stage),

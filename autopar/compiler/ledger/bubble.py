@@ -68,22 +68,19 @@ def build_bubble_ledger(plan: Any, *, cores: int | None = None) -> BubbleLedger:
                                microbatches=layout.microbatches)
     pairs = schedules.overlapped(layout.schedule, degree=layout.degree, virtual=layout.virtual,
                                  microbatches=layout.microbatches) if layout.overlap else None
-    in_pairs = schedules.done_in_pairs(orders, pairs) if pairs else frozenset()
 
     def cost(action: schedules.Action) -> float:
         forward = flops[action.stage] / unit
         if action.kind == "F":
             return forward
-        if split and action.stage in whole or action in in_pairs:
+        if split and action.stage in whole:
             return 2 * forward if action.kind == "B" else 0.0
         return forward if split else 2 * forward
 
-    # a pair's two halves share the rank's processor: compute alone, they take their sum, the full
-    # backward's W done in it (what overlapping them hides is communication, which this ledger does
-    # not price)
+    # a pair's two halves share the rank's processor: compute alone, they take their sum (simulate's
+    # default; what overlapping them hides is communication, which this ledger does not price)
     timed = schedules.simulate(orders, cost, stages=layout.stages, split_backward=split, cores=cores,
-                               rank_of=layout.coordinate, pairs=pairs,
-                               pair_cost=lambda f, b: cost(f) + 2 * flops[b.stage] / unit)
+                               rank_of=layout.coordinate, pairs=pairs)
     return BubbleLedger(schedule=layout.schedule, degree=layout.degree, virtual=layout.virtual,
                         microbatches=layout.microbatches, stage_flops=flops, timeline=timed,
                         fractions=schedules.bubble_fractions(timed, layout.degree))
